@@ -1,0 +1,74 @@
+"""Op dispatch: Triton kernels for CUDA tensors, torch references otherwise.
+
+The engine calls only these functions. ``TANDEM_KERNELS=reference`` forces the
+references everywhere (useful to bisect a numerical difference on the GPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import cache
+
+import torch
+
+from kernels import reference
+
+# op name -> module in this package holding its Triton implementation
+_TRITON_MODULES = {
+    "fused_add_rms_norm": "kernels.rms_norm",
+    "silu_mul": "kernels.activation",
+    "rotary_kv_write": "kernels.rotary",
+    "prefill_attention": "kernels.prefill_attention",
+    "decode_attention": "kernels.decode_attention",
+    "gather_blocks": "kernels.block_copy",
+    "scatter_blocks": "kernels.block_copy",
+}
+
+
+@cache
+def _triton_impl(name: str):
+    if os.environ.get("TANDEM_KERNELS", "triton") == "reference":
+        return None
+    try:
+        return getattr(importlib.import_module(_TRITON_MODULES[name]), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _pick(name: str, tensor: torch.Tensor):
+    if tensor.is_cuda:
+        impl = _triton_impl(name)
+        if impl is not None:
+            return impl
+    return getattr(reference, name)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    return _pick("fused_add_rms_norm", x)(x, residual, weight, eps)
+
+
+def silu_mul(x):
+    return _pick("silu_mul", x)(x)
+
+
+def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    return _pick("rotary_kv_write", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None):
+    return _pick("prefill_attention", q)(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+    )
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
+    return _pick("decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+
+
+def gather_blocks(kv_pool, block_ids):
+    return _pick("gather_blocks", kv_pool)(kv_pool, block_ids)
+
+
+def scatter_blocks(kv_pool, block_ids, staging):
+    return _pick("scatter_blocks", kv_pool)(kv_pool, block_ids, staging)

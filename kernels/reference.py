@@ -1,0 +1,150 @@
+"""Torch reference implementations of every kernel: the contract.
+
+These are the CPU serving path and the ground truth the Triton kernels are
+tested against. Every Triton kernel in this package has exactly the signature
+of its reference here.
+
+Layouts used throughout:
+    q            [num_tokens, num_q_heads, head_dim]
+    k, v         [num_tokens, num_kv_heads, head_dim]
+    k_cache      [num_blocks, block_size, num_kv_heads, head_dim]  (one layer)
+    kv_pool      [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping [num_tokens] int64, slot = block_id * block_size + offset, -1 = skip
+    block_tables [num_seqs, max_blocks_per_seq] int32 (unused entries arbitrary)
+    query_start_loc [num_seqs + 1] int32, cumulative query lengths
+    seq_lens     [num_seqs] int32, KV length of each sequence *including* the
+                 new tokens of this forward (already written to the cache)
+    cos_sin_cache [max_position, head_dim]: cos in the first head_dim/2 columns,
+                 sin in the last head_dim/2 (rotate-half / NeoX style, as HF Llama)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual (or x); return (h / rms(h) * weight, h). Math in fp32."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype), h
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * inter] (gate | up) -> silu(gate) * up: [num_tokens, inter]."""
+    gate, up = x.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, 1, D/2]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rotary_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by their positions, write rotated k and v into the paged cache.
+
+    Returns (q_rot, k_rot). Tokens whose slot is -1 are rotated but not written.
+    """
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()].float()  # [T, D]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    q_rot, k_rot = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k_rot[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    return q_rot, k_rot
+
+
+def _gather_seq_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    # -> [seq_len, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal variable-length attention over each sequence's cached blocks.
+
+    Sequence b's queries are its last q_len_b positions: query i sits at
+    position seq_len_b - q_len_b + i and sees keys at positions p with
+    p <= pos and (sliding_window is None or pos - p < sliding_window).
+    GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
+    """
+    out = torch.empty_like(q)
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        if e == s:
+            continue
+        k = _gather_seq_kv(k_cache, block_tables[b], seq_len).float()
+        v = _gather_seq_kv(v_cache, block_tables[b], seq_len).float()
+        k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        qb = q[s:e].float()  # [Q, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
+        q_pos = torch.arange(seq_len - (e - s), seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= (q_pos - k_pos) < sliding_window
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence (q: [num_seqs, num_q_heads, head_dim]) at position seq_len - 1."""
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return prefill_attention(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+    )
+
+
+def gather_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """kv_pool[:, :, block_ids] as a contiguous staging tensor [L, 2, n, bs, H, D]."""
+    return kv_pool[:, :, block_ids.long()].contiguous()
+
+
+def scatter_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
+    """kv_pool[:, :, block_ids] = staging (in place)."""
+    kv_pool[:, :, block_ids.long()] = staging.to(kv_pool.dtype)
