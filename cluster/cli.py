@@ -1,0 +1,92 @@
+"""The ``tandem`` command.
+
+    tandem serve     the whole cluster on this machine (redis-server unless
+                     --redis-url, one prefill and one decode worker, the gateway)
+    tandem gateway   the HTTP gateway alone
+    tandem prefill   one prefill worker
+    tandem decode    one decode worker
+    tandem demo-model PATH   write the tiny random Llama that --model demo serves
+    tandem bench serve ...   streaming load client against an OpenAI-compatible URL
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cluster import settings as settings_mod
+
+
+def _service(role: str, args: argparse.Namespace) -> int:
+    from cluster.service import configure_logging, stop_on_signals
+
+    settings = settings_mod.Settings.from_args(args)
+    settings.model = resolve_model(settings.model)
+    settings.resolve()
+    configure_logging(settings.log_level, role)
+    if role == "gateway":
+        from gateway.server import main as run_gateway
+
+        run_gateway(settings)
+        return 0
+    stop = stop_on_signals()
+    if role == "prefill":
+        from prefill.worker import main as run
+    else:
+        from decode.worker import main as run
+    run(settings, stop)
+    return 0
+
+
+def resolve_model(model: str) -> str:
+    """'demo' names a tiny random Llama built locally on first use (no download)."""
+    if model != "demo":
+        return model
+    from cluster.demo import demo_model_path
+
+    return demo_model_path()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the whole cluster on this machine")
+    settings_mod.add_arguments(serve)
+    serve.add_argument("--num-prefill-workers", type=int, default=1)
+    serve.add_argument("--num-decode-workers", type=int, default=1)
+    for role in ("gateway", "prefill", "decode"):
+        settings_mod.add_arguments(sub.add_parser(role, help=f"run one {role} service"))
+    demo = sub.add_parser("demo-model", help="write the tiny random demo Llama to PATH")
+    demo.add_argument("path")
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from bench import serve as bench_serve
+
+    bench_serve.add_arguments(bench_sub.add_parser("serve", help="streaming load client (like vllm bench serve)"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            from cluster.launcher import serve
+
+            return serve(args)
+        if args.command == "demo-model":
+            from engine.testing import make_tiny_checkpoint
+
+            print(make_tiny_checkpoint(args.path))
+            return 0
+        if args.command == "bench":
+            from bench import serve as bench_serve
+
+            return bench_serve.main(args)
+        return _service(args.command, args)
+    except settings_mod.SettingsError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Every Redis key and stream name tandem uses, in one place."""
+
+PREFIX = "tandem"
+GROUP = "workers"  # the consumer group on every inbox stream
+
+
+def worker(role: str, worker_id: str) -> str:
+    """Registry record of one worker (a string with a TTL: expiry = death)."""
+    return f"{PREFIX}:worker:{role}:{worker_id}"
+
+
+def worker_pattern(role: str) -> str:
+    return f"{PREFIX}:worker:{role}:*"
+
+
+def inbox(role: str, worker_id: str) -> str:
+    """A worker's inbox stream (consumer group GROUP)."""
+    return f"{PREFIX}:inbox:{role}:{worker_id}"
+
+
+def output(request_id: str) -> str:
+    """A request's output stream of TokenEvents."""
+    return f"{PREFIX}:out:{request_id}"
+
+
+def policy() -> str:
+    """Hash of live scheduling settings (capacity / chunking policy)."""
+    return f"{PREFIX}:policy"
+
+
+OUTPUT_TTL_S = 3600  # an abandoned output stream disappears after this
+FINISHED_OUTPUT_TTL_S = 120

@@ -1,0 +1,148 @@
+"""`tandem serve`: the whole cluster as child processes of one command.
+
+Starts a private redis-server (unless --redis-url), the decode and prefill
+workers and the gateway; prints where it listens once /health answers 200;
+on Ctrl-C or SIGTERM stops every child (SIGTERM, then SIGKILL after a grace
+period). If any child dies, the others are stopped too and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+from cluster.settings import Settings
+
+GRACE_S = 10.0
+READY_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A throwaway redis-server on a free loopback port, data in a temp dir."""
+
+    def __init__(self, port: int | None = None):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found: install it (Debian: apt-get install redis-server) "
+                               "or pass --redis-url")
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="tandem-redis-")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, "--daemonize", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL,
+        )
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def service_argv(role: str, settings: Settings, worker_id: str | None = None) -> list[str]:
+    """The command line that starts one service with these settings."""
+    argv = [sys.executable, "-m", "cluster.cli", role]
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if value is None or field.name == "worker_id":
+            continue
+        argv += [f"--{field.name.replace('_', '-')}", str(value)]
+    if worker_id:
+        argv += ["--worker-id", worker_id]
+    return argv
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def serve(args: argparse.Namespace) -> int:
+    from cluster.cli import resolve_model
+
+    settings = Settings.from_args(args)
+    settings.model = resolve_model(settings.model)
+    settings.resolve()
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    redis_server = None if args.redis_url else RedisServer()
+    if redis_server is not None:
+        settings.redis_url = redis_server.url
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(args.num_decode_workers):
+            procs.append(subprocess.Popen(service_argv("decode", settings, f"decode-{i}")))
+        for i in range(args.num_prefill_workers):
+            procs.append(subprocess.Popen(service_argv("prefill", settings, f"prefill-{i}")))
+        procs.append(subprocess.Popen(service_argv("gateway", settings)))
+        base = f"http://{settings.host}:{settings.port}"
+        if not wait_healthy(f"{base}/health", procs, READY_TIMEOUT_S):
+            print("tandem: the cluster did not become healthy; stopping", file=sys.stderr)
+            return 1
+        print(f"tandem: serving {settings.model_name} at {base}/v1 (redis {settings.redis_url})", flush=True)
+        while not stop.wait(0.5):
+            if any(p.poll() is not None for p in procs):
+                print("tandem: a service exited; stopping the cluster", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        stop_all(procs)
+        if redis_server is not None:
+            redis_server.stop()

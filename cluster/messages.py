@@ -1,0 +1,175 @@
+"""Wire messages: named, versioned dataclasses encoded as msgpack maps.
+
+Every message carries ``kind`` (its type name) and ``v`` (schema version). No
+pickle and no positional frames: a reader looks fields up by name, ignores
+fields it does not know, and rejects a kind or version it cannot read.
+
+Streams carry one message per entry under the field ``m``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from cluster.sampling import SamplingParams
+
+VERSION = 1
+FIELD = b"m"  # the stream-entry field holding a packed message
+
+
+class MessageError(ValueError):
+    """A message that cannot be decoded: unknown kind, newer version, bad map."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(cls):
+    """Class decorator: make a frozen-less dataclass and register it by name."""
+    cls = dataclass(cls)
+    cls.kind = cls.__name__
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, SamplingParams):
+        return dataclasses.asdict(value)
+    return value
+
+
+def encode(msg: Any) -> bytes:
+    body = {f.name: _to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    body["kind"] = msg.kind
+    body["v"] = VERSION
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    try:
+        body = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MessageError(f"undecodable message: {exc}") from exc
+    if not isinstance(body, dict):
+        raise MessageError("message is not a map")
+    kind, version = body.pop("kind", None), body.pop("v", None)
+    cls = _REGISTRY.get(kind)
+    if cls is None:
+        raise MessageError(f"unknown message kind {kind!r}")
+    if not isinstance(version, int) or version > VERSION:
+        raise MessageError(f"{kind} version {version!r} is newer than {VERSION}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in body.items() if k in names}
+    if "sampling" in kwargs:
+        kwargs["sampling"] = SamplingParams(**kwargs["sampling"])
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise MessageError(f"bad {kind}: {exc}") from exc
+
+
+@message
+class GenerateRequest:
+    """Gateway -> decode worker inbox: a new request, already validated and tokenized."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    priority: int = 0
+    arrival_time: float = 0.0
+    kind: ClassVar[str]
+
+
+@message
+class AbortRequest:
+    """Gateway -> decode, decode -> prefill: stop working on a request."""
+
+    request_id: str
+    reason: str = "abort"
+    kind: ClassVar[str]
+
+
+@message
+class PrefillJob:
+    """Decode -> prefill inbox: compute this prompt's KV into my blocks.
+
+    ``kv_endpoint`` says how to reach the decode worker's KV pool (the
+    transport's own map); ``dst_block_ids`` are the preallocated destination
+    blocks, in order, covering at least the prompt.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    dst_block_ids: list[int]
+    kv_endpoint: dict
+    decode_worker_id: str
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    priority: int = 0
+    arrival_time: float = 0.0
+    kind: ClassVar[str]
+
+
+@message
+class PrefillDone:
+    """Prefill -> decode inbox: the prompt's KV is in place (or is not, and why).
+
+    status: "ok" (first_token set; the prefill worker no longer touches the
+    destination blocks), "aborted" or "failed" (error set). After any status the
+    prefill worker owns none of the destination blocks.
+    """
+
+    request_id: str
+    status: str
+    first_token: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    kind: ClassVar[str]
+
+
+@message
+class TokenEvent:
+    """Worker -> the request's output stream: tokens at output index ``index``.
+
+    The last event of a request has ``finish_reason`` set ("stop", "length",
+    "abort" or "error"; error carries the message).
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    kind: ClassVar[str]
+
+
+@message
+class WorkerInfo:
+    """A worker's registry record, refreshed with every heartbeat."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    model: str
+    inbox: str
+    pid: int
+    host: str
+    started_at: float
+    heartbeat_at: float
+    num_total_blocks: int
+    num_free_blocks: int
+    num_running: int = 0
+    num_waiting: int = 0
+    block_size: int = 16
+    max_seq_len: int = 0
+    kv_endpoint: dict = field(default_factory=dict)
+    kind: ClassVar[str]

@@ -1,0 +1,77 @@
+"""Worker registry: heartbeats as Redis keys with a TTL.
+
+A worker is alive exactly while its key exists. ``Heartbeat`` refreshes the
+key from a background thread (so a long forward pass does not look like a
+death) with the load snapshot the worker loop last published.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import redis
+import structlog
+
+from cluster import keys
+from cluster.messages import WorkerInfo, decode, encode
+
+log = structlog.get_logger(__name__)
+
+
+def live_workers(client: redis.Redis, role: str) -> list[WorkerInfo]:
+    """Every worker of ``role`` whose heartbeat has not expired."""
+    names = list(client.scan_iter(match=keys.worker_pattern(role), count=1000))
+    if not names:
+        return []
+    return [decode(raw) for raw in client.mget(names) if raw is not None]
+
+
+def is_alive(client: redis.Redis, role: str, worker_id: str) -> bool:
+    return bool(client.exists(keys.worker(role, worker_id)))
+
+
+class Heartbeat:
+    """Publishes ``snapshot()`` under the worker's key every ``interval_s``."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        snapshot: Callable[[], WorkerInfo],
+        interval_s: float = 1.0,
+        ttl_s: float = 5.0,
+    ):
+        self._client = redis.Redis.from_url(redis_url, socket_timeout=ttl_s)
+        self._snapshot = snapshot
+        self._interval_s = interval_s
+        self._ttl_ms = int(ttl_s * 1000)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def beat(self) -> None:
+        info = self._snapshot()
+        info.heartbeat_at = time.time()
+        self._client.set(keys.worker(info.role, info.worker_id), encode(info), px=self._ttl_ms)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.beat()
+            except redis.RedisError as exc:
+                # Redis away: keep trying; the key expires and we re-register after.
+                log.warning("heartbeat failed", error=str(exc))
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if deregister:
+            info = self._snapshot()
+            try:
+                self._client.delete(keys.worker(info.role, info.worker_id))
+            except redis.RedisError:
+                pass

@@ -1,0 +1,135 @@
+"""Settings shared by every service, with the names TensorRT-LLM and vLLM users know.
+
+``add_arguments`` declares the command-line flags; ``Settings.from_args``
+builds the dataclass; ``resolve`` fills the limits a model implies and checks
+them against each other, raising ``SettingsError`` with a clear message.
+Torch-free: the gateway uses it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CAPACITY_POLICIES = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH")
+CHUNKING_POLICIES = ("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS")
+CPU_DEFAULT_KV_TOKENS = 16384
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass
+class Settings:
+    model: str = "demo"
+    served_model_name: str | None = None
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    tokens_per_block: int = 16
+    max_tokens_in_paged_kv_cache: int | None = None
+    kv_cache_free_gpu_mem_fraction: float = 0.90
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+    max_seq_len: int | None = None
+    max_input_len: int | None = None
+    kv_transport: str = "shm"
+    capacity_scheduler_policy: str = "GUARANTEED_NO_EVICT"
+    context_chunking_policy: str = "FIRST_COME_FIRST_SERVED"
+    worker_id: str | None = None
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    transfer_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    log_level: str = "info"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Settings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    def resolve(self) -> "Settings":
+        """Fill model-derived limits and validate everything against everything else."""
+        config = read_model_config(self.model)
+        max_positions = int(config.get("max_position_embeddings") or 4096)
+        if self.max_seq_len is None:
+            self.max_seq_len = max_positions
+        if self.max_input_len is None:
+            self.max_input_len = self.max_seq_len - 1
+        _check(self.tokens_per_block > 0 and self.tokens_per_block & (self.tokens_per_block - 1) == 0,
+               f"--tokens-per-block must be a positive power of two, got {self.tokens_per_block}")
+        _check(self.max_batch_size >= 1, f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        _check(self.max_seq_len <= max_positions,
+               f"--max-seq-len {self.max_seq_len} exceeds the model's max_position_embeddings {max_positions}")
+        _check(1 <= self.max_input_len < self.max_seq_len,
+               f"--max-input-len must be in [1, --max-seq-len), got {self.max_input_len} with max_seq_len {self.max_seq_len}")
+        _check(self.max_num_tokens >= self.tokens_per_block,
+               f"--max-num-tokens {self.max_num_tokens} must be at least --tokens-per-block {self.tokens_per_block}")
+        _check(0.0 < self.kv_cache_free_gpu_mem_fraction < 1.0,
+               f"--kv-cache-free-gpu-mem-fraction must be in (0, 1), got {self.kv_cache_free_gpu_mem_fraction}")
+        if self.max_tokens_in_paged_kv_cache is not None:
+            _check(self.max_tokens_in_paged_kv_cache >= self.max_seq_len,
+                   f"--max-tokens-in-paged-kv-cache {self.max_tokens_in_paged_kv_cache} cannot hold one "
+                   f"sequence of --max-seq-len {self.max_seq_len}")
+        _check(self.capacity_scheduler_policy in CAPACITY_POLICIES,
+               f"--capacity-scheduler-policy must be one of {CAPACITY_POLICIES}")
+        _check(self.context_chunking_policy in CHUNKING_POLICIES,
+               f"--context-chunking-policy must be one of {CHUNKING_POLICIES}")
+        return self
+
+    def worker_name(self, role: str) -> str:
+        return self.worker_id or f"{role}-{os.uname().nodename}-{os.getpid()}"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise SettingsError(message)
+
+
+def read_model_config(model: str) -> dict:
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise SettingsError(f"no config.json in model directory {model!r}")
+    return json.loads(path.read_text())
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> None:
+    """Flags shared by `tandem serve`, `gateway`, `prefill` and `decode` (defaults from Settings)."""
+    d = Settings()
+    a = parser.add_argument
+    a("--model", default=d.model, help="HF checkpoint directory, or 'demo' for a tiny random Llama built locally")
+    a("--served-model-name", help="model id clients use (default: the directory name)")
+    a("--redis-url", help="Redis to coordinate through (serve: start a private redis-server if omitted)")
+    a("--device", default=d.device, help="auto (CUDA if present), cpu, cuda or cuda:N")
+    a("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    a("--tokens-per-block", type=int, default=d.tokens_per_block)
+    a("--max-tokens-in-paged-kv-cache", type=int,
+      help=f"KV pool size in tokens per worker (CPU default {CPU_DEFAULT_KV_TOKENS})")
+    a("--kv-cache-free-gpu-mem-fraction", type=float, default=d.kv_cache_free_gpu_mem_fraction)
+    a("--max-batch-size", type=int, default=d.max_batch_size)
+    a("--max-num-tokens", type=int, default=d.max_num_tokens, help="token budget of one prefill forward")
+    a("--max-seq-len", type=int, help="prompt + output tokens (default: the model's max positions)")
+    a("--max-input-len", type=int, help="longest prompt accepted (default: max_seq_len - 1)")
+    a("--kv-transport", default=d.kv_transport, choices=["shm"])
+    a("--capacity-scheduler-policy", default=d.capacity_scheduler_policy, choices=CAPACITY_POLICIES)
+    a("--context-chunking-policy", default=d.context_chunking_policy, choices=CHUNKING_POLICIES)
+    a("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
+    a("--heartbeat-ttl-s", type=float, default=d.heartbeat_ttl_s)
+    a("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
+    a("--log-level", default=d.log_level)
+    if serving:
+        a("--host", default=d.host)
+        a("--port", type=int, default=d.port)
+        a("--request-timeout-s", type=float, default=d.request_timeout_s)
+    a("--worker-id", help="worker name in the registry (default: role-host-pid)")

@@ -1,0 +1,1 @@
+"""Decode pool: capacity scheduler, decode loop, token publishing, worker entry point."""

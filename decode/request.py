@@ -1,0 +1,36 @@
+"""A request as the decode worker holds it (plain Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.messages import GenerateRequest
+from cluster.request_state import RequestStatus
+
+
+@dataclass
+class DecodeRequest:
+    spec: GenerateRequest
+    status: RequestStatus = RequestStatus.QUEUED
+    block_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    prefill_worker_id: str | None = None
+    receiver: object | None = None  # kvtransfer.KVReceiver while PREFILLING
+    abort_requested: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.spec.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def order_key(self) -> tuple[int, float]:
+        return (self.spec.priority, self.spec.arrival_time)

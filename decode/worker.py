@@ -1,0 +1,248 @@
+"""Decode worker: one process, one KV pool, continuous batching.
+
+Each step: read the inbox (new requests, prefill results, aborts), reserve
+blocks and hand prefill jobs out, check handoffs in flight, run one decode
+step over the running batch and publish every new token in one Redis round
+trip. Request statuses moved here: see ``decode.scheduler``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import redis
+import structlog
+
+from cluster import keys
+from cluster.inbox import Inbox, send
+from cluster.messages import (
+    AbortRequest,
+    GenerateRequest,
+    PrefillDone,
+    PrefillJob,
+    TokenEvent,
+    WorkerInfo,
+    encode,
+)
+from cluster.registry import Heartbeat, live_workers
+from cluster.request_state import RequestStatus
+from cluster.settings import Settings
+from decode.request import DecodeRequest
+from decode.scheduler import DecodeScheduler
+from engine.attention import SeqChunk
+from engine.block_allocator import BlockAllocator
+from engine.placement import build_runner
+from engine.sampler import sample
+from kvtransfer import KVPoll, KVReceiver, get_transport
+
+log = structlog.get_logger(__name__)
+
+PEER_CHECK_INTERVAL_S = 0.5
+
+
+class DecodeWorker:
+    role = "decode"
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.worker_id = settings.worker_name(self.role)
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.transport = get_transport(settings.kv_transport)
+        shm_path = None
+        if settings.kv_transport == "shm":
+            shm_path = os.path.join(_shm_dir(), f"tandem-kv-{self.worker_id}-{os.getpid()}")
+        self.runner = build_runner(settings, shm_path=shm_path)
+        self.kv_endpoint = self.transport.export_pool(self.runner.kv_pool)
+        self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, settings.tokens_per_block)
+        self.scheduler = DecodeScheduler(
+            self.allocator,
+            max_batch_size=settings.max_batch_size,
+            max_seq_len=settings.max_seq_len,
+            eos_token_ids=self.runner.config.eos_token_ids,
+        )
+        self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
+        self.heartbeat = Heartbeat(
+            settings.redis_url, self.info, settings.heartbeat_interval_s, settings.heartbeat_ttl_s
+        )
+        self._started_at = time.time()
+        self._prefill_workers: list[WorkerInfo] = []
+        self._peers_checked_at = 0.0
+        self._round_robin = 0
+
+    # ---- the loop -------------------------------------------------------------------
+    def step(self) -> None:
+        self._handle_messages(self.inbox.read(block_ms=None if self._busy() else 20))
+        self._refresh_peers()
+        self._dispatch_prefills()
+        self._check_handoffs()
+        batch = self.scheduler.schedule_decode()
+        token_ids = self._run(batch) if batch else None
+        if token_ids is not None:
+            self._publish(self.scheduler.on_step(batch, token_ids))
+
+    def serve(self, stop) -> None:
+        self.heartbeat.start()
+        log.info("decode worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total)
+        try:
+            while not stop.is_set():
+                try:
+                    self.step()
+                except redis.RedisError as exc:
+                    log.warning("redis unavailable, retrying", error=str(exc))
+                    stop.wait(0.5)
+        finally:
+            self.heartbeat.stop()
+            self.runner.kv_pool.close()
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.settings.model_name,
+            inbox=self.inbox.stream,
+            pid=os.getpid(),
+            host=os.uname().nodename,
+            started_at=self._started_at,
+            heartbeat_at=0.0,
+            num_total_blocks=self.allocator.num_total,
+            num_free_blocks=self.allocator.num_free,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            block_size=self.settings.tokens_per_block,
+            max_seq_len=self.settings.max_seq_len,
+            kv_endpoint=self.kv_endpoint,
+        )
+
+    # ---- helpers --------------------------------------------------------------------
+    def _busy(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.prefilling or self.scheduler.waiting)
+
+    def _handle_messages(self, messages: list) -> None:
+        for msg in messages:
+            if isinstance(msg, GenerateRequest):
+                self.scheduler.add(DecodeRequest(spec=msg))
+            elif isinstance(msg, PrefillDone):
+                self._on_prefill_done(msg)
+            elif isinstance(msg, AbortRequest):
+                self._abort(msg.request_id)
+            else:
+                log.error("unexpected message", kind=msg.kind)
+
+    def _abort(self, request_id: str) -> None:
+        request = self.scheduler.abort(request_id)
+        if request is not None and request.status is RequestStatus.PREFILLING and request.prefill_worker_id:
+            # the prefill worker still writes our blocks: they are freed on its PrefillDone
+            send(self.redis, keys.inbox("prefill", request.prefill_worker_id), AbortRequest(request_id))
+
+    def _on_prefill_done(self, msg: PrefillDone) -> None:
+        request = self.scheduler.prefilling.get(msg.request_id)
+        if request is None:
+            return  # already failed by timeout; the blocks were freed then
+        ok = msg.status == "ok"
+        request.receiver.on_done(ok, msg.error)
+        reason = self.scheduler.on_prefill_done(request, msg.first_token if ok else None, msg.error)
+        if msg.status == "failed":
+            self._publish([(request, len(request.output_token_ids), reason)], error=msg.error)
+
+    def _refresh_peers(self) -> None:
+        now = time.monotonic()
+        if now - self._peers_checked_at < PEER_CHECK_INTERVAL_S:
+            return
+        self._peers_checked_at = now
+        self._prefill_workers = live_workers(self.redis, "prefill")
+        alive = {w.worker_id for w in self._prefill_workers}
+        for request in list(self.scheduler.prefilling.values()):
+            if request.prefill_worker_id not in alive:
+                # the prefill worker died: nobody writes these blocks any more, redo the prefill
+                log.warning("prefill worker lost, re-dispatching", request_id=request.request_id,
+                            prefill_worker_id=request.prefill_worker_id)
+                if request.abort_requested:
+                    request.receiver.fail("prefill worker lost")
+                else:
+                    self._send_prefill_job(request)
+
+    def _dispatch_prefills(self) -> None:
+        if not self._prefill_workers:
+            return  # requests wait, holding no blocks, until a prefill worker registers
+        for request in self.scheduler.schedule_prefills():
+            self._send_prefill_job(request)
+
+    def _send_prefill_job(self, request: DecodeRequest) -> None:
+        workers = self._prefill_workers
+        if not workers:
+            request.receiver = request.receiver or KVReceiver(self.settings.transfer_timeout_s)
+            request.receiver.fail("no prefill worker alive")
+            return
+        # least loaded, ties broken round robin
+        self._round_robin += 1
+        target = min(
+            workers,
+            key=lambda w: (w.num_waiting + w.num_running, (hash(w.worker_id) + self._round_robin) % len(workers)),
+        )
+        spec = request.spec
+        request.prefill_worker_id = target.worker_id
+        request.receiver = KVReceiver(self.settings.transfer_timeout_s)
+        send(
+            self.redis,
+            target.inbox,
+            PrefillJob(
+                request_id=spec.request_id,
+                prompt_token_ids=spec.prompt_token_ids,
+                sampling=spec.sampling,
+                max_tokens=spec.max_tokens,
+                dst_block_ids=request.block_ids,
+                kv_endpoint=self.kv_endpoint,
+                decode_worker_id=self.worker_id,
+                stop_token_ids=spec.stop_token_ids,
+                ignore_eos=spec.ignore_eos,
+                priority=spec.priority,
+                arrival_time=spec.arrival_time,
+            ),
+        )
+
+    def _check_handoffs(self) -> None:
+        for request in list(self.scheduler.prefilling.values()):
+            if request.receiver.poll() is KVPoll.FAILED:
+                error = request.receiver.error
+                if request.prefill_worker_id:
+                    send(self.redis, keys.inbox("prefill", request.prefill_worker_id), AbortRequest(request.request_id))
+                reason = self.scheduler.on_prefill_done(request, None, error)
+                log.error("kv handoff failed", request_id=request.request_id, error=error)
+                if reason != "abort":
+                    self._publish([(request, len(request.output_token_ids), reason)], error=error)
+
+    def _run(self, batch: list[DecodeRequest]) -> list[int] | None:
+        """One decode step; on an engine error every running request fails (and frees its blocks)."""
+        chunks = [SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids) for r in batch]
+        try:
+            logits = self.runner.forward(chunks)
+            return sample(logits, [r.spec.sampling for r in batch], [len(r.output_token_ids) for r in batch])
+        except Exception as exc:
+            log.exception("decode step failed")
+            failed = self.scheduler.fail_running(str(exc))
+            self._publish([(r, len(r.output_token_ids), "error") for r in failed], error=str(exc))
+            return None
+
+    def _publish(self, events: list[tuple[DecodeRequest, int, str | None]], error: str | None = None) -> None:
+        """Every event of one step in one round trip."""
+        if not events:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for request, index, reason in events:
+            stream = keys.output(request.request_id)
+            new_tokens = request.output_token_ids[index:] if reason != "error" else []
+            event = TokenEvent(request.request_id, index, new_tokens, reason, error if reason == "error" else None)
+            pipe.xadd(stream, {b"m": encode(event)})
+            if reason is not None:
+                pipe.expire(stream, keys.FINISHED_OUTPUT_TTL_S)
+        pipe.execute()
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def main(settings: Settings, stop) -> None:
+    DecodeWorker(settings).serve(stop)

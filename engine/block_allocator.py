@@ -1,0 +1,83 @@
+"""Paged KV block allocator: plain Python, no torch.
+
+Blocks are integers in ``[0, num_blocks)``. Each has a reference count so a
+block can be shared (prefix caching): ``allocate`` hands out blocks with count
+1, ``share`` adds a holder, ``free`` drops one and returns a block to the free
+list when its count reaches zero. Predicates pair with actions:
+``can_allocate`` / ``allocate``, ``can_append`` / ``append``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref_counts = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_total(self) -> int:
+        return self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return blocks_for(num_tokens, self.block_size) <= len(self._free)
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        """Blocks enough for ``num_tokens`` tokens."""
+        return self.allocate_blocks(blocks_for(num_tokens, self.block_size))
+
+    def allocate_blocks(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfBlocks(f"need {count} blocks, {len(self._free)} free")
+        block_ids = [self._free.popleft() for _ in range(count)]
+        for block_id in block_ids:
+            self._ref_counts[block_id] = 1
+        return block_ids
+
+    def can_append(self, block_ids: list[int], new_num_tokens: int) -> bool:
+        extra = blocks_for(new_num_tokens, self.block_size) - len(block_ids)
+        return extra <= len(self._free)
+
+    def append(self, block_ids: list[int], new_num_tokens: int) -> list[int]:
+        """Grow ``block_ids`` in place to hold ``new_num_tokens``; returns the new blocks."""
+        extra = blocks_for(new_num_tokens, self.block_size) - len(block_ids)
+        added = self.allocate_blocks(max(extra, 0))
+        block_ids.extend(added)
+        return added
+
+    def share(self, block_ids: list[int]) -> None:
+        """Add a holder to blocks already allocated (prefix sharing)."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] <= 0:
+                raise ValueError(f"block {block_id} is not allocated")
+            self._ref_counts[block_id] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            count = self._ref_counts[block_id]
+            if count <= 0:
+                raise ValueError(f"double free of block {block_id}")
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                self._free.append(block_id)

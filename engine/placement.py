@@ -1,0 +1,80 @@
+"""Where a worker runs and how big its KV pool is."""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from cluster.settings import CPU_DEFAULT_KV_TOKENS, Settings
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but no CUDA device is visible")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def kv_pool_blocks(settings: Settings, bytes_per_token: int, device: torch.device, share: float = 1.0) -> int:
+    """Number of KV blocks: the smaller of the token cap and the memory fraction.
+
+    ``share`` is this worker's part of the device when several workers share one GPU.
+    """
+    block_size = settings.tokens_per_block
+    candidates = []
+    if settings.max_tokens_in_paged_kv_cache is not None:
+        candidates.append(settings.max_tokens_in_paged_kv_cache // block_size)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = free * settings.kv_cache_free_gpu_mem_fraction * share
+        candidates.append(int(budget // (bytes_per_token * block_size)))
+    elif not candidates:
+        candidates.append(CPU_DEFAULT_KV_TOKENS // block_size)
+    num_blocks = min(candidates)
+    log.info(
+        "kv pool sized",
+        bytes_per_token=bytes_per_token,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        memory_bytes=num_blocks * block_size * bytes_per_token,
+    )
+    return num_blocks
+
+
+def build_runner(settings: Settings, shm_path: str | None = None, share: float = 1.0):
+    """Load the model and its KV pool for a worker. ``shm_path``: put the pool in that file."""
+    from engine.config import ModelConfig
+    from engine.kv_cache import KVCachePool
+    from engine.runner import ModelRunner
+
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    config = ModelConfig.from_pretrained(settings.model)
+    num_blocks = kv_pool_blocks(settings, config.kv_bytes_per_token(dtype), device, share)
+    layout = dict(
+        num_layers=config.num_layers,
+        num_blocks=num_blocks,
+        block_size=settings.tokens_per_block,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+    )
+    if shm_path is not None:
+        pool = KVCachePool.create_shared(shm_path, **layout)
+    else:
+        pool = KVCachePool(**layout, device=device)
+    return ModelRunner(
+        settings.model, num_blocks, settings.tokens_per_block, dtype=dtype, device=device, kv_pool=pool
+    )

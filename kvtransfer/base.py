@@ -1,0 +1,76 @@
+"""Transport interface and the transfer status enum.
+
+A transport has a receiving half (``export_pool``: the decode worker publishes
+how to reach its KV pool, once) and a sending half (``connect``: the prefill
+worker opens a connection to an exported pool, ``Connection.write`` starts
+copying blocks and returns a ``Transfer`` whose ``done()`` is polled).
+Ownership: the destination blocks belong to the decode worker throughout; the
+prefill worker may write them only between receiving a PrefillJob and sending
+its PrefillDone.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KVPoll(enum.Enum):
+    FAILED = "failed"
+    BOOTSTRAPPING = "bootstrapping"  # connecting to the peer's pool
+    WAITING_FOR_INPUT = "waiting_for_input"  # connected, no write in flight
+    TRANSFERRING = "transferring"  # a write is in flight
+    SUCCESS = "success"  # every block is in place
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class Transfer(ABC):
+    """One in-flight write of some blocks."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the bytes are in the destination; raises TransferError on failure."""
+
+
+class CompletedTransfer(Transfer):
+    def done(self) -> bool:
+        return True
+
+
+class Connection(ABC):
+    @abstractmethod
+    def write(
+        self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> Transfer:
+        """Copy ``src_kv[:, :, src_block_ids]`` into the peer's ``[:, :, dst_block_ids]``."""
+
+    def close(self) -> None:
+        pass
+
+
+class Transport(ABC):
+    name: str
+
+    @abstractmethod
+    def export_pool(self, pool) -> dict:
+        """Receiving side: a msgpack-able endpoint map that lets a peer reach ``pool``."""
+
+    @abstractmethod
+    def connect(self, endpoint: dict) -> Connection:
+        """Sending side: open a connection to an exported pool."""
+
+
+_TRANSPORTS = {"shm": "kvtransfer.shm:ShmTransport"}
+
+
+def get_transport(name: str) -> Transport:
+    if name not in _TRANSPORTS:
+        raise ValueError(f"unknown kv transport {name!r}; choose one of {sorted(_TRANSPORTS)}")
+    module, cls = _TRANSPORTS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

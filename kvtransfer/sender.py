@@ -1,0 +1,58 @@
+"""Prefill side of one request's handoff.
+
+Lifecycle: BOOTSTRAPPING (no connection yet) -> WAITING_FOR_INPUT (connected,
+idle) <-> TRANSFERRING (writes in flight) -> SUCCESS (``finish()`` called and
+every write done) | FAILED (a write or the connection failed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtransfer.base import Connection, KVPoll, Transfer, TransferError
+
+
+class KVSender:
+    def __init__(self, connection: Connection | None, dst_block_ids: list[int]):
+        self._connection = connection
+        self._dst_block_ids = dst_block_ids
+        self._in_flight: list[Transfer] = []
+        self._finished = False
+        self.error: str | None = None
+
+    def send_blocks(self, src_kv: torch.Tensor, src_block_ids: list[int], first_block_index: int) -> None:
+        """Write source blocks into destination blocks ``first_block_index`` onward."""
+        if self._connection is None or self.error is not None:
+            return
+        end = first_block_index + len(src_block_ids)
+        if end > len(self._dst_block_ids):
+            self._fail(f"chunk needs destination block {end - 1}, only {len(self._dst_block_ids)} reserved")
+            return
+        try:
+            self._in_flight.append(
+                self._connection.write(src_kv, src_block_ids, self._dst_block_ids[first_block_index:end])
+            )
+        except TransferError as exc:
+            self._fail(str(exc))
+
+    def finish(self) -> None:
+        """No more blocks will be sent."""
+        self._finished = True
+
+    def poll(self) -> KVPoll:
+        if self.error is not None:
+            return KVPoll.FAILED
+        if self._connection is None:
+            return KVPoll.BOOTSTRAPPING
+        try:
+            self._in_flight = [t for t in self._in_flight if not t.done()]
+        except TransferError as exc:
+            self._fail(str(exc))
+            return KVPoll.FAILED
+        if self._in_flight:
+            return KVPoll.TRANSFERRING
+        return KVPoll.SUCCESS if self._finished else KVPoll.WAITING_FOR_INPUT
+
+    def _fail(self, error: str) -> None:
+        self.error = error
+        self._in_flight.clear()

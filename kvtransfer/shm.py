@@ -1,0 +1,48 @@
+"""``shm`` transport: the decode worker's KV pool is a shared-memory file.
+
+The decode worker creates its pool with ``KVCachePool.create_shared`` and
+exports the file path and layout; a prefill worker maps the same file once and
+copies each finished chunk's blocks straight into the destination blocks. The
+copy is synchronous (CPU memcpy), so every transfer is complete on return.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import ops
+from kvtransfer.base import CompletedTransfer, Connection, Transfer, TransferError, Transport
+
+
+class ShmConnection(Connection):
+    def __init__(self, pool):
+        self._pool = pool
+
+    def write(self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> Transfer:
+        if len(src_block_ids) != len(dst_block_ids):
+            raise TransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
+        dst_kv = self._pool.kv
+        if src_kv.shape[:2] != dst_kv.shape[:2] or src_kv.shape[3:] != dst_kv.shape[3:]:
+            raise TransferError(f"pool layouts differ: {tuple(src_kv.shape)} vs {tuple(dst_kv.shape)}")
+        src = torch.tensor(src_block_ids, dtype=torch.long)
+        dst = torch.tensor(dst_block_ids, dtype=torch.long)
+        ops.scatter_blocks(dst_kv, dst, ops.gather_blocks(src_kv, src))
+        return CompletedTransfer()
+
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    def export_pool(self, pool) -> dict:
+        if pool.shm_path is None:
+            raise TransferError("the shm transport needs a KV pool created with KVCachePool.create_shared")
+        return {"transport": self.name, "path": pool.shm_path, "layout": pool.layout()}
+
+    def connect(self, endpoint: dict) -> Connection:
+        from engine.kv_cache import KVCachePool
+
+        try:
+            pool = KVCachePool.attach_shared(endpoint["path"], **endpoint["layout"])
+        except (OSError, RuntimeError, KeyError) as exc:
+            raise TransferError(f"cannot map peer KV pool {endpoint.get('path')}: {exc}") from exc
+        return ShmConnection(pool)

@@ -1,0 +1,1 @@
+"""Prefill pool: chunked-context scheduler, prefill loop, worker entry point."""

@@ -1,0 +1,35 @@
+"""A prefill job as the prefill worker holds it (plain Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.messages import PrefillJob
+from cluster.request_state import RequestStatus
+
+
+@dataclass
+class PrefillState:
+    job: PrefillJob
+    status: RequestStatus = RequestStatus.QUEUED
+    block_ids: list[int] = field(default_factory=list)  # in this worker's own pool
+    num_computed: int = 0
+    sender: object | None = None  # kvtransfer.KVSender
+    first_token: int | None = None
+    finish_reason: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.job.prompt_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        return self.num_prompt_tokens - self.num_computed
+
+    @property
+    def order_key(self) -> tuple[int, float]:
+        return (self.job.priority, self.job.arrival_time)

@@ -1,0 +1,196 @@
+"""Prefill worker: one process, its own KV pool, chunked prefill.
+
+Each step: read the inbox (jobs, aborts), run one forward over the chunks the
+scheduler picked (at most ``max_num_tokens`` tokens), push each chunk's blocks
+into the decode worker's destination blocks, sample and publish the first
+token of every prompt that completed (TTFT does not wait for the decode
+worker), and report finished handoffs with PrefillDone. Statuses moved here:
+see ``prefill.scheduler``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+import structlog
+
+from cluster import keys
+from cluster.inbox import Inbox, send
+from cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo, encode
+from cluster.registry import Heartbeat
+from cluster.request_state import RequestStatus, finish_reason
+from cluster.settings import Settings
+from engine.attention import SeqChunk
+from engine.block_allocator import BlockAllocator
+from engine.placement import build_runner
+from engine.sampler import sample
+from kvtransfer import KVPoll, KVSender, get_transport
+from kvtransfer.base import TransferError
+from prefill.job import PrefillState
+from prefill.scheduler import PrefillScheduler
+
+log = structlog.get_logger(__name__)
+
+
+class PrefillWorker:
+    role = "prefill"
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.worker_id = settings.worker_name(self.role)
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.transport = get_transport(settings.kv_transport)
+        self.runner = build_runner(settings)
+        self.block_size = settings.tokens_per_block
+        self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, self.block_size)
+        if self.allocator.num_total * self.block_size < settings.max_input_len:
+            raise ValueError(
+                f"prefill KV pool holds {self.allocator.num_total * self.block_size} tokens, "
+                f"less than --max-input-len {settings.max_input_len}"
+            )
+        self.scheduler = PrefillScheduler(
+            self.allocator,
+            max_num_tokens=settings.max_num_tokens,
+            max_batch_size=settings.max_batch_size,
+            policy=settings.context_chunking_policy,
+        )
+        self.eos_token_ids = self.runner.config.eos_token_ids
+        self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
+        self.heartbeat = Heartbeat(
+            settings.redis_url, self.info, settings.heartbeat_interval_s, settings.heartbeat_ttl_s
+        )
+        self._connections: dict[str, object] = {}  # decode endpoint path -> Connection
+        self._started_at = time.time()
+
+    # ---- the loop -------------------------------------------------------------------
+    def step(self) -> None:
+        self._handle_messages(self.inbox.read(block_ms=None if self.scheduler.jobs else 20))
+        chunks = self.scheduler.schedule()
+        if chunks:
+            self._after_forward(chunks, self._run(chunks))
+        self._poll_transfers()
+
+    def serve(self, stop) -> None:
+        self.heartbeat.start()
+        log.info("prefill worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total)
+        try:
+            while not stop.is_set():
+                try:
+                    self.step()
+                except redis.RedisError as exc:
+                    log.warning("redis unavailable, retrying", error=str(exc))
+                    stop.wait(0.5)
+        finally:
+            self.heartbeat.stop()
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.settings.model_name,
+            inbox=self.inbox.stream,
+            pid=os.getpid(),
+            host=os.uname().nodename,
+            started_at=self._started_at,
+            heartbeat_at=0.0,
+            num_total_blocks=self.allocator.num_total,
+            num_free_blocks=self.allocator.num_free,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            block_size=self.block_size,
+            max_seq_len=self.settings.max_seq_len,
+        )
+
+    # ---- helpers --------------------------------------------------------------------
+    def _handle_messages(self, messages: list) -> None:
+        for msg in messages:
+            if isinstance(msg, PrefillJob):
+                self._accept(msg)
+            elif isinstance(msg, AbortRequest):
+                self._abort(msg.request_id)
+            else:
+                log.error("unexpected message", kind=msg.kind)
+
+    def _accept(self, job: PrefillJob) -> None:
+        state = PrefillState(job=job)
+        try:
+            state.sender = KVSender(self._connect(job.kv_endpoint), job.dst_block_ids)
+        except TransferError as exc:
+            self._reply(state, "failed", error=str(exc))
+            return
+        self.scheduler.add(state)
+
+    def _connect(self, endpoint: dict):
+        key = endpoint.get("path") or repr(sorted(endpoint.items()))
+        if key not in self._connections:
+            self._connections[key] = self.transport.connect(endpoint)
+        return self._connections[key]
+
+    def _abort(self, request_id: str) -> None:
+        state = self.scheduler.jobs.get(request_id)
+        if state is None or state.status is RequestStatus.TRANSFERRING:
+            return  # unknown (already reported) or draining: PrefillDone follows anyway
+        self.scheduler.finish(state, RequestStatus.ABORTED)
+        self._reply(state, "aborted")
+
+    def _run(self, chunks: list[tuple[PrefillState, int]]):
+        seqs = []
+        for state, num_tokens in chunks:
+            start = state.num_computed
+            seqs.append(SeqChunk(state.job.prompt_token_ids[start : start + num_tokens], start, state.block_ids))
+        return self.runner.forward(seqs)
+
+    def _after_forward(self, chunks: list[tuple[PrefillState, int]], logits) -> None:
+        completed, rows = [], []
+        for row, (state, num_tokens) in enumerate(chunks):
+            start = state.num_computed
+            first_block, last_block = start // self.block_size, (start + num_tokens - 1) // self.block_size
+            state.sender.send_blocks(
+                self.runner.kv_pool.kv, state.block_ids[first_block : last_block + 1], first_block
+            )
+            if self.scheduler.on_chunk_done(state, num_tokens):
+                completed.append(state)
+                rows.append(row)
+        if not completed:
+            return
+        token_ids = sample(logits[rows], [s.job.sampling for s in completed], [0] * len(completed))
+        pipe = self.redis.pipeline(transaction=False)
+        for state, token_id in zip(completed, token_ids):
+            job = state.job
+            state.first_token = token_id
+            state.finish_reason = finish_reason(
+                token_id, 1, state.num_prompt_tokens + 1,
+                max_tokens=job.max_tokens, max_seq_len=self.settings.max_seq_len,
+                stop_token_ids=job.stop_token_ids, eos_token_ids=self.eos_token_ids, ignore_eos=job.ignore_eos,
+            )
+            stream = keys.output(job.request_id)
+            pipe.xadd(stream, {b"m": encode(TokenEvent(job.request_id, 0, [token_id], state.finish_reason))})
+            pipe.expire(stream, keys.OUTPUT_TTL_S)
+            state.sender.finish()
+        pipe.execute()
+
+    def _poll_transfers(self) -> None:
+        for state in list(self.scheduler.transferring):
+            status = state.sender.poll()
+            if status is KVPoll.SUCCESS:
+                self.scheduler.finish(state, RequestStatus.FINISHED)
+                self._reply(state, "ok")
+            elif status is KVPoll.FAILED:
+                self.scheduler.finish(state, RequestStatus.FAILED)
+                self._reply(state, "failed", error=state.sender.error)
+        for state in list(self.scheduler.prefilling):
+            if state.sender.poll() is KVPoll.FAILED:
+                self.scheduler.finish(state, RequestStatus.FAILED)
+                self._reply(state, "failed", error=state.sender.error)
+
+    def _reply(self, state: PrefillState, status: str, error: str | None = None) -> None:
+        job = state.job
+        done = PrefillDone(job.request_id, status, state.first_token if status == "ok" else None,
+                           state.finish_reason, error)
+        send(self.redis, keys.inbox("decode", job.decode_worker_id), done)
+
+
+def main(settings: Settings, stop) -> None:
+    PrefillWorker(settings).serve(stop)
