@@ -1,0 +1,91 @@
+"""Attention metadata for one forward over a flattened, unpadded batch.
+
+A forward runs a list of ``SeqChunk``s: for each sequence, the new tokens of
+this step (a prompt chunk, or one decode token), how many of its tokens are
+already in the KV cache, and its block table. The tokens of all sequences are
+concatenated (no padding); the metadata says where each sequence's tokens are
+and where their K/V go. It is passed explicitly to the model (no global
+context), with the layouts of ``kernels.reference``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqChunk:
+    token_ids: list[int]  # the new tokens of this forward
+    num_computed: int  # tokens of this sequence already in the KV cache
+    block_ids: list[int]  # the sequence's full block table (may cover more than needed)
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed + len(self.token_ids)
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32, KV length including this forward's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, rows padded with block 0
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V is written (-1 = skip)
+    positions: torch.Tensor  # [T] int64, num_computed + i
+    logits_indices: torch.Tensor  # [B] int64, index in T of each sequence's last new token
+    is_decode: bool  # every sequence has exactly one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+def build_metadata(seqs: list[SeqChunk], block_size: int, device: torch.device | str) -> AttentionMetadata:
+    """Build the metadata on the host in Python lists, then one copy per tensor to ``device``."""
+    if not seqs:
+        raise ValueError("build_metadata needs at least one sequence")
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for i, seq in enumerate(seqs):
+        _check(i, seq, block_size)
+        query_start_loc.append(query_start_loc[-1] + len(seq.token_ids))
+        seq_lens.append(seq.seq_len)
+        for pos in range(seq.num_computed, seq.seq_len):
+            positions.append(pos)
+            slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+    max_blocks = max(len(seq.block_ids) for seq in seqs)
+    block_tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in seqs]
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        logits_indices=torch.tensor([end - 1 for end in query_start_loc[1:]], dtype=torch.int64, device=device),
+        is_decode=all(len(seq.token_ids) == 1 for seq in seqs),
+    )
+
+
+def build_input_ids(seqs: list[SeqChunk], device: torch.device | str) -> torch.Tensor:
+    """-> [T] int64, the new tokens of every sequence, concatenated in order."""
+    return torch.tensor([t for seq in seqs for t in seq.token_ids], dtype=torch.int64, device=device)
+
+
+def _check(index: int, seq: SeqChunk, block_size: int) -> None:
+    if not seq.token_ids:
+        raise ValueError(f"sequence {index} has no new tokens")
+    if seq.num_computed < 0:
+        raise ValueError(f"sequence {index} has num_computed={seq.num_computed} < 0")
+    capacity = len(seq.block_ids) * block_size
+    if capacity < seq.seq_len:
+        raise ValueError(
+            f"sequence {index} needs {seq.seq_len} KV slots but its {len(seq.block_ids)} blocks "
+            f"of {block_size} hold {capacity}"
+        )

@@ -1,0 +1,107 @@
+"""Load a Hugging Face safetensors checkpoint into ``LlamaFamilyModel``.
+
+Reads the tensors directly (no transformers model classes), checks the set of
+names against what the config implies, and fuses q/k/v into ``qkv_proj`` and
+gate/up into ``gate_up_proj`` so each is one matmul at run time.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.model import LlamaFamilyModel
+from engine.rope import build_cos_sin_cache
+
+# Buffers some older checkpoints saved; recomputed by the engine, safe to skip.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    max_position: int | None = None,
+) -> tuple[LlamaFamilyModel, ModelConfig]:
+    """-> (model in eval mode without grads, config). The cos/sin cache covers
+    ``max_position`` positions (default: the config's max_position_embeddings)."""
+    path = os.fspath(path)
+    config = ModelConfig.from_pretrained(path)
+    device = torch.device(device)
+    tensors = _read_safetensors(path, device)
+    state = _to_engine_state(config, tensors, dtype)
+    with torch.device("meta"):
+        model = LlamaFamilyModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.set_cos_sin_cache(build_cos_sin_cache(config, max_position or config.max_position_embeddings, device))
+    model.requires_grad_(False)
+    return model.eval(), config
+
+
+def _read_safetensors(path: str, device: torch.device) -> dict[str, torch.Tensor]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r} (only safetensors checkpoints are supported)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        # load straight onto the target device: no host copy of a GPU model
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name in tensors:
+                    raise ValueError(f"tensor {name!r} appears in more than one safetensors file")
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def expected_hf_names(config: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {f"{p}self_attn.{n}_proj.weight" for n in "qkvo"}
+        if config.attention_bias:
+            names |= {f"{p}self_attn.{n}_proj.bias" for n in "qkv"}
+        names |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+    return names
+
+
+def _to_engine_state(
+    config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        # some tied checkpoints still store lm_head; HF ignores it, so do we
+        tensors.pop("lm_head.weight", None)
+    expected = expected_hf_names(config)
+    missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match {config.architecture} config: "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+
+    def get(name: str) -> torch.Tensor:
+        return tensors[name].to(dtype)
+
+    state = {"embed_tokens.weight": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        state["lm_head"] = get("lm_head.weight")
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        state[ours + "qkv_proj.weight"] = torch.cat([get(f"{attn}{n}_proj.weight") for n in "qkv"])
+        if config.attention_bias:
+            state[ours + "qkv_proj.bias"] = torch.cat([get(f"{attn}{n}_proj.bias") for n in "qkv"])
+        state[ours + "o_proj.weight"] = get(attn + "o_proj.weight")
+        state[ours + "gate_up_proj.weight"] = torch.cat([get(f"{hf}mlp.{n}_proj.weight") for n in ("gate", "up")])
+        state[ours + "down_proj.weight"] = get(hf + "mlp.down_proj.weight")
+        state[ours + "input_layernorm"] = get(hf + "input_layernorm.weight")
+        state[ours + "post_attention_layernorm"] = get(hf + "post_attention_layernorm.weight")
+    return state

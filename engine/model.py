@@ -1,0 +1,119 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV pool.
+
+Every heavy op goes through ``kernels.ops`` (Triton on CUDA, torch reference
+elsewhere); this module only does the matmuls and wiring. Weights are held
+fused, as the loader writes them: ``qkv_proj`` = [q; k; v] and
+``gate_up_proj`` = [gate; up], one matmul each.
+
+Batches are flattened: T tokens of B sequences, no padding; where each
+sequence's tokens sit and where their K/V go is in ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.kv_cache import KVCachePool
+from kernels import ops
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_q_heads = config.num_q_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.layer_sliding_window(layer_idx)
+        q_size = config.num_q_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+
+        self.input_layernorm = nn.Parameter(torch.empty(config.hidden_size))
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.post_attention_layernorm = nn.Parameter(torch.empty(config.hidden_size))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        residual: torch.Tensor | None,  # [T, hidden], None before the first layer
+        positions: torch.Tensor,  # [T]
+        cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+        kv_pool: KVCachePool,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_layernorm, self.eps)
+        hidden = self._attention(hidden, positions, cos_sin_cache, kv_pool, meta)
+        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps)
+        gate_up = self.gate_up_proj(hidden)  # [T, 2 * intermediate]
+        return self.down_proj(ops.silu_mul(gate_up)), residual
+
+    def _attention(self, hidden, positions, cos_sin_cache, kv_pool: KVCachePool, meta: AttentionMetadata):
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_q_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_pool.layer(self.layer_idx)
+        q, _ = ops.rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            out = ops.decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window
+            )
+        else:
+            out = ops.prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                self.scale, self.sliding_window,
+            )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+
+
+class LlamaFamilyModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = nn.Parameter(torch.empty(config.hidden_size))
+        # Tied checkpoints reuse the embedding matrix; no second copy is held.
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size)
+        )
+        # Filled by the loader/runner (``set_cos_sin_cache``); not a checkpoint tensor.
+        self.register_buffer("cos_sin_cache", torch.empty(0, config.head_dim), persistent=False)
+
+    def set_cos_sin_cache(self, cos_sin_cache: torch.Tensor) -> None:
+        self.cos_sin_cache = cos_sin_cache  # [max_position, head_dim] fp32
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_pool: KVCachePool,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """-> [T, hidden], final-normed hidden states of every new token."""
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv_pool, meta)
+        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
+        return hidden
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32 (sampling wants fp32 whatever the model dtype)."""
+        return F.linear(hidden, self.lm_head_weight).float()

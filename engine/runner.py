@@ -1,0 +1,67 @@
+"""ModelRunner: the model, its KV pool and its rotary table, run one forward at a time.
+
+Schedulers hand it ``SeqChunk``s (which tokens, which blocks); it returns the
+logits of each sequence's last new token. Block ownership stays with the
+caller's allocator: the runner only reads and writes the blocks it is given.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.attention import SeqChunk, build_input_ids, build_metadata
+from engine.kv_cache import KVCachePool
+from engine.loader import load_model
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        kv_pool: KVCachePool | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model, self.config = load_model(model_path, dtype=dtype, device=self.device)
+        self.cos_sin_cache = self.model.cos_sin_cache  # [max_position, head_dim] fp32
+        if kv_pool is None:
+            kv_pool = KVCachePool(
+                self.config.num_layers, num_blocks, block_size, self.config.num_kv_heads,
+                self.config.head_dim, dtype, self.device,
+            )
+        self._check_pool(kv_pool, block_size)
+        self.kv_pool = kv_pool
+        self.block_size = kv_pool.block_size
+        self.num_blocks = kv_pool.num_blocks
+
+    @property
+    def max_position(self) -> int:
+        return self.cos_sin_cache.shape[0]
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """-> [B, vocab] fp32 logits of each chunk's last new token; writes the chunks' K/V."""
+        meta = build_metadata(chunks, self.block_size, self.device)  # validates the chunks
+        longest = max(chunk.seq_len for chunk in chunks)
+        if longest > self.max_position:
+            raise ValueError(f"a sequence reaches {longest} tokens, beyond the rotary table's {self.max_position}")
+        input_ids = build_input_ids(chunks, self.device)
+        hidden = self.model(input_ids, meta.positions, self.kv_pool, meta)  # [T, hidden]
+        return self.model.compute_logits(hidden[meta.logits_indices])  # [B, vocab]
+
+    def _check_pool(self, pool: KVCachePool, block_size: int) -> None:
+        want = (self.config.num_layers, block_size, self.config.num_kv_heads, self.config.head_dim, self.dtype)
+        have = (pool.num_layers, pool.block_size, pool.num_kv_heads, pool.head_dim, pool.dtype)
+        if want != have:
+            raise ValueError(
+                f"KV pool (layers, block_size, kv_heads, head_dim, dtype)={have} does not fit the model's {want}"
+            )
+        have_dev = pool.kv.device
+        if have_dev.type != self.device.type or self.device.index not in (None, have_dev.index):
+            raise ValueError(f"KV pool is on {pool.kv.device} but the model on {self.device}")

@@ -1,0 +1,85 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Sampling is inverse-CDF: each non-greedy row draws one uniform number u and
+takes the first token (in descending-probability order) whose cumulative mass
+exceeds u. A seeded row draws u on the CPU from a generator seeded with
+(seed, step_index) alone, so the token depends only on that row's logits, the
+seed and the position of the token in the output: not on the batch it was
+sampled in, the device, or which worker (prefill for step 0, decode after)
+sampled it. Unseeded rows draw from torch's global CPU RNG.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.sampling import SamplingParams
+
+# Prime multiplier: (seed, step) pairs map to distinct generator seeds in practice.
+_SEED_STRIDE = 1_000_003
+_MIN_TEMPERATURE = 1e-5
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> list[int]:
+    """logits [B, V] fp32; params and step_indices one per row -> B token ids.
+
+    step_indices[b] is the index of the token being generated for row b's
+    request (0 for the first token).
+    """
+    num_rows = logits.shape[0]
+    if len(params) != num_rows or len(step_indices) != num_rows:
+        raise ValueError(f"{num_rows} logits rows but {len(params)} params and {len(step_indices)} step indices")
+    tokens = logits.argmax(dim=-1)  # [B]; greedy rows keep this
+    random_rows = [b for b, p in enumerate(params) if p.temperature != 0]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        chosen = _sample_rows(
+            logits[rows], [params[b] for b in random_rows], [step_indices[b] for b in random_rows]
+        )
+        tokens = tokens.index_copy(0, rows, chosen)
+    return tokens.tolist()
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:
+    """logits [R, V] of non-greedy rows -> [R] int64 token ids."""
+    device = logits.device
+    temperatures = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=device)
+    probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
+    # stable: among equal probabilities the lower token id comes first, as argmax does
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)  # [R, V]
+    keep = _keep_mask(sorted_probs, params)
+    sorted_probs = sorted_probs.masked_fill(~keep, 0.0).double()
+    cdf = sorted_probs.cumsum(dim=-1)  # [R, V], unnormalised
+    uniforms = _uniforms(params, step_indices).to(device)  # [R] in [0, 1)
+    thresholds = uniforms * cdf[:, -1]
+    ranks = torch.searchsorted(cdf, thresholds[:, None], right=True)  # first rank with cdf > u * total
+    ranks = ranks.clamp_(max=logits.shape[-1] - 1)
+    return sorted_ids.gather(1, ranks).squeeze(1)
+
+
+def _keep_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[R, V] bool over descending-sorted probabilities: which ranks survive top-k and top-p."""
+    num_rows, vocab = sorted_probs.shape
+    device = sorted_probs.device
+    ranks = torch.arange(vocab, device=device)[None, :]  # [1, V]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    keep = ranks < top_k[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=sorted_probs.dtype)
+    # Renormalise over the top-k survivors first (top-k then top-p, as HF/vLLM do).
+    kept_probs = sorted_probs.masked_fill(~keep, 0.0)
+    kept_probs = kept_probs / kept_probs.sum(dim=-1, keepdim=True)
+    mass_before = kept_probs.cumsum(dim=-1) - kept_probs  # mass of strictly better ranks
+    # a rank survives while the better ranks hold < top_p: the smallest set with mass >= top_p
+    keep &= mass_before < top_p[:, None]
+    keep[:, 0] = True  # always at least the most likely token
+    return keep
+
+
+def _uniforms(params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:
+    """[R] float64 on the CPU: per-(seed, step) generators for seeded rows, global RNG otherwise."""
+    uniforms = torch.rand(len(params), dtype=torch.float64)
+    for r, (p, step) in enumerate(zip(params, step_indices)):
+        if p.seed is not None:
+            generator = torch.Generator().manual_seed((p.seed * _SEED_STRIDE + step) % 2**63)
+            uniforms[r] = torch.rand((), generator=generator, dtype=torch.float64)
+    return uniforms
