@@ -113,8 +113,8 @@ def prefill_attention(
         v = v.repeat_interleave(group, dim=1)
         qb = q[s:e].float()  # [Q, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
-        q_pos = torch.arange(seq_len - (e - s), seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
+        q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= (q_pos - k_pos) < sliding_window
@@ -134,7 +134,7 @@ def decode_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence (q: [num_seqs, num_q_heads, head_dim]) at position seq_len - 1."""
-    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
     )

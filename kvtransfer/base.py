@@ -66,7 +66,10 @@ class Transport(ABC):
         """Sending side: open a connection to an exported pool."""
 
 
-_TRANSPORTS = {"shm": "kvtransfer.shm:ShmTransport"}
+_TRANSPORTS = {
+    "shm": "kvtransfer.shm:ShmTransport",
+    "cuda_ipc": "kvtransfer.cuda_ipc:CudaIpcTransport",
+}
 
 
 def get_transport(name: str) -> Transport:

@@ -43,6 +43,6 @@ class ShmTransport(Transport):
 
         try:
             pool = KVCachePool.attach_shared(endpoint["path"], **endpoint["layout"])
-        except (OSError, RuntimeError, KeyError) as exc:
+        except (OSError, RuntimeError, KeyError, ValueError) as exc:
             raise TransferError(f"cannot map peer KV pool {endpoint.get('path')}: {exc}") from exc
         return ShmConnection(pool)

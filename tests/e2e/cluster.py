@@ -1,0 +1,76 @@
+"""A real local cluster for end-to-end tests: redis-server, decode, prefill, gateway.
+
+Every piece is the production process started the way `tandem serve` starts
+it; tests talk to it over HTTP and read worker state from Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import redis
+
+from cluster import keys
+from cluster.launcher import RedisServer, free_port, service_argv, stop_all, wait_healthy
+from cluster.messages import WorkerInfo, decode
+from cluster.settings import Settings
+
+
+class LocalCluster:
+    def __init__(self, model: str, log_dir: str, **overrides):
+        self.redis_server = RedisServer()
+        self.settings = Settings(
+            model=model,
+            redis_url=self.redis_server.url,
+            port=free_port(),
+            heartbeat_interval_s=0.2,
+            heartbeat_ttl_s=2.0,
+            **overrides,
+        ).resolve()
+        self.base_url = f"http://{self.settings.host}:{self.settings.port}"
+        self.redis = redis.Redis.from_url(self.redis_server.url)
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start_service(self, role: str, worker_id: str | None = None) -> subprocess.Popen:
+        name = worker_id or role
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        proc = subprocess.Popen(service_argv(role, self.settings, worker_id), stdout=log, stderr=log)
+        self.procs[name] = proc
+        return proc
+
+    def start(self, timeout_s: float = 180.0) -> "LocalCluster":
+        self.start_service("decode", "decode-0")
+        self.start_service("prefill", "prefill-0")
+        self.start_service("gateway")
+        if not wait_healthy(f"{self.base_url}/health", list(self.procs.values()), timeout_s):
+            self.stop()
+            raise RuntimeError(f"cluster did not become healthy; logs in {self.log_dir}:\n{self.logs()}")
+        return self
+
+    def worker(self, role: str, worker_id: str) -> WorkerInfo | None:
+        raw = self.redis.get(keys.worker(role, worker_id))
+        return decode(raw) if raw else None
+
+    def wait_blocks_free(self, role: str, worker_id: str, timeout_s: float = 15.0) -> WorkerInfo:
+        deadline = time.monotonic() + timeout_s
+        info = None
+        while time.monotonic() < deadline:
+            info = self.worker(role, worker_id)
+            if info and info.num_free_blocks == info.num_total_blocks and info.num_running == 0:
+                return info
+            time.sleep(0.1)
+        raise AssertionError(f"{worker_id} still holds blocks: {info}")
+
+    def logs(self) -> str:
+        out = []
+        for name in os.listdir(self.log_dir):
+            with open(os.path.join(self.log_dir, name), errors="replace") as f:
+                out.append(f"--- {name}\n" + f.read()[-3000:])
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        stop_all(list(self.procs.values()))
+        self.redis_server.stop()

@@ -1,0 +1,35 @@
+import pytest
+import torch
+
+from engine.testing import make_tiny_checkpoint
+from tests.e2e.cluster import LocalCluster
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory):
+    # small blocks and a small prefill budget so prompts span several chunks and blocks
+    c = LocalCluster(tiny_llama, str(tmp_path_factory.mktemp("logs")), tokens_per_block=4,
+                     max_num_tokens=16, max_seq_len=256, max_input_len=200).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_llama):
+    """HF transformers generate() on the same weights: the reference output."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+    def generate(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+        return out[0, len(prompt_ids):].tolist()
+
+    return generate

@@ -1,0 +1,177 @@
+"""End to end on the CPU: real redis-server, gateway, prefill and decode processes.
+
+Greedy output through the whole disaggregated path must equal HF transformers'
+generate() token for token, for concurrent streaming clients (the official
+openai client and raw httpx SSE), prompts longer than a chunk and a block.
+"""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Hello world!",
+    "The quick brown fox",
+    "Once upon a time there was a small model that lived in a test directory.",
+    "What is the capital of France?",
+    "A serving system answers many requests at once: it reads the prompt, computes the keys and values "
+    "of every token, and then writes one new token at a time until the answer is complete.",
+    "one, two, three, four, five, six, seven, eight, nine, ten.",
+    "Please write a short story about a robot who learns to paint.",
+    "The weather is nice and the sun is shining; the children are playing in the park.",
+]
+MAX_TOKENS = 24
+
+
+async def _openai_stream(base_url, model, prompt):
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    text, token_ids, finish = "", [], None
+    async for chunk in stream:
+        choice = chunk.choices[0]
+        text += choice.text
+        token_ids += (choice.model_extra or {}).get("token_ids") or []
+        finish = choice.finish_reason or finish
+    await client.close()
+    return text, token_ids, finish
+
+
+async def _httpx_stream(base_url, model, prompt):
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
+            "return_token_ids": True}
+    text, token_ids, finish, done = "", [], None, False
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            async for line in resp.aiter_lines():
+                if not line:
+                    continue
+                assert line.startswith("data: ")
+                payload = line[len("data: "):]
+                if payload == "[DONE]":
+                    done = True
+                    continue
+                choice = json.loads(payload)["choices"][0]
+                text += choice["text"]
+                token_ids += choice.get("token_ids") or []
+                finish = choice["finish_reason"] or finish
+    assert done
+    return text, token_ids, finish
+
+
+def test_concurrent_streams_match_hf_generate(cluster, hf_greedy, tiny_llama):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    model = cluster.settings.model_name
+
+    async def run_all():
+        calls = [(_openai_stream if i % 2 == 0 else _httpx_stream)(cluster.base_url, model, p)
+                 for i, p in enumerate(PROMPTS)]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(run_all())
+    lengths = [len(tokenizer(p).input_ids) for p in PROMPTS]
+    assert max(lengths) > 2 * cluster.settings.max_num_tokens  # several chunks
+    assert min(lengths) < cluster.settings.tokens_per_block * 2
+    for prompt, (text, token_ids, finish) in zip(PROMPTS, results):
+        expected = hf_greedy(tokenizer(prompt).input_ids, MAX_TOKENS)
+        assert token_ids == expected, prompt
+        assert text == tokenizer.decode(expected, skip_special_tokens=True)
+        assert finish == ("length" if len(expected) == MAX_TOKENS else "stop")
+    cluster.wait_blocks_free("decode", "decode-0")
+    cluster.wait_blocks_free("prefill", "prefill-0")
+
+
+def test_non_streaming_and_chat(cluster, hf_greedy, tiny_llama):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused")
+    model = cluster.settings.model_name
+    assert [m.id for m in client.models.list().data] == [model]
+
+    completion = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0)
+    expected = hf_greedy(tokenizer(PROMPTS[2]).input_ids, MAX_TOKENS)
+    assert completion.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert completion.usage.completion_tokens == len(expected)
+    assert completion.usage.prompt_tokens == len(tokenizer(PROMPTS[2]).input_ids)
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False).input_ids
+    expected = hf_greedy(chat_ids, MAX_TOKENS)
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True)
+        if c.choices
+    )
+    assert streamed == chat.choices[0].message.content
+
+
+def test_seeded_sampling_is_reproducible(cluster):
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused")
+    kwargs = dict(model=cluster.settings.model_name, prompt=PROMPTS[1], max_tokens=16, temperature=1.0,
+                  top_p=0.9, seed=1234, extra_body={"top_k": 50, "ignore_eos": True})
+    first = client.completions.create(**kwargs).choices[0].text
+    second = client.completions.create(**kwargs).choices[0].text
+    assert first == second
+
+
+BAD_REQUESTS = [
+    ({"model": "tiny", "prompt": "x" * 5000, "max_tokens": 4}, "prompt"),  # longer than max_input_len
+    ({"prompt": "hello", "max_tokens": 10_000}, "max_tokens"),  # cannot fit max_seq_len
+    ({"prompt": "hello", "max_tokens": "many"}, "max_tokens"),  # wrong type
+    ({"prompt": "hello", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "hello", "temperature": "hot"}, "temperature"),
+    ({"prompt": 12}, "prompt"),
+    ({"prompt": [1, 2, 10_000_000]}, "prompt"),  # out-of-vocab token id
+]
+
+
+def test_bad_input_gets_openai_errors_and_cluster_keeps_serving(cluster):
+    model = cluster.settings.model_name
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as http:
+        for body, param in BAD_REQUESTS:
+            body = {"model": model, **body} if "model" not in body else {**body, "model": model}
+            resp = http.post("/v1/completions", json=body)
+            assert resp.status_code == 400, (body, resp.text)
+            error = resp.json()["error"]
+            assert set(error) >= {"message", "type", "param", "code"}
+            assert error["type"] == "invalid_request_error"
+            assert error["message"]
+        unknown = http.post("/v1/completions", json={"model": "no-such-model", "prompt": "hi", "max_tokens": 2})
+        assert unknown.status_code in (400, 404) and "error" in unknown.json()
+        malformed = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert malformed.status_code == 400 and "error" in malformed.json()
+        ok = http.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    cluster.wait_blocks_free("decode", "decode-0")
+
+
+def test_client_disconnect_releases_blocks(cluster):
+    body = {"model": cluster.settings.model_name, "prompt": PROMPTS[4], "max_tokens": 200, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            seen = 0
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 3:
+                    break
+        held = cluster.worker("decode", "decode-0")
+    assert seen == 3
+    info = cluster.wait_blocks_free("decode", "decode-0")
+    assert info.num_free_blocks == info.num_total_blocks
+    assert held is not None
