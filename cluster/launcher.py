@@ -100,6 +100,22 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> b
     return False
 
 
+def wait_registered(redis_url: str, role: str, count: int, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+    import redis
+
+    from cluster.registry import live_workers
+
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        if len(live_workers(client, role)) >= count:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -127,10 +143,15 @@ def serve(args: argparse.Namespace) -> int:
         settings.redis_url = redis_server.url
     procs: list[subprocess.Popen] = []
     try:
-        for i in range(args.num_decode_workers):
-            procs.append(subprocess.Popen(service_argv("decode", settings, f"decode-{i}")))
+        # prefill workers first: on a shared GPU the decode workers then size
+        # their pools from the memory the prefill workers left free
         for i in range(args.num_prefill_workers):
             procs.append(subprocess.Popen(service_argv("prefill", settings, f"prefill-{i}")))
+        if not wait_registered(settings.redis_url, "prefill", args.num_prefill_workers, procs, READY_TIMEOUT_S):
+            print("tandem: the prefill workers did not start; stopping", file=sys.stderr)
+            return 1
+        for i in range(args.num_decode_workers):
+            procs.append(subprocess.Popen(service_argv("decode", settings, f"decode-{i}")))
         procs.append(subprocess.Popen(service_argv("gateway", settings)))
         base = f"http://{settings.host}:{settings.port}"
         if not wait_healthy(f"{base}/health", procs, READY_TIMEOUT_S):

@@ -40,7 +40,7 @@ class Settings:
     max_num_tokens: int = 2048
     max_seq_len: int | None = None
     max_input_len: int | None = None
-    kv_transport: str = "shm"
+    kv_transport: str = "auto"  # auto: cuda_ipc on a GPU, shm on the CPU
     capacity_scheduler_policy: str = "GUARANTEED_NO_EVICT"
     context_chunking_policy: str = "FIRST_COME_FIRST_SERVED"
     worker_id: str | None = None
@@ -121,7 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     a("--max-num-tokens", type=int, default=d.max_num_tokens, help="token budget of one prefill forward")
     a("--max-seq-len", type=int, help="prompt + output tokens (default: the model's max positions)")
     a("--max-input-len", type=int, help="longest prompt accepted (default: max_seq_len - 1)")
-    a("--kv-transport", default=d.kv_transport, choices=["shm"])
+    a("--kv-transport", default=d.kv_transport, choices=["auto", "shm", "cuda_ipc"],
+      help="how KV blocks move from prefill to decode (auto: cuda_ipc on a GPU, shm on the CPU)")
     a("--capacity-scheduler-policy", default=d.capacity_scheduler_policy, choices=CAPACITY_POLICIES)
     a("--context-chunking-policy", default=d.context_chunking_policy, choices=CHUNKING_POLICIES)
     a("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)

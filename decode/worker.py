@@ -33,7 +33,7 @@ from decode.request import DecodeRequest
 from decode.scheduler import DecodeScheduler
 from engine.attention import SeqChunk
 from engine.block_allocator import BlockAllocator
-from engine.placement import build_runner
+from engine.placement import build_runner, resolve_device, resolve_transport
 from engine.sampler import sample
 from kvtransfer import KVPoll, KVReceiver, get_transport
 
@@ -49,11 +49,14 @@ class DecodeWorker:
         self.settings = settings
         self.worker_id = settings.worker_name(self.role)
         self.redis = redis.Redis.from_url(settings.redis_url)
-        self.transport = get_transport(settings.kv_transport)
+        transport = resolve_transport(settings.kv_transport, resolve_device(settings.device))
+        self.transport = get_transport(transport)
         shm_path = None
-        if settings.kv_transport == "shm":
+        if transport == "shm":
             shm_path = os.path.join(_shm_dir(), f"tandem-kv-{self.worker_id}-{os.getpid()}")
         self.runner = build_runner(settings, shm_path=shm_path)
+        if self.runner.device.type == "cuda":
+            self.runner.enable_cuda_graphs(settings.max_batch_size, settings.max_seq_len)
         self.kv_endpoint = self.transport.export_pool(self.runner.kv_pool)
         self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, settings.tokens_per_block)
         self.scheduler = DecodeScheduler(
@@ -122,6 +125,9 @@ class DecodeWorker:
     def _handle_messages(self, messages: list) -> None:
         for msg in messages:
             if isinstance(msg, GenerateRequest):
+                if msg.request_id in self.scheduler.requests:
+                    log.error("duplicate request id ignored", request_id=msg.request_id)
+                    continue
                 self.scheduler.add(DecodeRequest(spec=msg))
             elif isinstance(msg, PrefillDone):
                 self._on_prefill_done(msg)

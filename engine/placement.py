@@ -27,18 +27,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def kv_pool_blocks(settings: Settings, bytes_per_token: int, device: torch.device, share: float = 1.0) -> int:
+def resolve_transport(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "cuda_ipc" if device.type == "cuda" else "shm"
+    if name == "shm" and device.type == "cuda":
+        raise ValueError("the shm transport moves CPU pools; use --kv-transport cuda_ipc on a GPU")
+    return name
+
+
+def kv_pool_blocks(
+    settings: Settings, bytes_per_token: int, device: torch.device, gpu_cap_tokens: int | None = None
+) -> int:
     """Number of KV blocks: the smaller of the token cap and the memory fraction.
 
-    ``share`` is this worker's part of the device when several workers share one GPU.
+    ``gpu_cap_tokens``: a default cap on a GPU when the operator set none (the
+    prefill worker needs only room for the prompts in flight, and leaves the
+    rest of a shared GPU to the decode worker).
     """
     block_size = settings.tokens_per_block
     candidates = []
     if settings.max_tokens_in_paged_kv_cache is not None:
         candidates.append(settings.max_tokens_in_paged_kv_cache // block_size)
+    elif device.type == "cuda" and gpu_cap_tokens is not None:
+        candidates.append(gpu_cap_tokens // block_size)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        budget = free * settings.kv_cache_free_gpu_mem_fraction * share
+        budget = free * settings.kv_cache_free_gpu_mem_fraction
         candidates.append(int(budget // (bytes_per_token * block_size)))
     elif not candidates:
         candidates.append(CPU_DEFAULT_KV_TOKENS // block_size)
@@ -53,7 +67,7 @@ def kv_pool_blocks(settings: Settings, bytes_per_token: int, device: torch.devic
     return num_blocks
 
 
-def build_runner(settings: Settings, shm_path: str | None = None, share: float = 1.0):
+def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens: int | None = None):
     """Load the model and its KV pool for a worker. ``shm_path``: put the pool in that file."""
     from engine.config import ModelConfig
     from engine.kv_cache import KVCachePool
@@ -62,7 +76,7 @@ def build_runner(settings: Settings, shm_path: str | None = None, share: float =
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     config = ModelConfig.from_pretrained(settings.model)
-    num_blocks = kv_pool_blocks(settings, config.kv_bytes_per_token(dtype), device, share)
+    num_blocks = kv_pool_blocks(settings, config.kv_bytes_per_token(dtype), device, gpu_cap_tokens)
     layout = dict(
         num_layers=config.num_layers,
         num_blocks=num_blocks,

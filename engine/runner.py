@@ -26,9 +26,21 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         kv_pool: KVCachePool | None = None,
     ) -> None:
-        self.device = torch.device(device)
+        model, config = load_model(model_path, dtype=dtype, device=torch.device(device))
+        self._setup(model, config, num_blocks, block_size, dtype, torch.device(device), kv_pool)
+
+    @classmethod
+    def from_model(cls, model, config, num_blocks: int, block_size: int, kv_pool: KVCachePool | None = None):
+        """A runner around a model already built (benchmarks with random weights)."""
+        runner = cls.__new__(cls)
+        weight = model.embed_tokens.weight
+        runner._setup(model, config, num_blocks, block_size, weight.dtype, weight.device, kv_pool)
+        return runner
+
+    def _setup(self, model, config, num_blocks, block_size, dtype, device, kv_pool) -> None:
+        self.device = device
         self.dtype = dtype
-        self.model, self.config = load_model(model_path, dtype=dtype, device=self.device)
+        self.model, self.config = model, config
         self.cos_sin_cache = self.model.cos_sin_cache  # [max_position, head_dim] fp32
         if kv_pool is None:
             kv_pool = KVCachePool(
@@ -39,6 +51,13 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = kv_pool.block_size
         self.num_blocks = kv_pool.num_blocks
+        self.graphs = None  # engine.cuda_graph.DecodeGraphs once enable_cuda_graphs() ran
+
+    def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Capture decode steps per batch-size bucket (CUDA only; eager above the largest bucket)."""
+        from engine.cuda_graph import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_batch_size, max_seq_len)
 
     @property
     def max_position(self) -> int:
@@ -47,6 +66,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """-> [B, vocab] fp32 logits of each chunk's last new token; writes the chunks' K/V."""
+        if self.graphs is not None and self.graphs.can_run(chunks):
+            return self.graphs.forward(chunks)
         meta = build_metadata(chunks, self.block_size, self.device)  # validates the chunks
         longest = max(chunk.seq_len for chunk in chunks)
         if longest > self.max_position:

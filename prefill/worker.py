@@ -24,7 +24,7 @@ from cluster.request_state import RequestStatus, finish_reason
 from cluster.settings import Settings
 from engine.attention import SeqChunk
 from engine.block_allocator import BlockAllocator
-from engine.placement import build_runner
+from engine.placement import build_runner, resolve_transport
 from engine.sampler import sample
 from kvtransfer import KVPoll, KVSender, get_transport
 from kvtransfer.base import TransferError
@@ -41,8 +41,10 @@ class PrefillWorker:
         self.settings = settings
         self.worker_id = settings.worker_name(self.role)
         self.redis = redis.Redis.from_url(settings.redis_url)
-        self.transport = get_transport(settings.kv_transport)
-        self.runner = build_runner(settings)
+        # room for the prompts in flight; the rest of a shared GPU is the decode worker's
+        cap = max(4 * settings.max_num_tokens, 2 * settings.max_input_len)
+        self.runner = build_runner(settings, gpu_cap_tokens=cap)
+        self.transport = get_transport(resolve_transport(settings.kv_transport, self.runner.device))
         self.block_size = settings.tokens_per_block
         self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, self.block_size)
         if self.allocator.num_total * self.block_size < settings.max_input_len:
@@ -114,6 +116,9 @@ class PrefillWorker:
                 log.error("unexpected message", kind=msg.kind)
 
     def _accept(self, job: PrefillJob) -> None:
+        if job.request_id in self.scheduler.jobs:
+            log.error("duplicate prefill job ignored", request_id=job.request_id)
+            return
         state = PrefillState(job=job)
         try:
             state.sender = KVSender(self._connect(job.kv_endpoint), job.dst_block_ids)

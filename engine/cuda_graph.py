@@ -1,0 +1,125 @@
+"""Decode steps as CUDA graphs, one per batch-size bucket.
+
+A decode step launches hundreds of small kernels; replaying a captured graph
+costs one launch. Inputs live in static device buffers sized for the largest
+bucket; a batch of B sequences runs the graph of the smallest bucket >= B with
+the rows past B padded: slot -1 (the KV write skips it), seq_len 1 and block
+table row 0, so the padded rows read one harmless slot and their logits are
+dropped. Batches larger than the largest bucket, and prefill chunks, run
+eagerly. All graphs share one memory pool, captured largest first.
+
+Block-table rows are written into pinned host memory through a numpy view and
+copied in one strided copy covering only the columns this batch uses: stale
+entries beyond a row's length are never read (the kernels stop at seq_len).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, SeqChunk
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def buckets_for(max_batch_size: int) -> list[int]:
+    return [b for b in BUCKETS if b < max_batch_size] + [max_batch_size]
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch_size: int, max_seq_len: int):
+        if runner.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.runner = runner
+        self.buckets = buckets_for(max_batch_size)
+        self.max_blocks = -(-max_seq_len // runner.block_size)
+        n, device = self.buckets[-1], runner.device
+        # static device inputs, [n] or [n, max_blocks]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
+        # pinned host staging: rows 0-2 = input ids, positions, slots (int64); seq_lens separately
+        self._host_vec = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)
+        self._host_seq_lens = torch.ones(n, dtype=torch.int32, pin_memory=True)
+        self._host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True)
+        self._vec_np = self._host_vec.numpy()
+        self._seq_lens_np = self._host_seq_lens.numpy()
+        self._tables_np = self._host_tables.numpy()
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._capture_all()
+
+    def can_run(self, chunks: list[SeqChunk]) -> bool:
+        return (
+            len(chunks) <= self.buckets[-1]
+            and all(len(c.token_ids) == 1 and len(c.block_ids) <= self.max_blocks for c in chunks)
+        )
+
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """-> [B, vocab] fp32 logits; writes each sequence's new K/V."""
+        num_seqs = len(chunks)
+        bucket = next(b for b in self.buckets if b >= num_seqs)
+        block_size = self.runner.block_size
+        vec, lens, tables = self._vec_np, self._seq_lens_np, self._tables_np
+        width = 1
+        for i, chunk in enumerate(chunks):
+            pos = chunk.num_computed
+            blocks = chunk.block_ids
+            vec[0, i] = chunk.token_ids[0]
+            vec[1, i] = pos
+            vec[2, i] = blocks[pos // block_size] * block_size + pos % block_size
+            lens[i] = pos + 1
+            used = pos // block_size + 1
+            tables[i, :used] = blocks[:used]
+            width = max(width, used)
+        vec[:2, num_seqs:bucket] = 0
+        vec[2, num_seqs:bucket] = -1
+        lens[num_seqs:bucket] = 1
+        tables[num_seqs:bucket, :width] = 0
+        self.input_ids[:bucket].copy_(self._host_vec[0, :bucket], non_blocking=True)
+        self.positions[:bucket].copy_(self._host_vec[1, :bucket], non_blocking=True)
+        self.slot_mapping[:bucket].copy_(self._host_vec[2, :bucket], non_blocking=True)
+        self.seq_lens[:bucket].copy_(self._host_seq_lens[:bucket], non_blocking=True)
+        self.block_tables[:bucket, :width].copy_(self._host_tables[:bucket, :width], non_blocking=True)
+        self._graphs[bucket].replay()
+        return self._logits[bucket][:num_seqs]
+
+    # ---- capture --------------------------------------------------------------------
+    def _metadata(self, bucket: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            slot_mapping=self.slot_mapping[:bucket],
+            positions=self.positions[:bucket],
+            logits_indices=self.logits_indices[:bucket],
+            is_decode=True,
+        )
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        model = self.runner.model
+        meta = self._metadata(bucket)
+        hidden = model(self.input_ids[:bucket], meta.positions, self.runner.kv_pool, meta)
+        return model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device=self.runner.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for bucket in self.buckets:  # compile every Triton kernel before capture
+                self._step(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for bucket in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[bucket] = self._step(bucket)
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize()
