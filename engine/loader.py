@@ -105,3 +105,46 @@ def _to_engine_state(
         state[ours + "input_layernorm"] = get(hf + "input_layernorm.weight")
         state[ours + "post_attention_layernorm"] = get(hf + "post_attention_layernorm.weight")
     return state
+
+
+def model_from_hf_state(
+    config: ModelConfig,
+    hf_state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_position: int | None = None,
+) -> LlamaFamilyModel:
+    """Our model from an HF-named state dict (e.g. ``LlamaForCausalLM.state_dict()``): same weights, fused."""
+    device = torch.device(device)
+    state = _to_engine_state(config, {n: t.to(device) for n, t in hf_state.items()}, dtype)
+    with torch.device("meta"):
+        model = LlamaFamilyModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.set_cos_sin_cache(build_cos_sin_cache(config, max_position or config.max_position_embeddings, device))
+    model.requires_grad_(False)
+    return model.eval()
+
+
+@torch.no_grad()
+def random_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    max_position: int | None = None,
+) -> LlamaFamilyModel:
+    """Random weights at the config's shapes, built on ``device`` (benchmarks: speed ignores values)."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaFamilyModel(config)
+    model.to_empty(device=device)
+    model.to(dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for param in model.parameters():
+        if param.dim() == 1:
+            param.fill_(1.0)  # norm weights (and biases: harmless)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+    model.set_cos_sin_cache(build_cos_sin_cache(config, max_position or config.max_position_embeddings, device))
+    model.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,244 @@
+"""`tandem bench engine`: our engine against the hardware and HF, in one process.
+
+    python -m bench.engine --out results.json [--models llama3.2-1b,llama2-7b,llama3-8b]
+                           [--anchors static,eager,prefill,cb] [--anchor-models llama2-7b]
+
+Measures the ceilings (HBM copy, bf16 matmul), then for each model shape with
+random bf16 weights: decode at batch 1, 8, 64 (prompt 128, 256 new tokens,
+CUDA graphs, greedy sampling with one host sync per step), prefill of one
+2048-token prompt, and the KV handoff of that prompt (the cuda_ipc copy path);
+then the HF transformers anchors. Writes JSON rows
+{workload, model, metric, value, anchor, anchor_value, ratio} and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from bench.shapes import SHAPES, hf_config_dict
+
+ROWS: list[dict] = []
+
+
+def row(workload, model, metric, value, anchor=None, anchor_value=None, ratio=None):
+    r = dict(workload=workload, model=model, metric=metric, value=value, anchor=anchor,
+             anchor_value=anchor_value, ratio=ratio)
+    ROWS.append(r)
+    print(json.dumps(r), flush=True)
+
+
+def build_runner(name: str, num_tokens: int, max_seq_len: int, block_size: int = 16, max_batch_size: int = 64):
+    from engine.config import ModelConfig
+    from engine.loader import random_model
+    from engine.runner import ModelRunner
+
+    config = ModelConfig.from_dict(hf_config_dict(name))
+    model = random_model(config, torch.bfloat16, "cuda")
+    runner = ModelRunner.from_model(model, config, num_blocks=-(-num_tokens // block_size), block_size=block_size)
+    runner.enable_cuda_graphs(max_batch_size, max_seq_len)
+    return runner
+
+
+def weight_bytes(runner) -> int:
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+def decode_workload(runner, allocator, batch: int, prompt_len: int = 128, new_tokens: int = 256) -> dict:
+    from cluster.sampling import SamplingParams
+    from engine.attention import SeqChunk
+    from engine.sampler import sample
+
+    vocab = runner.config.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    blocks = [allocator.allocate(prompt_len + new_tokens) for _ in range(batch)]
+    greedy = [SamplingParams(temperature=0.0)] * batch
+    try:
+        logits = runner.forward([SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)])
+        tokens = sample(logits, greedy, [0] * batch)
+        lengths = [prompt_len + 1] * batch
+        warmup = 8
+        for step in range(new_tokens - 1):
+            if step == warmup:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            chunks = [SeqChunk([t], n - 1, b) for t, n, b in zip(tokens, lengths, blocks)]
+            tokens = sample(runner.forward(chunks), greedy, [step + 1] * batch)  # one host sync
+            lengths = [n + 1 for n in lengths]
+        ms = (time.perf_counter() - t0) / (new_tokens - 1 - warmup) * 1e3
+    finally:
+        for b in blocks:
+            allocator.free(b)
+    avg_ctx = prompt_len + new_tokens / 2
+    kv_read = batch * avg_ctx * runner.config.kv_bytes_per_token(torch.bfloat16)
+    return {"ms_per_step": ms, "out_tok_per_s": batch * 1e3 / ms, "kv_read_bytes": kv_read}
+
+
+def prefill_workload(runner, allocator, prompt_len: int = 2048) -> dict:
+    from bench.timing import median_ms
+    from engine.attention import SeqChunk
+
+    prompt = torch.randint(3, runner.config.vocab_size, (prompt_len,)).tolist()
+    blocks = allocator.allocate(prompt_len)
+    try:
+        ms = median_ms(lambda: runner.forward([SeqChunk(prompt, 0, blocks)]), reps=5, warmup=2)
+    finally:
+        allocator.free(blocks)
+    c = runner.config
+    body = weight_bytes(runner) / 2 - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    flops = 2 * body * prompt_len + 2 * prompt_len**2 * c.num_q_heads * c.head_dim * c.num_layers
+    return {"ms": ms, "flops": flops}
+
+
+def handoff_workload(runner, allocator, prompt_len: int = 2048) -> dict:
+    """Copy a prompt's blocks into another pool through the cuda_ipc connection's copy path."""
+    from bench.timing import median_ms
+    from kvtransfer.cuda_ipc import CudaIpcConnection
+
+    num_blocks = -(-prompt_len // runner.block_size)
+    src = allocator.allocate(prompt_len)
+    dst_kv = torch.empty_like(runner.kv_pool.kv[:, :, : num_blocks + 8])
+    dst = list(range(4, 4 + num_blocks))
+    conn = CudaIpcConnection(dst_kv)
+
+    def copy():
+        transfer = conn.write(runner.kv_pool.kv, src, dst)
+        while not transfer.done():
+            pass
+
+    try:
+        ms = median_ms(copy, reps=10, warmup=2)
+        assert torch.equal(dst_kv[:, :, dst], runner.kv_pool.kv[:, :, src])
+    finally:
+        allocator.free(src)
+    nbytes = num_blocks * runner.kv_pool.bytes_per_block
+    return {"ms": ms, "bytes": nbytes, "GBps": nbytes / (ms / 1e3) / 1e9}
+
+
+def run_model(name: str, ceil: dict, batches: list[int]) -> None:
+    from engine.block_allocator import BlockAllocator
+
+    max_batch = max(batches)
+    runner = build_runner(name, num_tokens=max_batch * 400 + 2 * 2048 + 1024, max_seq_len=4096,
+                          max_batch_size=max_batch)
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    bw = ceil["hbm_copy_TBps"] * 1e12
+    wbytes = weight_bytes(runner)
+    row("weights", name, "GB", wbytes / 1e9)
+    for batch in batches:
+        r = decode_workload(runner, allocator, batch)
+        floor_ms = (wbytes + r["kv_read_bytes"]) / bw * 1e3
+        row(f"decode_b{batch}", name, "ms_per_step", r["ms_per_step"], "bandwidth_floor_ms", floor_ms,
+            r["ms_per_step"] / floor_ms)
+        row(f"decode_b{batch}", name, "out_tok_per_s", r["out_tok_per_s"])
+    p = prefill_workload(runner, allocator)
+    row("prefill_2048", name, "ms", p["ms"], "matmul_floor_ms", p["flops"] / (ceil["bf16_matmul_TFLOPs"] * 1e12) * 1e3,
+        None)
+    mfu = p["flops"] / (p["ms"] / 1e3) / (ceil["bf16_matmul_TFLOPs"] * 1e12)
+    row("prefill_2048", name, "fraction_of_matmul_rate", mfu)
+    h = handoff_workload(runner, allocator)
+    row("kv_handoff_2048", name, "GBps", h["GBps"], "hbm_copy_GBps", ceil["hbm_copy_TBps"] * 1e3,
+        h["GBps"] / (ceil["hbm_copy_TBps"] * 1e3))
+    row("kv_handoff_2048", name, "added_ttft_fraction", h["ms"] / p["ms"], "prefill_ms", p["ms"], None)
+    row("kv_handoff_2048", name, "bytes", h["bytes"])
+    del runner, allocator
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_anchors(name: str, which: set[str]) -> None:
+    from bench import hf_anchors
+
+    model, config = hf_anchors.build_hf(name)
+    ours = {(r["workload"], r["metric"]): r["value"] for r in ROWS if r["model"] == name}
+
+    def compare(workload, metric, anchor, anchor_value, higher_is_better=True):
+        value = ours.get((workload, metric))
+        ratio = None if value is None else (value / anchor_value if higher_is_better else anchor_value / value)
+        row(workload, name, metric, value, anchor, anchor_value, ratio)
+
+    steps = {
+        "static": lambda: [
+            compare("decode_b1", "out_tok_per_s", "hf_static_compiled",
+                    hf_anchors.static_compiled(model, config, 1, 128, 256)["out_tok_per_s"]),
+            compare("decode_b64", "out_tok_per_s", "hf_static_compiled",
+                    hf_anchors.static_compiled(model, config, 64, 128, 256)["out_tok_per_s"]),
+        ],
+        "eager": lambda: compare("decode_b1", "out_tok_per_s", "hf_eager",
+                                 hf_anchors.eager(model, config, 1, 128, 256)["out_tok_per_s"]),
+        "prefill": lambda: compare("prefill_2048", "ms", "hf_prefill_ms",
+                                   hf_anchors.prefill(model, config)["prefill_ms"], higher_is_better=False),
+        "cb": lambda: row("mixed_128req", name, "hf_cb_out_tok_per_s",
+                          hf_anchors.continuous_batching(model, config)["out_tok_per_s"]),
+    }
+    for key in ("prefill", "static", "eager", "cb"):
+        if key in which:
+            try:
+                steps[key]()
+            except Exception as exc:  # a partial table beats none
+                traceback.print_exc()
+                row(f"anchor_{key}", name, "error", f"{type(exc).__name__}: {exc}"[:300])
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'workload':<18} {'model':<12} {'metric':<24} {'value':>12} {'anchor':<20} {'anchor_value':>12} {'ratio':>7}")
+    for r in rows:
+        def fmt(x):
+            return f"{x:12.4g}" if isinstance(x, (int, float)) else f"{str(x or ''):>12}"
+        ratio = f"{r['ratio']:7.3f}" if isinstance(r["ratio"], (int, float)) else ""
+        print(f"{r['workload']:<18} {r['model']:<12} {r['metric']:<24} {fmt(r['value'])} "
+              f"{str(r['anchor'] or ''):<20} {fmt(r['anchor_value'])} {ratio:>7}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--anchors", default="prefill,static,eager,cb", help="HF anchors to run ('' for none)")
+    parser.add_argument("--anchor-models", default="llama2-7b")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "benchmarks.json"))
+
+
+def main(args: argparse.Namespace) -> int:
+    from bench.timing import ceilings
+
+    import transformers
+    import triton
+
+    env = dict(torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
+               gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
+    print(env, flush=True)
+    ceil = ceilings()
+    row("ceilings", "-", "hbm_copy_TBps", ceil["hbm_copy_TBps"])
+    row("ceilings", "-", "bf16_matmul_TFLOPs", ceil["bf16_matmul_TFLOPs"])
+    batches = [int(b) for b in args.batches.split(",")]
+    anchors = {a for a in args.anchors.split(",") if a}
+    anchor_models = set(args.anchor_models.split(","))
+    for name in args.models.split(","):
+        try:
+            run_model(name, ceil, batches)
+        except Exception as exc:
+            traceback.print_exc()
+            row("engine", name, "error", f"{type(exc).__name__}: {exc}"[:300])
+        if anchors and name in anchor_models:
+            run_anchors(name, anchors)
+        with open(args.out, "w") as f:
+            json.dump({"env": env, "rows": ROWS}, f, indent=1)
+    print_table(ROWS)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

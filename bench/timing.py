@@ -1,0 +1,48 @@
+"""GPU timing helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median wall time of ``fn`` on the GPU, measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def wall_s(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def ceilings() -> dict:
+    """Measured HBM copy bandwidth (read + write) and bf16 matmul rate."""
+    n = 1 << 30
+    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    copy_ms = median_ms(lambda: b.copy_(a))
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    mm_ms = median_ms(lambda: x @ y)
+    del x, y
+    torch.cuda.empty_cache()
+    return {"hbm_copy_TBps": 2 * n * 2 / (copy_ms / 1e3) / 1e12, "bf16_matmul_TFLOPs": 2 * m**3 / (mm_ms / 1e3) / 1e12}
