@@ -1,0 +1,144 @@
+"""The mixed workload through the full cluster on one GPU, against HF continuous batching.
+
+    python -m bench.cluster_mixed --model-shape llama2-7b --out results.json
+
+Writes a random-weight checkpoint at the shape (safetensors, HF names, bf16)
+with a locally built tokenizer, measures HF ``generate_batch`` on the same
+weights shape, then starts ``tandem serve`` (gateway, prefill and decode
+workers on this GPU, cuda_ipc handoff) and drives it with ``bench.serve``:
+128 requests, prompts uniform in [64, 511] tokens (seed 0), 256 new tokens
+each, all submitted at once. Rows as in ``bench.engine``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from bench.shapes import SHAPES, hf_config_dict
+
+
+def write_checkpoint(name: str, path: str) -> str:
+    from safetensors.torch import save_file
+
+    from engine.testing import make_tiny_tokenizer
+
+    os.makedirs(path, exist_ok=True)
+    shape = SHAPES[name]
+    config = {**hf_config_dict(name), "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = hidden // heads
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*size):
+        return (torch.randn(*size, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02).cpu()
+
+    tensors = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    if not shape.get("tie_word_embeddings"):
+        tensors["lm_head.weight"] = rand(vocab, hidden)
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": rand(inter, hidden),
+            p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        }
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def hf_continuous_batching(name: str) -> float:
+    from bench import hf_anchors
+
+    model, config = hf_anchors.build_hf(name)
+    try:
+        return hf_anchors.continuous_batching(model, config)["out_tok_per_s"]
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int) -> dict:
+    serve_cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model_path, "--port", str(port),
+                 "--max-batch-size", "128", "--max-num-tokens", "8192", "--max-seq-len", "1024",
+                 "--max-input-len", "768", "--log-level", "warning"]
+    log = open(os.path.join(out_dir, "cluster.log"), "w")
+    cluster = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 420
+        for line in cluster.stdout:
+            print(line, end="", flush=True)
+            if "serving" in line or time.monotonic() > deadline:
+                break
+        result_json = os.path.join(out_dir, "serve_result.json")
+        load_cmd = [sys.executable, "-m", "bench.serve", "--base-url", f"http://127.0.0.1:{port}",
+                    "--num-prompts", str(num_prompts), "--input-len-range", "64:511", "--output-len", "256",
+                    "--request-rate", "inf", "--seed", "0", "--min-token-id", "3", "--max-token-id", "499",
+                    "--result-json", result_json, "--no-progress"]
+        subprocess.run(load_cmd, check=True, timeout=600)
+        with open(result_json) as f:
+            return json.load(f)
+    finally:
+        os.killpg(cluster.pid, signal.SIGTERM)
+        try:
+            cluster.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(cluster.pid, signal.SIGKILL)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-shape", default="llama2-7b")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--checkpoint", default="/tmp/tandem-bench-ckpt")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cluster_mixed.json"))
+    args = parser.parse_args()
+    name = args.model_shape
+    rows = []
+    hf = None if args.skip_hf else hf_continuous_batching(name)
+    print(f"hf continuous batching: {hf} out tok/s", flush=True)
+    path = write_checkpoint(name, args.checkpoint)
+    torch.cuda.empty_cache()
+    result = serve_and_load(path, os.path.dirname(os.path.abspath(args.out)), args.port, args.num_prompts)
+    metrics = result.get("metrics", result)
+    print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, indent=1))
+    tok_s = metrics.get("output_throughput")
+    rows.append(dict(workload="mixed_128req", model=name, metric="out_tok_per_s", value=tok_s,
+                     anchor="hf_continuous_batching", anchor_value=hf,
+                     ratio=(tok_s / hf) if (hf and tok_s) else None))
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        stats = metrics.get(key) or {}
+        for pct in ("p50", "p99"):
+            if pct in stats:
+                rows.append(dict(workload="mixed_128req", model=name, metric=f"{key}_{pct}", value=stats[pct],
+                                 anchor=None, anchor_value=None, ratio=None))
+    with open(args.out, "w") as f:
+        json.dump({"rows": rows, "serve": result}, f, indent=1)
+    for r in rows:
+        print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
