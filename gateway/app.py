@@ -1,0 +1,82 @@
+"""The HTTP app: OpenAI routes that only translate between HTTP and ``GatewayService``.
+
+``create_app(settings)`` resolves the settings (model limits), loads the
+tokenizer and returns the FastAPI app. Errors are mapped to responses in
+``gateway.errors`` only; bodies over ``MAX_BODY_BYTES`` get a 413.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from cluster.settings import Settings
+from gateway.body_limit import BodyLimitMiddleware
+from gateway.cancellation import GenerationStreamResponse, until_disconnected
+from gateway.errors import install_error_handlers
+from gateway.generation import Generation
+from gateway.metrics import CONTENT_TYPE, StatusMiddleware
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.responses import ResponseFormat, sse_events
+from gateway.service import GatewayService
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
+    """The gateway app. ``tokenizer`` and ``redis`` (a redis.asyncio client) override the defaults in tests."""
+    settings.resolve()
+    service = GatewayService(settings, tokenizer=tokenizer, redis=redis)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        await service.close()
+
+    app = FastAPI(title="tandem gateway", lifespan=lifespan)
+    app.state.service = service
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=MAX_BODY_BYTES)
+    app.add_middleware(StatusMiddleware, metrics=service.metrics)  # outermost: counts the 413s too
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        inp = await service.prepare_completion(body)
+        generation = await service.start(inp, prefix="cmpl")
+        return await _respond(request, body, generation, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        inp = await service.prepare_chat(body)
+        generation = await service.start(inp, prefix="chatcmpl")
+        return await _respond(request, body, generation, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [service.model_card()]}
+
+    @app.get("/health")
+    async def health():
+        healthy, report = await service.health()
+        return JSONResponse(report, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await service.metrics_text(), media_type=CONTENT_TYPE)
+
+    async def _respond(request: Request, body: SamplingFields, generation: Generation, chat: bool):
+        fmt = ResponseFormat(generation.request_id, generation.created, settings.model_name, chat,
+                             bool(body.return_token_ids), generation.input.prompt_token_ids)
+        if body.stream:
+            events = sse_events(fmt, generation.deltas(), lambda: generation.usage, body.include_usage)
+            return GenerationStreamResponse(events, generation)
+        try:
+            text, token_ids = await until_disconnected(request, generation.collect())
+        finally:
+            generation.close()
+        return JSONResponse(fmt.completion(text, token_ids, generation.finish_reason, generation.usage),
+                            headers={"X-Request-Id": generation.request_id})
+
+    return app

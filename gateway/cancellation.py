@@ -1,0 +1,65 @@
+"""A client that goes away cancels its request on the workers.
+
+Streaming: Starlette cancels the body iterator when the client disconnects;
+the generation's ``finally`` sends the abort. ``GenerationStreamResponse``
+also closes the generation when the response ends without ever starting the
+iterator (a disconnect before the first byte).
+
+Non-streaming: ``until_disconnected`` runs the work next to a task that waits
+for ``http.disconnect`` (like vLLM's ``with_cancellation``) and cancels the
+work when the client leaves first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import GatewayError
+from gateway.generation import Generation
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(GatewayError):
+    status_code = 499  # nginx's "client closed request": nobody reads it, the metrics do
+    type = "client_disconnected"
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if work_task.done() and not work_task.cancelled():
+        return work_task.result()
+    raise ClientDisconnected("client disconnected")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class GenerationStreamResponse(StreamingResponse):
+    """SSE response that closes ``generation`` whatever happens to the stream."""
+
+    def __init__(self, content, generation: Generation):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Request-Id": generation.request_id})
+        self._generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._generation.close()

@@ -1,0 +1,176 @@
+"""One request's life in the gateway, from submission to its last text delta.
+
+Statuses (``Generation.status``)::
+
+    SUBMITTED --first event--> STREAMING --last event--> FINISHED
+        |                          |--stop string matched--> FINISHED (worker aborted)
+        |                          |--worker error / worker lost / timeout--> FAILED
+        +--------------------------+--client gone (cancelled)--> ABORTED
+
+``deltas()`` reads the output stream, orders tokens by index, detokenizes
+incrementally and applies stop strings. ``close()`` runs on every exit path
+(it is idempotent and synchronous, so it also works from a cancelled task or a
+closing generator): a request the workers may still be running gets an
+``AbortRequest`` (sent from a background task so a cancellation cannot stop
+it), the output stream is deleted (finished) or left to expire (aborted:
+the worker may still write to it), and the metrics are recorded.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import structlog
+
+from cluster import keys
+from cluster.messages import WorkerInfo
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.errors import RequestTimeout, WorkerFailed, WorkerLost
+from gateway.responses import Delta, Usage
+from gateway.stop import StopChecker
+from gateway.streams import TokenAssembler, read_events
+from gateway.validation import GenerationInput
+
+if TYPE_CHECKING:
+    from gateway.service import GatewayService
+
+log = structlog.get_logger(__name__)
+
+
+class Status(enum.Enum):
+    SUBMITTED = "submitted"
+    STREAMING = "streaming"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+_FINISH_LABELS = {Status.FAILED: "error", Status.ABORTED: "abort"}
+
+
+class Generation:
+    def __init__(self, service: "GatewayService", request_id: str, inp: GenerationInput, worker: WorkerInfo):
+        self.service = service
+        self.request_id = request_id
+        self.input = inp
+        self.worker_id = worker.worker_id
+        self._worker_started_at = worker.started_at
+        self.created = int(time.time())
+        self.status = Status.SUBMITTED
+        self.output_token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self._started_at = time.monotonic()
+        self._deadline = self._started_at + service.settings.request_timeout_s
+        self._first_token_at: float | None = None
+        self._worker_done = False  # the worker sent its last event: nothing to abort
+        self._abort_reason = "client disconnected"
+        self._failed = False
+        self._closed = False
+        self._detokenizer = IncrementalDetokenizer(service.tokenizer, inp.prompt_token_ids, inp.skip_special_tokens)
+        self._stop = StopChecker(inp.stop)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(len(self.input.prompt_token_ids), len(self.output_token_ids), self.num_cached_tokens)
+
+    @property
+    def text(self) -> str:
+        return self._stop.text
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Text deltas until the request ends; the last one carries ``finish_reason``."""
+        assembler = TokenAssembler()
+        events = read_events(
+            self.service.redis, keys.output(self.request_id),
+            deadline=self._deadline, worker_alive=self._worker_alive,
+        )
+        try:
+            async for event in events:
+                if self._first_token_at is None:
+                    self._on_first_event(event.num_cached_tokens)
+                new_token_ids = assembler.add(event)
+                if assembler.finish_reason == "error":
+                    self._worker_done = True
+                    raise WorkerFailed(f"the request failed on a worker: {assembler.error or 'unknown error'}")
+                delta = self._advance(new_token_ids, assembler.finish_reason)
+                if delta is not None:
+                    yield delta
+                if self.finish_reason is not None:
+                    return
+        except Exception as exc:
+            self._failed = True
+            if isinstance(exc, WorkerLost):
+                self._worker_done = True  # nobody left to abort
+            self._abort_reason = "timeout" if isinstance(exc, RequestTimeout) else "gateway error"
+            raise
+        finally:
+            self.close()
+            await events.aclose()
+
+    async def collect(self) -> tuple[str, list[int]]:
+        """Run to the end; the whole text and output token ids."""
+        async for _delta in self.deltas():
+            pass
+        return self.text, self.output_token_ids
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        service, stream = self.service, keys.output(self.request_id)
+        if self._failed:
+            self.status = Status.FAILED
+        elif self.finish_reason is not None:
+            self.status = Status.FINISHED
+        else:
+            self.status = Status.ABORTED
+        if self._worker_done:
+            service.spawn(service.redis.delete(stream))
+        else:
+            # the worker may still write (it reads the abort later): let the stream expire instead
+            service.spawn(service.router.abort(self.worker_id, self.request_id, self._abort_reason))
+            service.spawn(service.redis.expire(stream, keys.FINISHED_OUTPUT_TTL_S))
+        metrics = service.metrics
+        metrics.running.dec()
+        metrics.generation_tokens.inc(len(self.output_token_ids))
+        metrics.finished.labels(finish_reason=_FINISH_LABELS.get(self.status, self.finish_reason)).inc()
+        if self.status is Status.FINISHED:
+            metrics.e2e.observe(time.monotonic() - self._started_at)
+        log.info("request done", status=self.status.value, finish_reason=self.finish_reason,
+                 num_output_tokens=len(self.output_token_ids), worker_id=self.worker_id)
+
+    # ---- helpers --------------------------------------------------------------------
+    def _on_first_event(self, num_cached_tokens: int) -> None:
+        self.status = Status.STREAMING
+        self._first_token_at = time.monotonic()
+        self.num_cached_tokens = num_cached_tokens
+        self.service.metrics.ttft.observe(self._first_token_at - self._started_at)
+        self.service.metrics.cached_tokens.inc(num_cached_tokens)
+
+    def _advance(self, new_token_ids: list[int], worker_finish: str | None) -> Delta | None:
+        """New tokens -> the text that may be sent now; sets ``finish_reason`` at the end."""
+        if not new_token_ids and worker_finish is None:
+            return None
+        self.output_token_ids.extend(new_token_ids)
+        # "stop" from a worker means the last token is EOS or a stop token: its text is not output
+        text_token_ids = new_token_ids[:-1] if worker_finish == "stop" else new_token_ids
+        text = self._stop.feed(self._detokenizer.add(text_token_ids))
+        if self._stop.stopped:
+            self.finish_reason = "stop"
+            self._abort_reason = "stop string"
+            self._worker_done = worker_finish is not None
+        elif worker_finish is not None:
+            self.finish_reason = worker_finish
+            self._worker_done = True
+            text += self._stop.feed(self._detokenizer.flush())
+            text += "" if self._stop.stopped else self._stop.flush()
+            if self._stop.stopped:  # the released tail held a stop string
+                self.finish_reason = "stop"
+        return Delta(text, new_token_ids, self.finish_reason)
+
+    async def _worker_alive(self) -> bool:
+        return await self.service.router.is_alive("decode", self.worker_id, self._worker_started_at)

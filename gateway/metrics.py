@@ -1,0 +1,97 @@
+"""Prometheus metrics of one gateway app (its own registry, so apps in one process don't collide).
+
+Request counters come from ``StatusMiddleware`` (every response, by route and
+status code) and from ``Generation`` (tokens, latencies, finish reasons). The
+workers' load is republished at scrape time from the router's registry cache,
+one gauge per field labelled by worker and role; a worker that stopped
+heartbeating simply disappears from the scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_WORKER_FIELDS = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting")
+
+
+class GatewayMetrics:
+    def __init__(self, worker_snapshot=None):
+        """``worker_snapshot()`` returns the cached live workers ``{role: [WorkerInfo]}``."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tandem_gateway_requests", "HTTP requests by route and status code",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("tandem_gateway_finished_requests", "Generations by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("tandem_gateway_prompt_tokens", "Prompt tokens submitted", registry=r)
+        self.generation_tokens = Counter("tandem_gateway_generation_tokens", "Output tokens received", registry=r)
+        self.cached_tokens = Counter("tandem_gateway_cached_prompt_tokens", "Prompt tokens reused from a cache",
+                                     registry=r)
+        self.ttft = Histogram("tandem_gateway_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tandem_gateway_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("tandem_gateway_requests_running", "Generations in flight in this gateway",
+                             registry=r)
+        if worker_snapshot is not None:
+            r.register(_WorkerLoadCollector(worker_snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _WorkerLoadCollector:
+    def __init__(self, worker_snapshot):
+        self._snapshot = worker_snapshot
+
+    def describe(self):
+        return []  # dynamic labels: nothing to check at registration
+
+    def collect(self):
+        families = {
+            name: GaugeMetricFamily(f"tandem_worker_{name}", f"Worker {name} from its last heartbeat",
+                                    labels=["worker", "role"])
+            for name in _WORKER_FIELDS
+        }
+        for role, workers in self._snapshot().items():
+            for worker in workers:
+                for name, family in families.items():
+                    family.add_metric([worker.worker_id, role], float(getattr(worker, name)))
+        yield from families.values()
+
+
+class StatusMiddleware:
+    """Counts every response of the API routes by route path and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, prefixes: tuple[str, ...] = ("/v1/",)):
+        self.app = app
+        self.metrics = metrics
+        self.prefixes = prefixes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith(self.prefixes):
+            await self.app(scope, receive, send)
+            return
+        status = 500  # what the client sees if the app raises before starting a response
+
+        async def send_and_count(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_count)
+        finally:
+            self.metrics.requests.labels(route=_route_label(path), status=str(status)).inc()
+
+
+def _route_label(path: str) -> str:
+    # bounded label values: unknown paths collapse into one
+    return path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models") else "other"

@@ -1,0 +1,147 @@
+"""The gateway's working parts behind the HTTP routes, owned by one app.
+
+``GatewayService`` holds the tokenizer, the Redis client (one per app, with a
+large blocking pool: every in-flight request holds a connection during its
+blocking XREAD), the router, the metrics and the background tasks that must
+outlive a cancelled request (aborts, stream cleanup). Routes call
+``prepare_*`` (validate + tokenize, off the event loop) and ``start`` (route +
+submit), then stream or collect the returned ``Generation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Coroutine
+
+import redis.asyncio as aioredis
+import structlog
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from cluster.messages import GenerateRequest
+from cluster.settings import Settings
+from gateway.generation import Generation
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.router import ROLES, Router
+from gateway.streams import POLL_S
+from gateway.tokenizer import load_tokenizer
+from gateway.validation import GenerationInput, Validator
+
+log = structlog.get_logger(__name__)
+
+MAX_REDIS_CONNECTIONS = 4096
+REDIS_CONNECT_TIMEOUT_S = 2.0
+REDIS_POOL_WAIT_S = 30.0
+
+
+def make_redis(url: str) -> aioredis.Redis:
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=MAX_REDIS_CONNECTIONS,
+        timeout=REDIS_POOL_WAIT_S,  # wait for a free connection rather than fail at once
+        socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+        socket_timeout=POLL_S + 10.0,  # longer than any blocking XREAD we issue
+        # one retry: a pooled connection may be stale after a Redis restart
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=1),
+    )
+    return aioredis.Redis.from_pool(pool)  # the client owns (and closes) the pool
+
+
+class GatewayService:
+    def __init__(self, settings: Settings, tokenizer=None, redis: aioredis.Redis | None = None):
+        self.settings = settings
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
+        self.validator = Validator(settings, self.tokenizer)
+        self.redis = redis if redis is not None else make_redis(settings.redis_url)
+        self.router = Router(self.redis)
+        self.metrics = GatewayMetrics(lambda: {role: self.router.cached(role) for role in ROLES})
+        # one thread: tokenizers are not safe to share across threads, and the loop must not block
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._background: set[asyncio.Task] = set()
+
+    # ---- requests -------------------------------------------------------------------
+    async def prepare_completion(self, body: CompletionRequest) -> GenerationInput:
+        return await self._off_loop(self.validator.completion, body)
+
+    async def prepare_chat(self, body: ChatCompletionRequest) -> GenerationInput:
+        return await self._off_loop(self.validator.chat, body)
+
+    async def start(self, inp: GenerationInput, prefix: str = "cmpl") -> Generation:
+        """Pick a decode worker and submit; raises NoWorkerAvailable / RedisError before any work starts."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        worker = await self.router.pick_decode_worker(len(inp.prompt_token_ids) + inp.max_tokens)
+        generation = Generation(self, request_id, inp, worker)
+        request = GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=inp.prompt_token_ids,
+            sampling=inp.sampling,
+            max_tokens=inp.max_tokens,
+            stop_token_ids=inp.stop_token_ids,
+            ignore_eos=inp.ignore_eos,
+            priority=inp.priority,
+            arrival_time=time.time(),
+        )
+        await self.router.submit(worker, request)
+        self.metrics.running.inc()
+        self.metrics.prompt_tokens.inc(len(inp.prompt_token_ids))
+        log.info("request submitted", worker_id=worker.worker_id, num_prompt_tokens=len(inp.prompt_token_ids),
+                 max_tokens=inp.max_tokens)
+        return generation
+
+    # ---- cluster state --------------------------------------------------------------
+    async def health(self) -> tuple[bool, dict]:
+        """(healthy, report): Redis answers and at least one decode and one prefill worker is alive."""
+        try:
+            await self.redis.ping()
+            counts = {role: len(await self.router.workers(role, max_age_s=0.0)) for role in ROLES}
+        except Exception as exc:  # any Redis failure means unhealthy, whatever its type
+            return False, {"status": "unavailable", "reason": f"redis unreachable: {exc}"}
+        report = {"status": "ok", "decode_workers": counts["decode"], "prefill_workers": counts["prefill"]}
+        missing = [role for role in ROLES if counts[role] == 0]
+        if missing:
+            report.update(status="unavailable", reason=f"no live {' or '.join(missing)} worker")
+        return not missing, report
+
+    async def metrics_text(self) -> bytes:
+        try:
+            for role in ROLES:
+                await self.router.workers(role)
+        except Exception as exc:  # still serve the gateway's own metrics
+            log.warning("cannot refresh worker registry for metrics", error=str(exc))
+        return self.metrics.render()
+
+    def model_card(self) -> dict:
+        return {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "root": self.settings.model,
+            "max_model_len": self.settings.max_seq_len,
+        }
+
+    # ---- plumbing -------------------------------------------------------------------
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` to completion even if the request that started it is cancelled."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._on_background_done)
+
+    def _on_background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background redis call failed", error=str(task.exception()))
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5.0)
+        await self.redis.aclose()
+        self._tokenize_pool.shutdown(wait=False)

@@ -1,0 +1,114 @@
+"""Validated request bodies -> ``GenerationInput``: tokenized, within every limit.
+
+Everything here raises ``InvalidRequest`` (400) or ``ModelNotFound`` (404),
+so a request that passes is one a worker can run: a known model, a non-empty
+prompt of at most ``max_input_len`` tokens, token ids inside the vocabulary,
+and ``prompt + max_tokens <= max_seq_len``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.sampling import SamplingParams
+from cluster.settings import Settings
+from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.tokenizer import vocab_size
+
+
+@dataclass
+class GenerationInput:
+    """What one generation needs, independent of the endpoint it came from."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    priority: int = 0
+    skip_special_tokens: bool = True
+
+
+class Validator:
+    def __init__(self, settings: Settings, tokenizer):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size(tokenizer)
+        self.model_names = {settings.model_name, settings.model}
+
+    def completion(self, body: CompletionRequest) -> GenerationInput:
+        self._check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = list(prompt)
+            self._check_vocab(token_ids, "prompt")
+        return self._build(body, token_ids)
+
+    def chat(self, body: ChatCompletionRequest) -> GenerationInput:
+        self._check_model(body.model)
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja raises its own types (e.g. a template that rejects a role order)
+            raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self._build(body, token_ids)
+
+    def _build(self, body: SamplingFields, prompt_token_ids: list[int]) -> GenerationInput:
+        num_prompt = len(prompt_token_ids)
+        max_seq_len, max_input_len = self.settings.max_seq_len, self.settings.max_input_len
+        if num_prompt == 0:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if num_prompt > max_input_len:
+            raise InvalidRequest(
+                f"prompt has {num_prompt} tokens, more than the maximum input length {max_input_len}",
+                param="prompt", code="context_length_exceeded",
+            )
+        max_tokens = body.max_tokens if body.max_tokens is not None else max_seq_len - num_prompt
+        if max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if num_prompt + max_tokens > max_seq_len:
+            raise InvalidRequest(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
+                f"sequence length {max_seq_len}",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        stop_token_ids = list(body.stop_token_ids or [])
+        self._check_vocab(stop_token_ids, "stop_token_ids")
+        top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+        sampling = SamplingParams(
+            temperature=1.0 if body.temperature is None else float(body.temperature),
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            top_k=top_k,
+            seed=body.seed,
+        )
+        return GenerationInput(
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stop=body.stop_strings,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            priority=body.priority,
+        )
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
+                                f"{self.settings.model_name!r}", param="model")
+
+    def _check_vocab(self, token_ids: list[int], param: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"{param} contains token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                param=param,
+            )

@@ -1,0 +1,366 @@
+"""The gateway against a real redis-server and a fake decode worker that writes TokenEvents.
+
+This tests the gateway alone: the worker is scripted (see conftest.FakeDecodeWorker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from cluster import keys
+from cluster.messages import TokenEvent
+from tests.gateway.conftest import MAX_POSITIONS, parse_sse, register_prefill, token_script, wait_for
+
+TEXT = "Hello world! How are you today?"
+
+
+@pytest.fixture
+def text_ids(tokenizer):
+    return tokenizer.encode(TEXT, add_special_tokens=False)
+
+
+def post(server, path, body, **kwargs):
+    return httpx.post(server.url + path, json=body, timeout=kwargs.pop("timeout", 20), **kwargs)
+
+
+def stream_text(events):
+    return "".join(e["choices"][0].get("text", "") for e in events if isinstance(e, dict) and e.get("choices"))
+
+
+def test_completion_non_streaming(serve, fake_worker, rclient, text_ids):
+    worker = fake_worker(token_script(text_ids + [2], "stop", cached=2))
+    server = serve()
+    response = post(server, "/v1/completions", {"model": "tiny", "prompt": "Once upon", "max_tokens": 50,
+                                                "temperature": 0, "seed": 7, "top_k": -1, "priority": 3})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny" and body["id"].startswith("cmpl-")
+    assert body["choices"] == [{"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop"}]
+    num_prompt = len(worker.requests[0].prompt_token_ids)
+    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": len(text_ids) + 1,
+                             "total_tokens": num_prompt + len(text_ids) + 1,
+                             "prompt_tokens_details": {"cached_tokens": 2}}
+    req = worker.requests[0]
+    assert req.request_id == body["id"] and req.max_tokens == 50 and req.priority == 3
+    assert (req.sampling.temperature, req.sampling.top_k, req.sampling.seed) == (0.0, 0, 7)
+    assert wait_for(lambda: rclient.exists(keys.output(body["id"])) == 0), "finished stream is deleted"
+
+
+def test_completion_streaming_with_usage_and_token_ids(serve, fake_worker, text_ids):
+    worker = fake_worker(token_script(text_ids, "length", delay_s=0.005))
+    server = serve()
+    response = post(server, "/v1/completions", {
+        "prompt": [5, 6, 7], "max_tokens": len(text_ids), "stream": True,
+        "stream_options": {"include_usage": True}, "return_token_ids": True})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = parse_sse(response.text)
+    assert events[-1] == "[DONE]"
+    usage, chunks = events[-2], events[:-2]
+    assert stream_text(chunks) == TEXT
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == text_ids
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(text_ids)
+    assert usage["usage"]["prompt_tokens"] == 3
+    assert worker.requests[0].prompt_token_ids == [5, 6, 7]  # token-id prompts get no BOS
+
+
+def test_default_max_tokens_fills_the_sequence(serve, fake_worker):
+    worker = fake_worker(token_script([5], "length"))
+    server = serve()
+    assert post(server, "/v1/completions", {"prompt": [5] * 10}).status_code == 200
+    assert worker.requests[0].max_tokens == MAX_POSITIONS - 10
+
+
+def test_chat_non_streaming_and_streaming(serve, fake_worker, tokenizer, text_ids):
+    worker = fake_worker(token_script(text_ids + [2], "stop"))
+    server = serve()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+    body = post(server, "/v1/chat/completions", {"model": "tiny", "messages": messages}).json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": TEXT}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert worker.requests[0].prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+
+    events = parse_sse(post(server, "/v1/chat/completions", {"messages": messages, "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == TEXT
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_string_cuts_the_text_and_aborts_the_worker(serve, fake_worker, text_ids):
+    worker = fake_worker(token_script(text_ids + text_ids, "length", delay_s=0.01))
+    server = serve()
+    for stream in (False, True):
+        response = post(server, "/v1/completions", {"prompt": "hi", "stop": ["are", "zzz"], "max_tokens": 100,
+                                                    "stream": stream})
+        if stream:
+            events = parse_sse(response.text)
+            text, finish = stream_text(events[:-1]), events[-2]["choices"][0]["finish_reason"]
+        else:
+            text, finish = response.json()["choices"][0]["text"], response.json()["choices"][0]["finish_reason"]
+        assert (text, finish) == ("Hello world! How ", "stop")
+    assert wait_for(lambda: len(worker.aborts) == 2)
+    assert {a.request_id for a in worker.aborts} == {r.request_id for r in worker.requests}
+    assert all(a.reason == "stop string" for a in worker.aborts)
+
+
+def test_stop_token_text_is_not_output(serve, fake_worker, tokenizer, text_ids):
+    full = tokenizer.encode(TEXT + " Paris", add_special_tokens=False)
+    stop_id = full[-1]
+    fake_worker(token_script(full, "stop"))
+    server = serve()
+    body = post(server, "/v1/completions", {"prompt": "hi", "stop_token_ids": [stop_id]}).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == tokenizer.decode(full[:-1])
+    assert body["usage"]["completion_tokens"] == len(full)
+
+
+def test_events_out_of_order_and_repeated(serve, fake_worker, text_ids):
+    a, b, c, d = text_ids[:4]
+
+    def script(req):
+        rid = req.request_id
+        return [(0, TokenEvent(rid, 1, [b])), (0, TokenEvent(rid, 0, [a])), (0, TokenEvent(rid, 0, [a])),
+                (0, TokenEvent(rid, 1, [b, c])), (0, TokenEvent(rid, 3, [d], "length"))]
+
+    fake_worker(script)
+    server = serve()
+    body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "return_token_ids": True}).json()
+    assert body["choices"][0]["token_ids"] == [a, b, c, d]
+
+
+def test_streaming_client_disconnect_aborts(serve, fake_worker, text_ids):
+    worker = fake_worker(token_script(text_ids * 20, "length", delay_s=0.05))
+    server = serve()
+    with httpx.Client(base_url=server.url, timeout=20) as http:
+        with http.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True, "max_tokens": 100}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+    assert wait_for(lambda: len(worker.aborts) == 1, timeout_s=5)
+    assert worker.aborts[0].request_id == worker.requests[0].request_id
+    assert worker.aborts[0].reason == "client disconnected"
+    assert wait_for(lambda: "tandem_gateway_requests_running 0.0" in httpx.get(server.url + "/metrics").text)
+
+
+def test_disconnect_before_the_first_token_aborts(serve, fake_worker):
+    worker = fake_worker(lambda req: [])  # queued forever
+    server = serve()
+    with httpx.Client(base_url=server.url, timeout=20) as http:
+        with http.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True, "max_tokens": 5}):
+            assert wait_for(lambda: len(worker.requests) == 1)
+    assert wait_for(lambda: [a.reason for a in worker.aborts] == ["client disconnected"], timeout_s=5)
+
+
+def test_non_streaming_client_disconnect_aborts(serve, fake_worker, text_ids):
+    worker = fake_worker(token_script(text_ids * 20, "length", delay_s=0.05))
+    server = serve()
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 100}, timeout=0.5)
+    assert wait_for(lambda: len(worker.aborts) == 1, timeout_s=5)
+    assert worker.aborts[0].request_id == worker.requests[0].request_id
+    stream = keys.output(worker.requests[0].request_id)
+    assert wait_for(lambda: 0 < worker.client.ttl(stream) <= keys.FINISHED_OUTPUT_TTL_S), \
+        "an aborted request's stream is left to expire"
+
+
+def test_worker_death_fails_the_request(serve, fake_worker, text_ids):
+    worker = fake_worker(token_script(text_ids, "length", delay_s=0.3), ttl_s=0.5)
+    server = serve()
+    threading.Timer(0.2, worker.die).start()
+    started = time.time()
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": len(text_ids)})
+    assert time.time() - started < 5
+    assert response.status_code == 503 and response.json()["error"]["code"] == "worker_lost"
+    assert response.headers["retry-after"] == "1"
+
+
+def test_worker_restarted_under_the_same_id_fails_the_request(serve, fake_worker):
+    worker = fake_worker(lambda req: [])  # takes the request and "crashes" holding it
+
+    def restart():
+        worker.started_at = 1.0
+        worker.beat()
+
+    server = serve()
+    threading.Timer(0.3, restart).start()
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 5})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "worker_lost"
+
+
+def test_worker_death_mid_stream_ends_with_an_error_event(serve, fake_worker, text_ids):
+    worker = fake_worker(token_script(text_ids, "length", delay_s=0.2), ttl_s=0.5)
+    server = serve()
+    threading.Timer(0.5, worker.die).start()
+    events = parse_sse(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 50, "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "worker_lost"
+    assert events[-3]["choices"][0]["finish_reason"] == "error"
+
+
+def test_worker_error_event(serve, fake_worker):
+    fake_worker(lambda req: [(0, TokenEvent(req.request_id, 0, [], "error", "no prefill worker alive"))])
+    server = serve()
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 5})
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "worker_error"
+    assert "no prefill worker alive" in response.json()["error"]["message"]
+
+
+def test_request_timeout_aborts_and_504(serve, fake_worker):
+    worker = fake_worker(lambda req: [])  # accepts and never answers
+    server = serve(request_timeout_s=0.6)
+    started = time.time()
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 5})
+    assert 0.5 < time.time() - started < 3
+    assert response.status_code == 504 and response.json()["error"]["code"] == "request_timeout"
+    assert wait_for(lambda: [a.reason for a in worker.aborts] == ["timeout"])
+
+
+def test_routing_prefers_room(serve, fake_worker):
+    big = fake_worker(token_script([5], "length"), worker_id="decode-big", num_free_blocks=40)
+    small = fake_worker(token_script([5], "length"), worker_id="decode-small", num_free_blocks=30)
+    server = serve()
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+    assert len(big.requests) == 1 and not small.requests
+
+
+def test_router_charges_submissions_between_refreshes(redis_url, fake_worker):
+    import redis.asyncio as aioredis
+
+    from cluster.messages import GenerateRequest
+    from cluster.sampling import SamplingParams
+    from gateway.router import Router
+
+    fake_worker(token_script([5]), worker_id="decode-a", num_free_blocks=12)
+    fake_worker(token_script([5]), worker_id="decode-b", num_free_blocks=10)
+
+    async def burst():
+        client = aioredis.Redis.from_url(redis_url)
+        router = Router(client, cache_ttl_s=60.0)  # one snapshot for the whole burst
+        chosen = []
+        for i in range(4):
+            worker = await router.pick_decode_worker(32)
+            await router.submit(worker, GenerateRequest(f"r{i}", [1] * 16, SamplingParams(), 16))
+            chosen.append(worker.worker_id)
+        await client.aclose()
+        return chosen
+
+    # each request takes 2 blocks of 16 tokens: a(12) b(10) a(10) b(8) ...
+    assert asyncio.run(burst()) == ["decode-a", "decode-b", "decode-a", "decode-b"]
+
+
+def test_models_health_metrics(serve, fake_worker, rclient):
+    fake_worker(token_script([5], "length"))
+    server = serve()
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+    assert httpx.get(server.url + "/health").status_code == 503  # no prefill worker yet
+    register_prefill(rclient)
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json()["decode_workers"] == 1
+    post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 0})
+    text = httpx.get(server.url + "/metrics").text
+    assert 'tandem_gateway_requests_total{route="/v1/completions",status="200"} 1.0' in text
+    assert 'tandem_gateway_requests_total{route="/v1/completions",status="400"} 1.0' in text
+    assert "tandem_gateway_generation_tokens_total 1.0" in text
+    assert "tandem_gateway_time_to_first_token_seconds_count 1.0" in text
+    assert 'tandem_worker_num_free_blocks{role="decode",worker="decode-fake-0"} 64.0' in text
+    assert 'tandem_worker_num_free_blocks{role="prefill",worker="prefill-fake-0"}' in text
+
+
+def test_openai_client(serve, fake_worker, text_ids):
+    openai = pytest.importorskip("openai")
+    fake_worker(token_script(text_ids + [2], "stop"))
+    server = serve()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    completion = client.completions.create(model="tiny", prompt="hi", max_tokens=50)
+    assert completion.choices[0].text == TEXT
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == TEXT
+    assert chunks[-1].usage.completion_tokens == len(text_ids) + 1
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="hi")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=0)
+
+
+def test_many_concurrent_streams(serve, fake_worker, text_ids):
+    fake_worker(token_script(text_ids, "length", delay_s=0.002))
+    server = serve()
+
+    def one(i):
+        body = {"prompt": f"request {i}", "max_tokens": len(text_ids), "stream": True}
+        return stream_text(parse_sse(post(server, "/v1/completions", body, timeout=60).text)[:-1])
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(one, range(64))) == [TEXT] * 64
+
+
+def test_gateway_imports_no_torch(model_dir):
+    code = (
+        "import sys; import gateway.app, gateway.server; from gateway.tokenizer import load_tokenizer; "
+        f"t = load_tokenizer({model_dir!r}); t.apply_chat_template([{{'role': 'user', 'content': 'x'}}], "
+        "add_generation_prompt=True, tokenize=False); "
+        "bad = [m for m in ('torch', 'engine', 'kernels') if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_redis_restart_gives_503_then_recovers(model_dir, tmp_path):
+    from gateway.app import create_app
+    from tests.gateway.conftest import FakeDecodeWorker, ServerThread, free_port, make_settings
+    port = free_port()
+    argv = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def start_redis():
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis as sync_redis
+
+        assert wait_for(lambda: _pings(sync_redis.Redis.from_url(url)))
+        return proc
+
+    proc = start_redis()
+    worker = FakeDecodeWorker(url, token_script([5, 6], "length")).start()
+    try:
+        with ServerThread(create_app(make_settings(model_dir, url))) as server:
+            body = {"prompt": "hi", "max_tokens": 2}
+            assert post(server, "/v1/completions", body).status_code == 200
+            proc.terminate()
+            proc.wait()
+            time.sleep(0.3)  # let the registry cache expire
+            down = post(server, "/v1/completions", body)
+            assert down.status_code == 503 and down.headers["retry-after"] == "1"
+            assert httpx.get(server.url + "/health").status_code == 503
+            proc = start_redis()
+            assert wait_for(lambda: post(server, "/v1/completions", body).status_code == 200, timeout_s=10)
+    finally:
+        worker._stop.set()
+        proc.terminate()
+        proc.wait()
+
+
+def _pings(client) -> bool:
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False

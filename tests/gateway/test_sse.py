@@ -1,0 +1,93 @@
+"""OpenAI chunk shapes and SSE framing, without a server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from gateway.errors import WorkerLost
+from gateway.responses import DONE, Delta, ResponseFormat, Usage, sse, sse_events
+
+
+def collect(fmt, deltas, usage=Usage(3, 2), include_usage=False, fail=None):
+    async def gen():
+        for d in deltas:
+            yield d
+        if fail is not None:
+            raise fail
+
+    async def run():
+        return [chunk async for chunk in sse_events(fmt, gen(), lambda: usage, include_usage)]
+
+    return asyncio.run(run())
+
+
+def payloads(chunks):
+    out = []
+    for chunk in chunks:
+        assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
+        data = chunk[6:-2].decode()
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_sse_frame_is_compact_utf8_json():
+    assert sse({"text": "ü ☃"}) == 'data: {"text":"ü ☃"}\n\n'.encode()
+    assert DONE == b"data: [DONE]\n\n"
+
+
+def test_completion_stream_shape_and_usage():
+    fmt = ResponseFormat("cmpl-1", 123, "tiny", chat=False)
+    chunks = payloads(collect(fmt, [Delta("Hel", [1]), Delta("", [2]), Delta("lo", [3], "length")],
+                              include_usage=True))
+    assert chunks[-1] == "[DONE]"
+    first, last, usage = chunks[0], chunks[1], chunks[2]
+    assert first == {"id": "cmpl-1", "object": "text_completion", "created": 123, "model": "tiny",
+                     "choices": [{"index": 0, "text": "Hel", "logprobs": None, "finish_reason": None}]}
+    assert last["choices"][0] == {"index": 0, "text": "lo", "logprobs": None, "finish_reason": "length"}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
+                                                         "total_tokens": 5}
+    assert len(chunks) == 4  # the empty, unfinished delta was not sent
+
+
+def test_chat_stream_opens_with_role_and_ends_with_empty_delta():
+    fmt = ResponseFormat("chatcmpl-1", 5, "tiny", chat=True)
+    chunks = payloads(collect(fmt, [Delta("Hi", [7]), Delta("", [2], "stop")]))
+    assert [c["object"] for c in chunks[:-1]] == ["chat.completion.chunk"] * 3
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[1]["choices"][0]["delta"] == {"content": "Hi"}
+    assert chunks[2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    assert chunks[3] == "[DONE]"
+
+
+def test_error_after_start_goes_in_the_stream():
+    fmt = ResponseFormat("cmpl-1", 5, "tiny", chat=False)
+    chunks = payloads(collect(fmt, [Delta("a", [1])], fail=WorkerLost("worker gone"), include_usage=True))
+    assert chunks[1]["choices"][0]["finish_reason"] == "error"
+    assert chunks[2] == {"error": {"message": "worker gone", "type": "service_unavailable", "param": None,
+                                   "code": "worker_lost"}}
+    assert chunks[3] == "[DONE]"
+
+
+def test_token_ids_extension():
+    fmt = ResponseFormat("cmpl-1", 5, "tiny", chat=False, return_token_ids=True, prompt_token_ids=[4, 5])
+    chunks = payloads(collect(fmt, [Delta("", [1]), Delta("x", [2], "stop")]))
+    assert chunks[0]["choices"][0]["token_ids"] == [1] and chunks[0]["choices"][0]["prompt_token_ids"] == [4, 5]
+    assert chunks[1]["choices"][0]["token_ids"] == [2] and "prompt_token_ids" not in chunks[1]["choices"][0]
+    body = fmt.completion("x", [1, 2], "stop", Usage(2, 2, cached_tokens=1))
+    assert body["choices"][0]["token_ids"] == [1, 2] and body["choices"][0]["prompt_token_ids"] == [4, 5]
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+
+
+def test_non_streaming_bodies():
+    usage = Usage(4, 1)
+    text = ResponseFormat("cmpl-1", 5, "tiny", chat=False).completion("hi", [3], "stop", usage)
+    assert text == {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "tiny",
+                    "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
+    chat = ResponseFormat("chatcmpl-1", 5, "tiny", chat=True, return_token_ids=True,
+                          prompt_token_ids=[9]).completion("hi", [3], "length", usage)
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert chat["prompt_token_ids"] == [9] and chat["choices"][0]["token_ids"] == [3]
+    assert "prompt_tokens_details" not in chat["usage"]

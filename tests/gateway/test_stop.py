@@ -1,0 +1,67 @@
+"""Stop strings: cut before the match, never leak part of a stop string."""
+
+from __future__ import annotations
+
+from gateway.stop import StopChecker
+
+
+def run(stops, pieces):
+    checker = StopChecker(stops)
+    sent = []
+    for piece in pieces:
+        sent.append(checker.feed(piece))
+        if checker.stopped:
+            break
+    else:
+        sent.append(checker.flush())
+    return "".join(sent), checker.stopped, sent
+
+
+def test_no_stop_strings_passes_everything_through():
+    checker = StopChecker([])
+    assert checker.feed("abc") == "abc"
+    assert checker.feed("def") == "def"
+    assert checker.flush() == ""
+    assert not checker.stopped
+
+
+def test_stop_inside_one_piece():
+    text, stopped, _ = run(["END"], ["hello END world"])
+    assert (text, stopped) == ("hello ", True)
+
+
+def test_stop_straddles_pieces_and_is_never_sent():
+    text, stopped, sent = run(["\n\nUser:"], ["Sure.", "\n", "\nUs", "er:", " more"])
+    assert (text, stopped) == ("Sure.", True)
+    assert all("\n" not in piece for piece in sent)
+
+
+def test_hold_back_releases_on_flush_when_nothing_matches():
+    checker = StopChecker(["xyz"])
+    assert checker.feed("abcx") == "ab"  # the last len("xyz") - 1 chars may start a match: held
+    assert checker.feed("y") == "c"
+    assert checker.feed("q") == "x"
+    assert checker.flush() == "yq"
+    assert not checker.stopped
+
+
+def test_earliest_of_several_stops_wins():
+    text, stopped, _ = run(["world", "lo w"], ["hel", "lo world"])
+    assert (text, stopped) == ("hel", True)
+
+
+def test_stop_at_the_very_start():
+    text, stopped, _ = run(["ab"], ["a", "b", "c"])
+    assert (text, stopped) == ("", True)
+
+
+def test_text_property_is_cut_and_feed_after_stop_is_ignored():
+    checker = StopChecker(["."])
+    checker.feed("one. two")
+    assert checker.stopped and checker.text == "one"
+    assert checker.feed("more") == "" and checker.flush() == ""
+
+
+def test_empty_stop_strings_are_ignored():
+    text, stopped, _ = run(["", "zz"], ["abc"])
+    assert (text, stopped) == ("abc", False)
