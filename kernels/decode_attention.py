@@ -1,0 +1,267 @@
+"""Paged decode attention: split-KV (flash-decoding) with GQA grouping.
+
+Phase 1, grid (num_seqs, num_kv_heads, num_splits): one program takes all
+GROUP query heads that share one KV head, so each key/value is read once per
+group, and attends them to an equal share of the sequence's visible keys
+(its last sliding_window keys, or all of them). It writes a partial result
+per split: the normalized output and log2-sum-exp. Phase 2, grid (num_seqs,
+num_q_heads), merges the splits. With one split, phase 1 writes the output
+directly and phase 2 is skipped.
+
+CUDA-graph safe: the number of splits comes from shapes only (batch size,
+heads, block_tables.shape[1] * block_size), each sequence's share is computed
+in the kernel from its seq_len, nothing reads device values on the host, and
+the partial buffers are either passed in (DecodeWorkspace) or taken from the
+caching allocator (which is capture-safe).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 128  # below this the merge costs more than it saves
+PROGRAMS_PER_SM = 3  # splits are added until the grid is about this many waves (tuned on an H200)
+
+
+# The interpreter (TRITON_INTERPRET=1, CPU tests) multiplies bf16 operands as raw
+# uint16 bits; there the operands are widened to fp32 first, which is exact for
+# bf16 x bf16 products and so matches the GPU's bf16 MMA with fp32 accumulation.
+def _upcast_bf16_dot(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    partial_out_ptr, partial_lse_ptr, out_ptr,
+    stride_q_s, stride_q_h, stride_bt,
+    stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+    stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h,
+    stride_o_s, stride_o_h,
+    qk_scale, window, block_size, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
+    shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
+        m = max_p s_p,  s_p = scale * log2(e) * q[h] . k[p]
+        partial_out[h, j] = sum_p 2^(s_p - m) v[p] / sum_p 2^(s_p - m)
+        partial_lse[h, j] = m + log2(sum_p 2^(s_p - m))       (-inf if P_j is empty)
+    """
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = 0
+    share = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * share
+    end = tl.minimum(start + share, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    head_valid = offs_g < GROUP
+    q = tl.load(q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + offs_d[None, :],
+                mask=head_valid[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+    k_base = k_cache_ptr + kv_head * stride_k_head
+    v_base = v_cache_ptr + kv_head * stride_v_head
+    block_table_row = block_tables_ptr + seq * stride_bt
+
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_valid = offs_n < end
+        block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
+        slots = (offs_n % block_size).to(tl.int64)
+        k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
+                    mask=kv_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+        v = tl.load(v_base + (block_ids * stride_v_block + slots * stride_v_slot)[:, None] + offs_d[None, :],
+                    mask=kv_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        s = _dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(kv_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
+    no_keys = l_i == 0.0
+    out = acc / tl.where(no_keys, 1.0, l_i)[:, None]
+    if DIRECT_OUT:
+        tl.store(out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
+    else:
+        lse = tl.where(no_keys, float("-inf"), m_i + tl.log2(tl.where(no_keys, 1.0, l_i)))
+        tl.store(partial_lse_ptr + seq * stride_pl_s + heads * stride_pl_h + split, lse, mask=head_valid)
+        if end > start:  # an empty split's output is never read
+            tl.store(partial_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h
+                     + split * stride_po_split + offs_d[None, :], out, mask=head_valid[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_out_ptr, partial_lse_ptr, out_ptr,
+    stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_o_s, stride_o_h,
+    num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """out[s, h] = sum_j 2^(lse_j - M) partial_out[s, h, j] / sum_j 2^(lse_j - M),  M = max_j lse_j
+    (0 when no split saw a key, e.g. a padded sequence with seq_len 0)."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_j = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(partial_lse_ptr + seq * stride_pl_s + head * stride_pl_h + offs_j,
+                  mask=offs_j < num_splits, other=float("-inf"))
+    nonempty = lse != float("-inf")  # NaN counts as nonempty, so it propagates
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.where(nonempty, tl.exp2(lse - m), 0.0)  # [SPLITS_PAD]
+    o = tl.load(partial_out_ptr + seq * stride_po_s + head * stride_po_h
+                + offs_j[:, None] * stride_po_split + offs_d[None, :],
+                mask=nonempty[:, None], other=0.0)  # [SPLITS_PAD, HEAD_DIM]
+    den = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + seq * stride_o_s + head * stride_o_h + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass
+class DecodeWorkspace:
+    """Partial results of the split phase; allocate once for the largest batch and reuse
+    (e.g. one per CUDA graph pool): any num_seqs <= its first dimension fits."""
+
+    partial_out: torch.Tensor  # [max_num_seqs, num_q_heads, max_splits, head_dim] fp32
+    partial_lse: torch.Tensor  # [max_num_seqs, num_q_heads, max_splits] fp32
+
+    @classmethod
+    def allocate(cls, max_num_seqs: int, num_q_heads: int, head_dim: int,
+                 max_splits: int = MAX_SPLITS, device: torch.device | str = "cuda") -> "DecodeWorkspace":
+        return cls(
+            torch.empty((max_num_seqs, num_q_heads, max_splits, head_dim), dtype=torch.float32, device=device),
+            torch.empty((max_num_seqs, num_q_heads, max_splits), dtype=torch.float32, device=device),
+        )
+
+    def fits(self, num_seqs: int, num_q_heads: int, num_splits: int, head_dim: int) -> bool:
+        n, h, s, d = self.partial_out.shape
+        return num_seqs <= n and num_q_heads == h and num_splits <= s and head_dim == d
+
+
+@cache
+def _num_sms(device_index: int | None) -> int:
+    if not torch.cuda.is_available():
+        return 4  # the interpreter: a few splits keep the split path tested
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head), from shapes only: enough programs to fill the GPU,
+    no share shorter than MIN_TOKENS_PER_SPLIT of the longest possible context."""
+    num_sms = _num_sms(device.index if device.type == "cuda" else None)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
+    useful = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) from shapes only."""
+    block_n = 32 if (dtype == torch.float32 and head_dim > 64) or head_dim > 128 else 64
+    return block_n, 4, 2
+
+
+def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace):
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2 >= 16"
+    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
+    assert num_q_heads % num_kv_heads == 0, "num_q_heads must be a multiple of num_kv_heads"
+    assert seq_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must share a dtype"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous"
+    assert sliding_window is None or sliding_window > 0
+    if num_seqs == 0:
+        return
+    group = num_q_heads // num_kv_heads
+    max_context_len = block_tables.shape[1] * block_size
+    if sliding_window is not None:
+        max_context_len = min(max_context_len, sliding_window)
+    num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
+    block_n, num_warps, num_stages = _tile_config(head_dim, q.dtype)
+    direct = num_splits == 1
+    if direct:
+        partial_out = partial_lse = out  # unused
+        po_strides, pl_strides = (0, 0, 0), (0, 0)
+    else:
+        if workspace is None:
+            workspace = DecodeWorkspace.allocate(num_seqs, num_q_heads, head_dim, num_splits, q.device)
+        assert workspace.fits(num_seqs, num_q_heads, num_splits, head_dim), "decode workspace too small"
+        partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
+        assert partial_out.stride(3) == 1 and partial_lse.stride(2) == 1
+        assert partial_out.device == q.device and partial_out.dtype == partial_lse.dtype == torch.float32
+        po_strides = partial_out.stride()[:3]
+        pl_strides = partial_lse.stride()[:2]
+    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, out,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *po_strides, *pl_strides, out.stride(0), out.stride(1),
+        scale * LOG2E, sliding_window or 0, block_size, num_splits,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
+        DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=_upcast_bf16_dot(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        _decode_reduce_kernel[(num_seqs, num_q_heads)](
+            partial_out, partial_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
+            num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4 if head_dim * num_splits >= 2048 else 2,
+        )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    workspace: DecodeWorkspace | None = None,
+) -> torch.Tensor:
+    """One query per sequence (q: [num_seqs, num_q_heads, head_dim]) at position seq_len - 1.
+
+    ``workspace`` (keyword only, not in the reference) holds the split partials;
+    without one they are allocated per call from the caching allocator.
+    """
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_seqs, num_q_heads, head_dim]
+    _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, float(scale),
+                             sliding_window, workspace)
+    return out

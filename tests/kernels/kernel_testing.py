@@ -1,0 +1,58 @@
+"""Shared helpers of the kernel tests (a unique module name: tests/ has no packages)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+# small-shape tests run where the kernels run: compiled on a GPU, interpreted on the CPU
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+gpu = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# atol, rtol of a kernel's output against the reference computed in fp32
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+    assert not torch.isnan(actual).any(), "output has NaN (unwritten or bad masking)"
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol * scale, rtol=rtol * scale)
+
+
+def poisoned(shape, dtype, device=DEVICE) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device=DEVICE, spare_blocks=3):
+    """Random keys/values for each sequence in shuffled (non-contiguous) blocks.
+
+    Slots past each sequence's end are NaN and unused block-table entries point
+    far outside the pool, so a kernel that reads what it must mask fails.
+    -> k_cache, v_cache [num_blocks, block_size, H, D], block_tables [B, max_blocks] int32
+    """
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks)
+    width = max(blocks_per_seq + [1]) + 1
+    block_tables = torch.full((len(seq_lens), width), 1 << 30, dtype=torch.int32)
+    k_cache = poisoned((num_blocks, block_size, num_kv_heads, head_dim), dtype, "cpu")
+    v_cache = poisoned((num_blocks, block_size, num_kv_heads, head_dim), dtype, "cpu")
+    used = 0
+    for b, (seq_len, n) in enumerate(zip(seq_lens, blocks_per_seq)):
+        ids = perm[used:used + n]
+        used += n
+        block_tables[b, :n] = ids.int()
+        for cache in (k_cache, v_cache):
+            values = torch.full((n * block_size, num_kv_heads, head_dim), float("nan"))
+            values[:seq_len] = torch.randn(seq_len, num_kv_heads, head_dim)
+            cache[ids] = values.view(n, block_size, num_kv_heads, head_dim).to(dtype)
+    return k_cache.to(device), v_cache.to(device), block_tables.to(device)

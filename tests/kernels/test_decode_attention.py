@@ -1,0 +1,109 @@
+import pytest
+import torch
+from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
+
+from kernels import decode_attention as decode_module
+from kernels import reference
+from kernels.decode_attention import DecodeWorkspace, decode_attention
+
+# (num_q_heads, num_kv_heads, head_dim, block_size): GQA 1, 4, 8 and every head size
+HEAD_CONFIGS = [(2, 2, 64, 16), (4, 1, 128, 16), (8, 1, 64, 8), (8, 2, 32, 4)]
+ATTN_SCALE = {torch.float32: 1.0, torch.float16: 2.5, torch.bfloat16: 1.5}
+
+
+def _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device=DEVICE):
+    k_cache, v_cache, block_tables = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
+    q = torch.randn(len(seq_lens), num_q_heads, head_dim, device=device).to(dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=device)
+
+
+def _expected(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
+    with q.device:  # the reference makes its masks with the default device
+        return reference.decode_attention(
+            q.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens, scale, window
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
+    """Odd lengths, partial blocks, a padded slot (seq_len 0 -> zeros), splits that
+    are empty for short sequences; 3 splits is not a power of two."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    seq_lens = [1, 70, 33, 0, 130]
+    inputs = _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    out = decode_attention(*inputs, head_dim**-0.5, window)
+    assert out.shape == inputs[0].shape and out.dtype == dtype
+    assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
+
+
+def test_default_splits_and_passed_in_workspace():
+    seq_lens = [5, 300, 17]
+    inputs = _inputs(seq_lens, 8, 2, 64, 16, torch.float32)
+    expected = _expected(*inputs, 0.125, None)
+    assert_close(decode_attention(*inputs, 0.125), expected, torch.float32)
+
+    workspace = DecodeWorkspace.allocate(8, 8, 64, max_splits=16, device=DEVICE)
+    workspace.partial_out.fill_(float("nan"))
+    workspace.partial_lse.fill_(float("nan"))
+    assert_close(decode_attention(*inputs, 0.125, workspace=workspace), expected, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_nan_in_the_cache_is_not_hidden(monkeypatch, num_splits):
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    q, k_cache, v_cache, block_tables, seq_lens = _inputs([40, 40], 2, 1, 16, 4, torch.float32)
+    k_cache[block_tables[1, 2], 1] = float("nan")  # position 9 of sequence 1
+    out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.25)
+    assert not out[0].isnan().any() and out[1].isnan().all()
+
+
+def test_num_splits_depends_on_shapes_only():
+    cpu = torch.device("cpu")
+    assert decode_module.num_kv_splits(1, 8, 100, cpu) == 1  # short context: one split
+    assert decode_module.num_kv_splits(1, 1, 8192, cpu) > 1
+    assert decode_module.num_kv_splits(1, 1, 10**7, cpu) <= decode_module.MAX_SPLITS
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("num_kv_heads", [8, 32])
+@pytest.mark.parametrize("window", [None, 1024])
+@pytest.mark.parametrize("num_seqs", [1, 7, 64])
+def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs):
+    torch.manual_seed(num_seqs)
+    seq_lens = torch.randint(1, 8193, (num_seqs,)).tolist()
+    seq_lens[0] = 8192
+    inputs = _inputs(seq_lens, 32, num_kv_heads, 128, 16, torch.bfloat16, "cuda")
+    out = decode_attention(*inputs, 128**-0.5, window)
+    assert_close(out, _expected(*inputs, 128**-0.5, window), torch.bfloat16, ATTN_SCALE[torch.bfloat16])
+
+
+@gpu
+@requires_cuda
+def test_gpu_cuda_graph_replay():
+    """Captured once, replayed after the sequences grew (and one became padding)."""
+    num_seqs, hq, hk, d, bs = 8, 32, 8, 128, 16
+    seq_lens = [100, 4000, 1, 2048, 333, 17, 7000, 64]
+    new_lens = [101, 3990, 2, 2048, 334, 16, 7001, 0]
+    q, k_cache, v_cache, block_tables, _ = _inputs(
+        [max(a, b) for a, b in zip(seq_lens, new_lens)], hq, hk, d, bs, torch.bfloat16, "cuda"
+    )
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    workspace = DecodeWorkspace.allocate(num_seqs, hq, d, device="cuda")
+    static_q, static_lens = q.clone(), seq_lens_t.clone()
+    decode_attention(static_q, k_cache, v_cache, block_tables, static_lens, d**-0.5, workspace=workspace)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = decode_attention(static_q, k_cache, v_cache, block_tables, static_lens, d**-0.5,
+                                      workspace=workspace)
+    new_lens = torch.tensor(new_lens, dtype=torch.int32, device="cuda")
+    static_lens.copy_(new_lens)
+    static_q.copy_(torch.randn_like(q))
+    static_out.fill_(float("nan"))
+    graph.replay()
+    expected = _expected(static_q, k_cache, v_cache, block_tables, new_lens, d**-0.5, None)
+    assert_close(static_out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])

@@ -1,0 +1,58 @@
+import pytest
+import torch
+from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
+
+from kernels import reference
+from kernels.prefill_attention import prefill_attention
+
+# (num_q_heads, num_kv_heads, head_dim, block_size): GQA 1, 4, 8 and every head size
+HEAD_CONFIGS = [(2, 2, 64, 16), (4, 1, 128, 16), (8, 1, 64, 8), (8, 2, 32, 4)]
+ATTN_SCALE = {torch.float32: 1.0, torch.float16: 2.5, torch.bfloat16: 1.5}
+
+
+def _run(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, window, device=DEVICE):
+    k_cache, v_cache, block_tables = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
+    query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
+    query_start_loc = query_start_loc.to(device)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, device=device).to(dtype)
+    scale = head_dim**-0.5
+    out = prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens_t, scale, window)
+    q32, k32, v32 = q.float(), k_cache.float(), v_cache.float()
+    with torch.device(device):  # the reference makes its masks with the default device
+        expected = reference.prefill_attention(q32, k32, v32, block_tables, query_start_loc, seq_lens_t, scale, window)
+    assert out.shape == q.shape and out.dtype == dtype
+    return out, expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("window", [None, 200, 5])
+def test_mixed_batch(dtype, num_q_heads, num_kv_heads, head_dim, block_size, window):
+    """Chunked context (300 = 284 cached + 16 new), a fresh odd prompt, decode-like
+    single tokens, a sequence with no new tokens, partial last blocks."""
+    seq_lens = [300, 9, 40, 1, 12, 77]
+    q_lens = [16, 9, 1, 1, 0, 20]
+    out, expected = _run(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, window)
+    assert_close(out, expected, dtype, ATTN_SCALE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 50])
+def test_long_chunk_large_query_tiles(dtype, window):
+    """Average query length 130: the widest BLOCK_M, several query tiles per sequence."""
+    out, expected = _run([200, 131], [130, 130], 4, 2, 64, 16, dtype, window)
+    assert_close(out, expected, dtype, ATTN_SCALE[dtype])
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("num_kv_heads", [8, 32])
+@pytest.mark.parametrize("window", [None, 1024])
+def test_gpu_real_shapes_bf16(num_kv_heads, window):
+    seq_lens = [2048, 2012, 4000, 1000, 8192]
+    q_lens = [2048, 512, 1, 1000, 700]
+    torch.manual_seed(0)
+    out, expected = _run(seq_lens, q_lens, 32, num_kv_heads, 128, 16, torch.bfloat16, window, "cuda")
+    assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
