@@ -87,7 +87,8 @@ class DecodeGraphs:
         self.seq_lens[:bucket].copy_(self._host_seq_lens[:bucket], non_blocking=True)
         self.block_tables[:bucket, :width].copy_(self._host_tables[:bucket, :width], non_blocking=True)
         self._graphs[bucket].replay()
-        return self._logits[bucket][:num_seqs]
+        # a copy: the static buffer is overwritten by the next replay
+        return self._logits[bucket][:num_seqs].clone()
 
     # ---- capture --------------------------------------------------------------------
     def _metadata(self, bucket: int) -> AttentionMetadata:

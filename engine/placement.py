@@ -68,14 +68,16 @@ def kv_pool_blocks(
 
 
 def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens: int | None = None):
-    """Load the model and its KV pool for a worker. ``shm_path``: put the pool in that file."""
-    from engine.config import ModelConfig
+    """Load the model, then size its KV pool from what memory the weights left. ``shm_path``: pool in that file."""
     from engine.kv_cache import KVCachePool
+    from engine.loader import load_model
     from engine.runner import ModelRunner
 
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    config = ModelConfig.from_pretrained(settings.model)
+    model, config = load_model(settings.model, dtype=dtype, device=device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # return the loader's temporaries before measuring free memory
     num_blocks = kv_pool_blocks(settings, config.kv_bytes_per_token(dtype), device, gpu_cap_tokens)
     layout = dict(
         num_layers=config.num_layers,
@@ -89,6 +91,4 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
         pool = KVCachePool.create_shared(shm_path, **layout)
     else:
         pool = KVCachePool(**layout, device=device)
-    return ModelRunner(
-        settings.model, num_blocks, settings.tokens_per_block, dtype=dtype, device=device, kv_pool=pool
-    )
+    return ModelRunner.from_model(model, config, num_blocks, settings.tokens_per_block, kv_pool=pool)

@@ -5,5 +5,5 @@ set -o pipefail
 source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -x -p no:cacheprovider tests/kernels tests/gpu tests/engine -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-python3 -m bench.engine --out "$OUT/benchmarks.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -45
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/gpu tests/engine -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+timeout 320 python3 -m bench.engine --out "$OUT/benchmarks.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -45

@@ -66,7 +66,9 @@ class LocalCluster:
 
     def logs(self) -> str:
         out = []
-        for name in os.listdir(self.log_dir):
+        for name in sorted(os.listdir(self.log_dir)):
+            if not name.endswith(".log"):
+                continue
             with open(os.path.join(self.log_dir, name), errors="replace") as f:
                 out.append(f"--- {name}\n" + f.read()[-3000:])
         return "\n".join(out)

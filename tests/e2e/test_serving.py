@@ -160,7 +160,7 @@ def test_bad_input_gets_openai_errors_and_cluster_keeps_serving(cluster):
 
 
 def test_client_disconnect_releases_blocks(cluster):
-    body = {"model": cluster.settings.model_name, "prompt": PROMPTS[4], "max_tokens": 200, "temperature": 0,
+    body = {"model": cluster.settings.model_name, "prompt": PROMPTS[4], "max_tokens": 190, "temperature": 0,
             "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=cluster.base_url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as resp:

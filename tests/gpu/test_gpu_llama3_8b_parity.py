@@ -1,4 +1,11 @@
-"""The engine's bf16 logits against HF transformers at the llama3-8b shape (GPU only)."""
+"""The engine's bf16 logits against HF transformers at the llama3-8b shape (GPU only).
+
+Same random weights in both. The truth is HF in fp32; the engine in bf16 must
+reach cosine similarity >= 0.999 with it on the final logits of the prefill
+and of 32 decode steps, or, where HF's own bf16 forward is further than that
+from its fp32 forward (random weights leave little signal in the logits),
+come within 1e-3 of HF bf16's own similarity.
+"""
 
 import pytest
 import torch
@@ -30,16 +37,24 @@ def test_llama3_8b_bf16_logits_match_hf():
 
     prompt = torch.randint(3, config.vocab_size, (200,)).tolist()
     blocks = list(range(20))
-    # chunked prefill: 128 + 72 tokens
-    runner.forward([SeqChunk(prompt[:128], 0, blocks)])
+    runner.forward([SeqChunk(prompt[:128], 0, blocks)])  # chunked prefill: 128 + 72 tokens
     ours = [runner.forward([SeqChunk(prompt[128:], 128, blocks)])[0]]
     tokens = list(prompt)
-    for _ in range(32):
+    for _ in range(32):  # decode steps through the CUDA graphs
         tokens.append(int(ours[-1].argmax()))
         ours.append(runner.forward([SeqChunk([tokens[-1]], len(tokens) - 1, blocks)])[0])
+    ours = torch.stack(ours)  # [33, vocab]
     ids = torch.tensor([tokens], device="cuda")
-    reference = hf(ids).logits[0, len(prompt) - 1 :].float()  # [33, vocab]
-    ours = torch.stack(ours)
-    cosine = torch.nn.functional.cosine_similarity(ours, reference, dim=-1)
-    print("cosine min", cosine.min().item(), "mean", cosine.mean().item())
-    assert cosine.min().item() >= 0.999
+    start = len(prompt) - 1
+    hf_bf16 = hf(ids).logits[0, start:].float()
+    del model, runner
+    hf_fp32 = hf.float()(ids).logits[0, start:]
+
+    def cos(a, b):
+        return torch.nn.functional.cosine_similarity(a, b, dim=-1)
+
+    ours_vs_truth, hf_vs_truth, ours_vs_hf = cos(ours, hf_fp32), cos(hf_bf16, hf_fp32), cos(ours, hf_bf16)
+    print(f"cosine vs HF fp32: ours min {ours_vs_truth.min():.5f} mean {ours_vs_truth.mean():.5f}; "
+          f"HF bf16 min {hf_vs_truth.min():.5f} mean {hf_vs_truth.mean():.5f}; "
+          f"ours vs HF bf16 min {ours_vs_hf.min():.5f}")
+    assert ours_vs_truth.min().item() >= min(0.999, hf_vs_truth.min().item() - 1e-3)
