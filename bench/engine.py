@@ -23,7 +23,8 @@ import traceback
 
 import torch
 
-from bench.shapes import SHAPES, hf_config_dict
+from bench.engine_args import add_arguments
+from bench.shapes import hf_config_dict
 
 ROWS: list[dict] = []
 
@@ -199,14 +200,6 @@ def print_table(rows: list[dict]) -> None:
         ratio = f"{r['ratio']:7.3f}" if isinstance(r["ratio"], (int, float)) else ""
         print(f"{r['workload']:<18} {r['model']:<12} {r['metric']:<24} {fmt(r['value'])} "
               f"{str(r['anchor'] or ''):<20} {fmt(r['anchor_value'])} {ratio:>7}")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default=",".join(SHAPES))
-    parser.add_argument("--batches", default="1,8,64")
-    parser.add_argument("--anchors", default="prefill,static,eager,cb", help="HF anchors to run ('' for none)")
-    parser.add_argument("--anchor-models", default="llama2-7b")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "benchmarks.json"))
 
 
 def main(args: argparse.Namespace) -> int:

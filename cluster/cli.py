@@ -7,6 +7,7 @@
     tandem decode    one decode worker
     tandem demo-model PATH   write the tiny random Llama that --model demo serves
     tandem bench serve ...   streaming load client against an OpenAI-compatible URL
+    tandem bench engine ...  engine workloads vs ceilings and HF anchors (GPU)
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     from bench import serve as bench_serve
 
     bench_serve.add_arguments(bench_sub.add_parser("serve", help="streaming load client (like vllm bench serve)"))
+    from bench import engine_args
+
+    engine_args.add_arguments(
+        bench_sub.add_parser("engine", help="engine vs hardware ceilings and HF anchors (needs a GPU)")
+    )
     return parser
 
 
@@ -78,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(make_tiny_checkpoint(args.path))
             return 0
+        if args.command == "bench" and args.bench_command == "engine":
+            from bench import engine as bench_engine
+
+            return bench_engine.main(args)
         if args.command == "bench":
             from bench import serve as bench_serve
 

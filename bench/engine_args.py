@@ -1,0 +1,14 @@
+"""Command-line flags of `tandem bench engine`, torch-free so the CLI can list them cheaply."""
+
+import argparse
+import os
+
+from bench.shapes import SHAPES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--anchors", default="prefill,static,eager,cb", help="HF anchors to run ('' for none)")
+    parser.add_argument("--anchor-models", default="llama2-7b")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "benchmarks.json"))
