@@ -23,6 +23,14 @@ def output(request_id: str) -> str:
     return f"{PREFIX}:out:{request_id}"
 
 
+def gateway_output(gateway_id: str) -> str:
+    """A gateway's output stream: TokenBatches for every request it submitted."""
+    return f"{PREFIX}:out:gw:{gateway_id}"
+
+
+GATEWAY_OUTPUT_MAXLEN = 100_000  # entries kept (approximately) in a gateway's output stream
+
+
 def policy() -> str:
     """Hash of live scheduling settings (capacity / chunking policy)."""
     return f"{PREFIX}:policy"

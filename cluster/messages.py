@@ -84,6 +84,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     priority: int = 0
     arrival_time: float = 0.0
+    reply_to: str = ""  # the gateway's output stream; "" = a stream of this request's own
     kind: ClassVar[str]
 
 
@@ -116,6 +117,7 @@ class PrefillJob:
     ignore_eos: bool = False
     priority: int = 0
     arrival_time: float = 0.0
+    reply_to: str = ""
     kind: ClassVar[str]
 
 
@@ -151,6 +153,21 @@ class TokenEvent:
     error: str | None = None
     num_cached_tokens: int = 0
     kind: ClassVar[str]
+
+
+@message
+class TokenBatch:
+    """Worker -> a gateway's output stream: one step's TokenEvents for that gateway's requests."""
+
+    events: list[bytes]  # each an encoded TokenEvent
+    kind: ClassVar[str]
+
+    @classmethod
+    def of(cls, events: list["TokenEvent"]) -> "TokenBatch":
+        return cls([encode(e) for e in events])
+
+    def unpack(self) -> list["TokenEvent"]:
+        return [decode(raw) for raw in self.events]
 
 
 @message

@@ -17,15 +17,8 @@ import structlog
 
 from cluster import keys
 from cluster.inbox import Inbox, send
-from cluster.messages import (
-    AbortRequest,
-    GenerateRequest,
-    PrefillDone,
-    PrefillJob,
-    TokenEvent,
-    WorkerInfo,
-    encode,
-)
+from cluster.messages import AbortRequest, GenerateRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
+from cluster.outputs import queue_events
 from cluster.registry import Heartbeat, live_workers
 from cluster.request_state import RequestStatus
 from cluster.settings import Settings
@@ -205,6 +198,7 @@ class DecodeWorker:
                 ignore_eos=spec.ignore_eos,
                 priority=spec.priority,
                 arrival_time=spec.arrival_time,
+                reply_to=spec.reply_to,
             ),
         )
 
@@ -236,13 +230,12 @@ class DecodeWorker:
         if not events:
             return
         pipe = self.redis.pipeline(transaction=False)
+        queued = []
         for request, index, reason in events:
-            stream = keys.output(request.request_id)
             new_tokens = request.output_token_ids[index:] if reason != "error" else []
             event = TokenEvent(request.request_id, index, new_tokens, reason, error if reason == "error" else None)
-            pipe.xadd(stream, {b"m": encode(event)})
-            if reason is not None:
-                pipe.expire(stream, keys.FINISHED_OUTPUT_TTL_S)
+            queued.append((request.spec.reply_to, event))
+        queue_events(pipe, queued)
         pipe.execute()
 
 

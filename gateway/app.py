@@ -32,6 +32,7 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        service.mux.start()
         yield
         await service.close()
 

@@ -7,13 +7,14 @@ Statuses (``Generation.status``)::
         |                          |--worker error / worker lost / timeout--> FAILED
         +--------------------------+--client gone (cancelled)--> ABORTED
 
-``deltas()`` reads the output stream, orders tokens by index, detokenizes
-incrementally and applies stop strings. ``close()`` runs on every exit path
-(it is idempotent and synchronous, so it also works from a cancelled task or a
+``deltas()`` reads the request's events (routed to its queue by the
+gateway's ``OutputMux``), orders tokens by index, detokenizes incrementally
+and applies stop strings. ``close()`` runs on every exit path (it is
+idempotent and synchronous, so it also works from a cancelled task or a
 closing generator): a request the workers may still be running gets an
 ``AbortRequest`` (sent from a background task so a cancellation cannot stop
-it), the output stream is deleted (finished) or left to expire (aborted:
-the worker may still write to it), and the metrics are recorded.
+it), its queue is unregistered (late events are dropped), and the metrics are
+recorded.
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from cluster import keys
 from cluster.messages import WorkerInfo
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import RequestTimeout, WorkerFailed, WorkerLost
 from gateway.responses import Delta, Usage
 from gateway.stop import StopChecker
-from gateway.streams import TokenAssembler, read_events
+from gateway.streams import TokenAssembler, read_queued_events
 from gateway.validation import GenerationInput
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class Generation:
         self._closed = False
         self._detokenizer = IncrementalDetokenizer(service.tokenizer, inp.prompt_token_ids, inp.skip_special_tokens)
         self._stop = StopChecker(inp.stop)
+        self._queue = service.mux.register(request_id)  # before submission: no event can be missed
 
     @property
     def usage(self) -> Usage:
@@ -84,10 +85,7 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas until the request ends; the last one carries ``finish_reason``."""
         assembler = TokenAssembler()
-        events = read_events(
-            self.service.redis, keys.output(self.request_id),
-            deadline=self._deadline, worker_alive=self._worker_alive,
-        )
+        events = read_queued_events(self._queue, deadline=self._deadline, worker_alive=self._worker_alive)
         try:
             async for event in events:
                 if self._first_token_at is None:
@@ -121,19 +119,16 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        service, stream = self.service, keys.output(self.request_id)
+        service = self.service
+        service.mux.unregister(self.request_id)
         if self._failed:
             self.status = Status.FAILED
         elif self.finish_reason is not None:
             self.status = Status.FINISHED
         else:
             self.status = Status.ABORTED
-        if self._worker_done:
-            service.spawn(service.redis.delete(stream))
-        else:
-            # the worker may still write (it reads the abort later): let the stream expire instead
+        if not self._worker_done:
             service.spawn(service.router.abort(self.worker_id, self.request_id, self._abort_reason))
-            service.spawn(service.redis.expire(stream, keys.FINISHED_OUTPUT_TTL_S))
         metrics = service.metrics
         metrics.running.dec()
         metrics.generation_tokens.inc(len(self.output_token_ids))

@@ -25,6 +25,7 @@ from cluster.messages import GenerateRequest
 from cluster.settings import Settings
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
+from gateway.mux import OutputMux
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.router import ROLES, Router
 from gateway.streams import POLL_S
@@ -58,6 +59,7 @@ class GatewayService:
         self.validator = Validator(settings, self.tokenizer)
         self.redis = redis if redis is not None else make_redis(settings.redis_url)
         self.router = Router(self.redis)
+        self.mux = OutputMux(self.redis)
         self.metrics = GatewayMetrics(lambda: {role: self.router.cached(role) for role in ROLES})
         # one thread: tokenizers are not safe to share across threads, and the loop must not block
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -85,8 +87,13 @@ class GatewayService:
             ignore_eos=inp.ignore_eos,
             priority=inp.priority,
             arrival_time=time.time(),
+            reply_to=self.mux.stream,
         )
-        await self.router.submit(worker, request)
+        try:
+            await self.router.submit(worker, request)
+        except BaseException:
+            self.mux.unregister(request_id)
+            raise
         self.metrics.running.inc()
         self.metrics.prompt_tokens.inc(len(inp.prompt_token_ids))
         log.info("request submitted", worker_id=worker.worker_id, num_prompt_tokens=len(inp.prompt_token_ids),
@@ -141,6 +148,7 @@ class GatewayService:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     async def close(self) -> None:
+        await self.mux.stop()
         if self._background:
             await asyncio.wait(list(self._background), timeout=5.0)
         await self.redis.aclose()

@@ -1,10 +1,11 @@
-"""Reading a request's output stream: TokenEvents in, ordered new tokens out.
+"""Reading a request's TokenEvents: events in, ordered new tokens out.
 
-``read_events`` follows ``tandem:out:<request_id>`` with blocking XREAD from
-the start. While nothing arrives it checks, once per ``poll_s``, that the
-decode worker holding the request is still alive (its registry key exists) and
-that the request's deadline has not passed, so a dead worker or a stuck
-request ends with ``WorkerLost`` / ``RequestTimeout`` instead of hanging.
+``read_queued_events`` takes the events the gateway's ``OutputMux`` routes to
+the request's queue. While nothing arrives it checks, once per ``poll_s``,
+that the decode worker holding the request is still alive (its registry key
+exists) and that the request's deadline has not passed, so a dead worker or a
+stuck request ends with ``WorkerLost`` / ``RequestTimeout`` instead of
+hanging.
 
 ``TokenAssembler`` turns events into the next contiguous tokens: the prefill
 worker writes index 0 and the decode worker the rest, and after a retry the
@@ -14,14 +15,14 @@ index.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 import structlog
 
-from cluster.messages import FIELD, MessageError, TokenEvent, decode
+from cluster.messages import TokenEvent
 from gateway.errors import RequestTimeout, WorkerLost
 
 log = structlog.get_logger(__name__)
@@ -29,36 +30,27 @@ log = structlog.get_logger(__name__)
 POLL_S = 0.5
 
 
-async def read_events(
-    client: aioredis.Redis,
-    stream: str,
+async def read_queued_events(
+    queue: "asyncio.Queue[TokenEvent]",
     *,
     deadline: float,
     worker_alive: Callable[[], Awaitable[bool]],
     poll_s: float = POLL_S,
 ) -> AsyncIterator[TokenEvent]:
-    """Every TokenEvent written to ``stream``, forever (the caller stops at the last one).
-
-    ``deadline`` is on the ``time.monotonic()`` clock.
-    """
-    last_id = "0-0"
+    """Every TokenEvent put on ``queue``, forever (the caller stops at the last one)."""
     while True:
         remaining_s = deadline - time.monotonic()
         if remaining_s <= 0:
             raise RequestTimeout("request timed out")
-        block_ms = max(1, int(min(poll_s, remaining_s) * 1000))
-        reply = await client.xread({stream: last_id}, block=block_ms)
-        if not reply and not await worker_alive():
-            reply = await client.xread({stream: last_id})  # anything it wrote just before dying
-            if not reply:
-                raise WorkerLost("the decode worker serving this request stopped responding")
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                last_id = entry_id
-                try:
-                    yield decode(fields[FIELD])
-                except (MessageError, KeyError) as exc:
-                    log.error("dropping unreadable output entry", entry_id=entry_id, error=str(exc))
+        try:
+            event = await asyncio.wait_for(queue.get(), timeout=min(poll_s, remaining_s))
+        except asyncio.TimeoutError:
+            if not await worker_alive() and queue.empty():
+                raise WorkerLost("the decode worker serving this request stopped responding") from None
+            continue
+        yield event
+        while not queue.empty():  # drain what arrived meanwhile without waiting
+            yield queue.get_nowait()
 
 
 @dataclass

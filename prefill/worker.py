@@ -18,7 +18,8 @@ import structlog
 
 from cluster import keys
 from cluster.inbox import Inbox, send
-from cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo, encode
+from cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
+from cluster.outputs import queue_events
 from cluster.registry import Heartbeat
 from cluster.request_state import RequestStatus, finish_reason
 from cluster.settings import Settings
@@ -162,6 +163,7 @@ class PrefillWorker:
             return
         token_ids = sample(logits[rows], [s.job.sampling for s in completed], [0] * len(completed))
         pipe = self.redis.pipeline(transaction=False)
+        queued = []
         for state, token_id in zip(completed, token_ids):
             job = state.job
             state.first_token = token_id
@@ -170,10 +172,9 @@ class PrefillWorker:
                 max_tokens=job.max_tokens, max_seq_len=self.settings.max_seq_len,
                 stop_token_ids=job.stop_token_ids, eos_token_ids=self.eos_token_ids, ignore_eos=job.ignore_eos,
             )
-            stream = keys.output(job.request_id)
-            pipe.xadd(stream, {b"m": encode(TokenEvent(job.request_id, 0, [token_id], state.finish_reason))})
-            pipe.expire(stream, keys.OUTPUT_TTL_S)
+            queued.append((job.reply_to, TokenEvent(job.request_id, 0, [token_id], state.finish_reason)))
             state.sender.finish()
+        queue_events(pipe, queued)
         pipe.execute()
 
     def _poll_transfers(self) -> None:

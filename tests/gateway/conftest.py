@@ -20,6 +20,7 @@ import uvicorn
 from cluster import keys
 from cluster.inbox import Inbox
 from cluster.messages import AbortRequest, GenerateRequest, TokenEvent, WorkerInfo, encode
+from cluster.outputs import queue_events
 from cluster.settings import Settings
 
 MAX_POSITIONS = 128
@@ -99,6 +100,7 @@ class ServerThread:
     """A uvicorn server running ``app`` in a background thread."""
 
     def __init__(self, app):
+        self.app = app
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
@@ -235,7 +237,6 @@ class FakeDecodeWorker:
                     threading.Thread(target=self._play, args=(msg,), daemon=True).start()
 
     def _play(self, req: GenerateRequest) -> None:
-        stream = keys.output(req.request_id)
         for delay_s, event in self.script(req):
             if delay_s:
                 time.sleep(delay_s)
@@ -243,7 +244,9 @@ class FakeDecodeWorker:
                 return
             if any(a.request_id == req.request_id for a in self.aborts):
                 return
-            self.client.xadd(stream, {b"m": encode(event)})
+            pipe = self.client.pipeline(transaction=False)
+            queue_events(pipe, [(req.reply_to, event)])  # exactly as the real workers publish
+            pipe.execute()
 
 
 def register_prefill(client: redis.Redis, worker_id: str = "prefill-fake-0", ttl_s: float = 30.0) -> None:

@@ -14,7 +14,6 @@ import time
 import httpx
 import pytest
 
-from cluster import keys
 from cluster.messages import TokenEvent
 from tests.gateway.conftest import MAX_POSITIONS, parse_sse, register_prefill, token_script, wait_for
 
@@ -50,7 +49,9 @@ def test_completion_non_streaming(serve, fake_worker, rclient, text_ids):
     req = worker.requests[0]
     assert req.request_id == body["id"] and req.max_tokens == 50 and req.priority == 3
     assert (req.sampling.temperature, req.sampling.top_k, req.sampling.seed) == (0.0, 0, 7)
-    assert wait_for(lambda: rclient.exists(keys.output(body["id"])) == 0), "finished stream is deleted"
+    assert req.reply_to.startswith("tandem:out:gw:"), "tokens come back on the gateway's own stream"
+    mux = server.app.state.service.mux
+    assert wait_for(lambda: mux.num_registered == 0), "a finished request leaves no queue behind"
 
 
 def test_completion_streaming_with_usage_and_token_ids(serve, fake_worker, text_ids):
@@ -172,9 +173,7 @@ def test_non_streaming_client_disconnect_aborts(serve, fake_worker, text_ids):
         post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 100}, timeout=0.5)
     assert wait_for(lambda: len(worker.aborts) == 1, timeout_s=5)
     assert worker.aborts[0].request_id == worker.requests[0].request_id
-    stream = keys.output(worker.requests[0].request_id)
-    assert wait_for(lambda: 0 < worker.client.ttl(stream) <= keys.FINISHED_OUTPUT_TTL_S), \
-        "an aborted request's stream is left to expire"
+    assert worker.requests[0].reply_to.startswith("tandem:out:gw:")
 
 
 def test_worker_death_fails_the_request(serve, fake_worker, text_ids):
