@@ -17,7 +17,6 @@ caching allocator (which is capture-safe).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -25,25 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dot import dot, upcast_bf16_dot
+
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128  # below this the merge costs more than it saves
 PROGRAMS_PER_SM = 3  # splits are added until the grid is about this many waves (tuned on an H200)
-
-
-# The interpreter (TRITON_INTERPRET=1, CPU tests) multiplies bf16 operands as raw
-# uint16 bits; there the operands are widened to fp32 first, which is exact for
-# bf16 x bf16 products and so matches the GPU's bf16 MMA with fp32 accumulation.
-def _upcast_bf16_dot(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    if DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -99,13 +85,13 @@ def _decode_partial_kernel(
                     mask=kv_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
         v = tl.load(v_base + (block_ids * stride_v_block + slots * stride_v_slot)[:, None] + offs_d[None, :],
                     mask=kv_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        s = _dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(kv_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
@@ -234,7 +220,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=_upcast_bf16_dot(q.dtype),
+        DOT_UPCAST=upcast_bf16_dot(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:

@@ -18,28 +18,13 @@ works. Online softmax in the exp2 domain, fp32 accumulators.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.dot import dot, upcast_bf16_dot
+
 LOG2E = 1.4426950408889634
-
-
-# The interpreter (TRITON_INTERPRET=1, CPU tests) multiplies bf16 operands as raw
-# uint16 bits; there the operands are widened to fp32 first, which is exact for
-# bf16 x bf16 products and so matches the GPU's bf16 MMA with fp32 accumulation.
-def _upcast_bf16_dot(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@triton.jit
-def _dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    if DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -82,7 +67,7 @@ def _attend_kv_tile(
         k = tl.load(k_ptrs, mask=kv_valid[None, :], other=0.0)
     else:
         k = tl.load(k_ptrs)
-    s = _dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         if HAS_WINDOW:
@@ -97,7 +82,7 @@ def _attend_kv_tile(
         v = tl.load(v_ptrs, mask=kv_valid[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return acc, l_i, m_new
 
 
@@ -217,7 +202,7 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
         GROUP=num_q_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=_upcast_bf16_dot(q.dtype),
+        DOT_UPCAST=upcast_bf16_dot(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
 
