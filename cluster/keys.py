@@ -18,6 +18,11 @@ def inbox(role: str, worker_id: str) -> str:
     return f"{PREFIX}:inbox:{role}:{worker_id}"
 
 
+def prefix_index(worker_id: str) -> str:
+    """Set of the chained block hashes a prefill worker's prefix cache holds (``cluster.prefix_index``)."""
+    return f"{PREFIX}:prefix:{worker_id}"
+
+
 def output(request_id: str) -> str:
     """A request's output stream of TokenEvents."""
     return f"{PREFIX}:out:{request_id}"

@@ -36,6 +36,8 @@ class Settings:
     tokens_per_block: int = 16
     max_tokens_in_paged_kv_cache: int | None = None
     kv_cache_free_gpu_mem_fraction: float = 0.90
+    enable_prefix_caching: bool = False  # prefill workers reuse the KV of prompt prefixes they computed
+    max_attention_window_size: int | None = None  # attend to (and keep KV of) the last W tokens only
     max_batch_size: int = 64
     max_num_tokens: int = 2048
     max_seq_len: int | None = None
@@ -76,6 +78,8 @@ class Settings:
                f"--max-input-len must be in [1, --max-seq-len), got {self.max_input_len} with max_seq_len {self.max_seq_len}")
         _check(self.max_num_tokens >= self.tokens_per_block,
                f"--max-num-tokens {self.max_num_tokens} must be at least --tokens-per-block {self.tokens_per_block}")
+        _check(self.max_attention_window_size is None or self.max_attention_window_size >= 1,
+               f"--max-attention-window-size must be >= 1, got {self.max_attention_window_size}")
         _check(0.0 < self.kv_cache_free_gpu_mem_fraction < 1.0,
                f"--kv-cache-free-gpu-mem-fraction must be in (0, 1), got {self.kv_cache_free_gpu_mem_fraction}")
         if self.max_tokens_in_paged_kv_cache is not None:
@@ -90,6 +94,15 @@ class Settings:
 
     def worker_name(self, role: str) -> str:
         return self.worker_id or f"{role}-{os.uname().nodename}-{os.getpid()}"
+
+
+def _parse_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -117,6 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     a("--max-tokens-in-paged-kv-cache", type=int,
       help=f"KV pool size in tokens per worker (CPU default {CPU_DEFAULT_KV_TOKENS})")
     a("--kv-cache-free-gpu-mem-fraction", type=float, default=d.kv_cache_free_gpu_mem_fraction)
+    # optional value so the launcher's "--enable-prefix-caching False" round-trips
+    a("--enable-prefix-caching", nargs="?", const=True, default=d.enable_prefix_caching, type=_parse_bool,
+      help="reuse the KV of full prompt blocks a prefill worker computed before")
+    a("--max-attention-window-size", type=int,
+      help="attend to the last W tokens only and free KV blocks that fall out of that window "
+           "(a model's own smaller sliding window wins)")
     a("--max-batch-size", type=int, default=d.max_batch_size)
     a("--max-num-tokens", type=int, default=d.max_num_tokens, help="token budget of one prefill forward")
     a("--max-seq-len", type=int, help="prompt + output tokens (default: the model's max positions)")

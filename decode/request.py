@@ -12,7 +12,10 @@ from cluster.request_state import RequestStatus
 class DecodeRequest:
     spec: GenerateRequest
     status: RequestStatus = RequestStatus.QUEUED
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the block table, by position // block_size
+    # sliding window: leading table entries out of the window (given back; never read or written again)
+    num_released_blocks: int = 0
+    spare_block_ids: list[int] = field(default_factory=list)  # released blocks kept for later positions
     output_token_ids: list[int] = field(default_factory=list)
     prefill_worker_id: str | None = None
     receiver: object | None = None  # kvtransfer.KVReceiver while PREFILLING

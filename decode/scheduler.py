@@ -9,12 +9,18 @@ GUARANTEED_NO_EVICT: a request is given blocks for its prompt plus
 ``max_tokens`` (capped at ``max_seq_len``) before its prefill starts, so a
 started request never runs out of blocks and is never paused; requests that do
 not fit wait in arrival order (priority first).
+
+Sliding window (``attention_window``): after each step the blocks a request
+no longer attends to are released and recycled for its later positions, so a
+request reserves and holds only about a window's worth of blocks beyond its
+prompt (``decode.window``).
 """
 
 from __future__ import annotations
 
 from cluster.request_state import RequestStatus, finish_reason
 from decode.request import DecodeRequest
+from decode.window import SlidingWindow, held_block_ids
 from engine.block_allocator import BlockAllocator
 
 
@@ -26,11 +32,13 @@ class DecodeScheduler:
         max_batch_size: int,
         max_seq_len: int,
         eos_token_ids: list[int],
+        attention_window: int | None = None,
     ):
         self.allocator = allocator
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.eos_token_ids = list(eos_token_ids)
+        self.window = SlidingWindow(allocator, attention_window) if attention_window else None
         self.requests: dict[str, DecodeRequest] = {}
         self.waiting: list[DecodeRequest] = []  # QUEUED, ordered by (priority, arrival)
         self.prefilling: dict[str, DecodeRequest] = {}  # PREFILLING
@@ -44,8 +52,13 @@ class DecodeScheduler:
         self.waiting.append(request)
         self.waiting.sort(key=lambda r: r.order_key)
 
-    def reserved_tokens(self, request: DecodeRequest) -> int:
+    def total_tokens(self, request: DecodeRequest) -> int:
+        """The most tokens (prompt + output) the request can reach."""
         return min(request.num_prompt_tokens + request.spec.max_tokens, self.max_seq_len)
+
+    def reserved_tokens(self, request: DecodeRequest) -> int:
+        total = self.total_tokens(request)
+        return total if self.window is None else self.window.reserved_tokens(request.num_prompt_tokens, total)
 
     def can_reserve(self, request: DecodeRequest) -> bool:
         return self.allocator.can_allocate(self.reserved_tokens(request))
@@ -81,6 +94,7 @@ class DecodeScheduler:
             return reason
         request.status = RequestStatus.DECODING
         self.running.append(request)
+        self._slide_window(request)
         return None
 
     # ---- decode steps ---------------------------------------------------------------
@@ -98,6 +112,8 @@ class DecodeScheduler:
             if reason is not None:
                 self.running.remove(request)
                 self._end(request, RequestStatus.FINISHED, reason)
+            else:
+                self._slide_window(request)
         return events
 
     # ---- abort ----------------------------------------------------------------------
@@ -137,12 +153,20 @@ class DecodeScheduler:
             ignore_eos=spec.ignore_eos,
         )
 
+    def _slide_window(self, request: DecodeRequest) -> None:
+        if self.window is not None:
+            self.window.advance(request, self.total_tokens(request))
+
+    def _free_blocks(self, request: DecodeRequest) -> None:
+        """Give back every block the request holds (released window blocks are not held)."""
+        if request.block_ids:
+            self.allocator.free(held_block_ids(request))
+        request.block_ids, request.spare_block_ids, request.num_released_blocks = [], [], 0
+
     def _end(self, request: DecodeRequest, status: RequestStatus, reason: str) -> None:
         request.status = status
         request.finish_reason = reason
-        if request.block_ids:
-            self.allocator.free(request.block_ids)
-            request.block_ids = []
+        self._free_blocks(request)
         self.requests.pop(request.request_id, None)
 
     @property

@@ -19,6 +19,7 @@ from cluster import keys
 from cluster.inbox import Inbox, send
 from cluster.messages import AbortRequest, GenerateRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
 from cluster.outputs import queue_events
+from cluster.prefix_index import choose_prefill_worker, longest_prefixes
 from cluster.registry import Heartbeat, live_workers
 from cluster.request_state import RequestStatus
 from cluster.settings import Settings
@@ -27,6 +28,7 @@ from decode.scheduler import DecodeScheduler
 from engine.attention import SeqChunk
 from engine.block_allocator import BlockAllocator
 from engine.placement import build_runner, resolve_device, resolve_transport
+from engine.prefix_cache import block_hashes, num_reusable_blocks
 from engine.sampler import sample
 from kvtransfer import KVPoll, KVReceiver, get_transport
 
@@ -57,6 +59,7 @@ class DecodeWorker:
             max_batch_size=settings.max_batch_size,
             max_seq_len=settings.max_seq_len,
             eos_token_ids=self.runner.config.eos_token_ids,
+            attention_window=self.runner.config.attention_window(),
         )
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
         self.heartbeat = Heartbeat(
@@ -174,12 +177,8 @@ class DecodeWorker:
             request.receiver = request.receiver or KVReceiver(self.settings.transfer_timeout_s)
             request.receiver.fail("no prefill worker alive")
             return
-        # least loaded, ties broken round robin
         self._round_robin += 1
-        target = min(
-            workers,
-            key=lambda w: (w.num_waiting + w.num_running, (hash(w.worker_id) + self._round_robin) % len(workers)),
-        )
+        target = choose_prefill_worker(workers, self._cached_prefixes(request, workers), self._round_robin)
         spec = request.spec
         request.prefill_worker_id = target.worker_id
         request.receiver = KVReceiver(self.settings.transfer_timeout_s)
@@ -201,6 +200,14 @@ class DecodeWorker:
                 reply_to=spec.reply_to,
             ),
         )
+
+    def _cached_prefixes(self, request: DecodeRequest, workers: list[WorkerInfo]) -> dict[str, int]:
+        """prefill worker id -> leading full blocks of the prompt it has cached (0 without prefix caching)."""
+        if not self.settings.enable_prefix_caching or len(workers) < 2:
+            return {w.worker_id: 0 for w in workers}
+        prompt, block_size = request.spec.prompt_token_ids, self.settings.tokens_per_block
+        hashes = block_hashes(prompt, block_size)[: num_reusable_blocks(len(prompt), block_size)]
+        return longest_prefixes(self.redis, [w.worker_id for w in workers], hashes)
 
     def _check_handoffs(self) -> None:
         for request in list(self.scheduler.prefilling.values()):

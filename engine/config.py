@@ -43,17 +43,24 @@ class ModelConfig:
     bos_token_id: int | None = None
     # Per layer: whether sliding_window applies (Qwen2 windows only layers >= max_window_layers).
     sliding_window_layers: tuple[bool, ...] = field(default=())
+    # --max-attention-window-size: every layer attends to at most this many tokens (a smaller own window wins)
+    max_attention_window: int | None = None
 
     @property
     def rope_type(self) -> str:
         return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
-        if self.sliding_window is None:
-            return None
-        if self.sliding_window_layers and not self.sliding_window_layers[layer_idx]:
-            return None
-        return self.sliding_window
+        own = self.sliding_window
+        if own is not None and self.sliding_window_layers and not self.sliding_window_layers[layer_idx]:
+            own = None
+        windows = [w for w in (own, self.max_attention_window) if w is not None]
+        return min(windows) if windows else None
+
+    def attention_window(self) -> int | None:
+        """The window every layer's keys fit in (KV outside it can be dropped); None if a layer sees all."""
+        windows = [self.layer_sliding_window(i) for i in range(self.num_layers)]
+        return None if None in windows else max(windows)
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         elem_size = torch.empty((), dtype=dtype or self.dtype).element_size()

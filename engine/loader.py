@@ -26,11 +26,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     max_position: int | None = None,
+    max_attention_window: int | None = None,
 ) -> tuple[LlamaFamilyModel, ModelConfig]:
     """-> (model in eval mode without grads, config). The cos/sin cache covers
-    ``max_position`` positions (default: the config's max_position_embeddings)."""
+    ``max_position`` positions (default: the config's max_position_embeddings);
+    ``max_attention_window`` caps every layer's attention span (sliding window)."""
     path = os.fspath(path)
     config = ModelConfig.from_pretrained(path)
+    config.max_attention_window = max_attention_window
     device = torch.device(device)
     tensors = _read_safetensors(path, device)
     state = _to_engine_state(config, tensors, dtype)

@@ -14,6 +14,9 @@ class PrefillState:
     status: RequestStatus = RequestStatus.QUEUED
     block_ids: list[int] = field(default_factory=list)  # in this worker's own pool
     num_computed: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the prompt's full blocks
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_released_blocks: int = 0  # leading blocks out of the attention window, given back already
     sender: object | None = None  # kvtransfer.KVSender
     first_token: int | None = None
     finish_reason: str | None = None

@@ -5,6 +5,12 @@ forward, at most ``max_num_tokens`` tokens per forward over all jobs) ->
 TRANSFERRING (last chunk done, first token sampled, KV writes draining) ->
 FINISHED | ABORTED | FAILED, freeing the local blocks on every exit.
 
+Prefix caching (``engine.prefix_cache``): at admission a job takes the cached
+blocks of its longest cached prefix (never the block of its last token, whose
+logits are needed) and starts computing after them; every block that becomes
+full is cached. Sliding window: between chunks, blocks no later query of the
+prompt attends to are given back (``release_out_of_window``).
+
 Chunking policies:
     FIRST_COME_FIRST_SERVED  the earliest job takes as much of the budget as it
                              can use before the next job gets any.
@@ -15,7 +21,8 @@ Chunking policies:
 from __future__ import annotations
 
 from cluster.request_state import RequestStatus
-from engine.block_allocator import BlockAllocator
+from engine.block_allocator import BlockAllocator, blocks_for
+from engine.prefix_cache import PrefixCache, block_hashes, num_reusable_blocks
 from prefill.job import PrefillState
 
 POLICIES = ("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS")
@@ -29,6 +36,8 @@ class PrefillScheduler:
         max_num_tokens: int,
         max_batch_size: int,
         policy: str = "FIRST_COME_FIRST_SERVED",
+        prefix_cache: PrefixCache | None = None,
+        attention_window: int | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"context chunking policy must be one of {POLICIES}, got {policy!r}")
@@ -36,6 +45,8 @@ class PrefillScheduler:
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
         self.policy = policy
+        self.cache = prefix_cache or PrefixCache(allocator, enabled=False)
+        self.attention_window = attention_window  # None: every layer attends to the whole prompt
         self.jobs: dict[str, PrefillState] = {}
         self.waiting: list[PrefillState] = []  # QUEUED
         self.prefilling: list[PrefillState] = []  # PREFILLING, in admission order
@@ -45,6 +56,8 @@ class PrefillScheduler:
         if state.request_id in self.jobs:
             raise ValueError(f"duplicate request id {state.request_id}")
         self.jobs[state.request_id] = state
+        if self.cache.enabled:
+            state.block_hashes = block_hashes(state.job.prompt_token_ids, self.allocator.block_size)
         self.waiting.append(state)
         self.waiting.sort(key=lambda s: s.order_key)
 
@@ -77,18 +90,28 @@ class PrefillScheduler:
         return chunks
 
     def _admit(self) -> None:
+        block_size = self.allocator.block_size
         while self.waiting and len(self.prefilling) < self.max_batch_size:
             state = self.waiting[0]
-            if not self.allocator.can_allocate(state.num_prompt_tokens):
+            cached = self.cache.match(state.block_hashes[: num_reusable_blocks(state.num_prompt_tokens, block_size)])
+            self.cache.acquire(cached)  # first: the matched blocks must not be evicted for the rest
+            num_new = blocks_for(state.num_prompt_tokens, block_size) - len(cached)
+            if not self.cache.can_allocate(num_new):
+                self.cache.release(cached)
                 break
             self.waiting.pop(0)
-            state.block_ids = self.allocator.allocate(state.num_prompt_tokens)
+            state.block_ids = cached + self.cache.allocate(num_new)
+            state.num_cached_tokens = state.num_computed = len(cached) * block_size
             state.status = RequestStatus.PREFILLING
             self.prefilling.append(state)
 
     def on_chunk_done(self, state: PrefillState, num_tokens: int) -> bool:
-        """Record a computed chunk; True when the whole prompt is now computed."""
+        """Record a computed chunk (caching the blocks it filled); True when the whole prompt is computed."""
+        first_filled = state.num_computed // self.allocator.block_size
         state.num_computed += num_tokens
+        last_filled = min(state.num_computed // self.allocator.block_size, len(state.block_hashes))
+        for index in range(first_filled, last_filled):
+            self.cache.insert(state.block_hashes[index], state.block_ids[index])
         if state.num_remaining > 0:
             return False
         self.prefilling.remove(state)
@@ -96,13 +119,29 @@ class PrefillScheduler:
         self.transferring.append(state)
         return True
 
+    def release_out_of_window(self, state: PrefillState) -> int:
+        """Give back the leading blocks of a PREFILLING job that no later query attends to; how many.
+
+        The caller makes sure no transfer still reads them.
+        """
+        if self.attention_window is None or state.status is not RequestStatus.PREFILLING:
+            return 0
+        # the next chunk's first query sits at num_computed and reads keys from num_computed - window + 1 on
+        end = max(state.num_computed - self.attention_window + 1, 0) // self.allocator.block_size
+        start = state.num_released_blocks
+        if end <= start:
+            return 0
+        self.cache.release(state.block_ids[start:end])
+        state.num_released_blocks = end
+        return end - start
+
     def finish(self, state: PrefillState, status: RequestStatus) -> None:
         """End a job: its local blocks go back and the worker forgets it."""
         for queue in (self.waiting, self.prefilling, self.transferring):
             if state in queue:
                 queue.remove(state)
         if state.block_ids:
-            self.allocator.free(state.block_ids)
+            self.cache.release(state.block_ids[state.num_released_blocks :])
             state.block_ids = []
         state.status = status
         self.jobs.pop(state.request_id, None)

@@ -20,12 +20,14 @@ from cluster import keys
 from cluster.inbox import Inbox, send
 from cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
 from cluster.outputs import queue_events
+from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat
 from cluster.request_state import RequestStatus, finish_reason
 from cluster.settings import Settings
 from engine.attention import SeqChunk
 from engine.block_allocator import BlockAllocator
 from engine.placement import build_runner, resolve_transport
+from engine.prefix_cache import PrefixCache
 from engine.sampler import sample
 from kvtransfer import KVPoll, KVSender, get_transport
 from kvtransfer.base import TransferError
@@ -53,12 +55,19 @@ class PrefillWorker:
                 f"prefill KV pool holds {self.allocator.num_total * self.block_size} tokens, "
                 f"less than --max-input-len {settings.max_input_len}"
             )
+        self.prefix_cache = PrefixCache(self.allocator, enabled=settings.enable_prefix_caching)
         self.scheduler = PrefillScheduler(
             self.allocator,
             max_num_tokens=settings.max_num_tokens,
             max_batch_size=settings.max_batch_size,
             policy=settings.context_chunking_policy,
+            prefix_cache=self.prefix_cache,
+            attention_window=self.runner.config.attention_window(),
         )
+        self.prefix_index = None  # what the decode workers route by
+        if settings.enable_prefix_caching:
+            self.prefix_index = PrefixIndex(self.redis, self.worker_id, self.prefix_cache,
+                                            settings.heartbeat_ttl_s, settings.heartbeat_interval_s)
         self.eos_token_ids = self.runner.config.eos_token_ids
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
         self.heartbeat = Heartbeat(
@@ -74,6 +83,8 @@ class PrefillWorker:
         if chunks:
             self._after_forward(chunks, self._run(chunks))
         self._poll_transfers()
+        if self.prefix_index is not None:
+            self.prefix_index.sync()
 
     def serve(self, stop) -> None:
         self.heartbeat.start()
@@ -87,6 +98,8 @@ class PrefillWorker:
                     stop.wait(0.5)
         finally:
             self.heartbeat.stop()
+            if self.prefix_index is not None:
+                self.prefix_index.delete()
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -99,7 +112,7 @@ class PrefillWorker:
             started_at=self._started_at,
             heartbeat_at=0.0,
             num_total_blocks=self.allocator.num_total,
-            num_free_blocks=self.allocator.num_free,
+            num_free_blocks=self.prefix_cache.num_available,  # cached blocks nobody holds count as free
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             block_size=self.block_size,
@@ -152,7 +165,9 @@ class PrefillWorker:
         completed, rows = [], []
         for row, (state, num_tokens) in enumerate(chunks):
             start = state.num_computed
-            first_block, last_block = start // self.block_size, (start + num_tokens - 1) // self.block_size
+            # a job's first chunk also sends the blocks it took from the prefix cache
+            first_block = 0 if start == state.num_cached_tokens else start // self.block_size
+            last_block = (start + num_tokens - 1) // self.block_size
             state.sender.send_blocks(
                 self.runner.kv_pool.kv, state.block_ids[first_block : last_block + 1], first_block
             )
@@ -172,7 +187,8 @@ class PrefillWorker:
                 max_tokens=job.max_tokens, max_seq_len=self.settings.max_seq_len,
                 stop_token_ids=job.stop_token_ids, eos_token_ids=self.eos_token_ids, ignore_eos=job.ignore_eos,
             )
-            queued.append((job.reply_to, TokenEvent(job.request_id, 0, [token_id], state.finish_reason)))
+            queued.append((job.reply_to, TokenEvent(job.request_id, 0, [token_id], state.finish_reason,
+                                                    num_cached_tokens=state.num_cached_tokens)))
             state.sender.finish()
         queue_events(pipe, queued)
         pipe.execute()
@@ -187,9 +203,12 @@ class PrefillWorker:
                 self.scheduler.finish(state, RequestStatus.FAILED)
                 self._reply(state, "failed", error=state.sender.error)
         for state in list(self.scheduler.prefilling):
-            if state.sender.poll() is KVPoll.FAILED:
+            status = state.sender.poll()
+            if status is KVPoll.FAILED:
                 self.scheduler.finish(state, RequestStatus.FAILED)
                 self._reply(state, "failed", error=state.sender.error)
+            elif status is KVPoll.WAITING_FOR_INPUT:  # no write still reads the blocks
+                self.scheduler.release_out_of_window(state)
 
     def _reply(self, state: PrefillState, status: str, error: str | None = None) -> None:
         job = state.job

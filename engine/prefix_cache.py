@@ -1,0 +1,148 @@
+"""Prefix caching over the block allocator: plain Python, no torch.
+
+A *full* block of a prompt is named by a hash chained over the prefix:
+``hash(block i) = H(hash(block i-1), token ids of block i)`` (blake2b over
+the token ids, stable across processes, unlike Python's ``hash``), so two
+prompts share block i's hash exactly when they share every token up to the
+end of block i. The cache maps hashes to block ids.
+
+Reference counts live in the allocator. The cache holds one reference on
+every cached block; each job using the block holds another. A cached block
+only the cache holds is *evictable*: it keeps its KV for a later prompt until
+an allocation is short of free blocks, which evicts least recently released
+first. Lifecycle of a block id here::
+
+    allocate -> (computed, full) insert -> cached+held -> release -> evictable
+    evictable -> acquire (a new prompt matched it) -> cached+held
+    evictable -> evict (allocation short) -> free
+
+``PrefixCache(allocator, enabled=False)`` is a pass-through (no matches, no
+inserts), so the prefill scheduler has one code path either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from engine.block_allocator import BlockAllocator, OutOfBlocks
+
+HASH_BYTES = 16
+_ROOT = b"\0" * HASH_BYTES
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """Chained hashes of every full block of ``token_ids``."""
+    hashes, parent = [], _ROOT
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+        digest.update(array("q", token_ids[start : start + block_size]).tobytes())
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
+
+
+def num_reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Full blocks a prompt may take from a cache: the last token is always recomputed (its logits)."""
+    return max(num_prompt_tokens - 1, 0) // block_size
+
+
+class PrefixCache:
+    def __init__(self, allocator: BlockAllocator, *, enabled: bool = True):
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.enabled = enabled
+        self._block_of: dict[bytes, int] = {}  # hash -> cached block id
+        self._hash_of: dict[int, bytes] = {}  # cached block id -> hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently released first
+        self._changes: dict[bytes, bool] = {}  # hash -> cached now? since take_changes()
+
+    # ---- counts -----------------------------------------------------------------------
+    @property
+    def num_cached(self) -> int:
+        return len(self._hash_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can get: free ones plus evictable cached ones."""
+        return self.allocator.num_free + len(self._evictable)
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._hash_of
+
+    # ---- lookups ----------------------------------------------------------------------
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """Block ids of the longest cached prefix of ``hashes`` (no side effects)."""
+        block_ids = []
+        if not self.enabled:
+            return block_ids
+        for block_hash in hashes:
+            block_id = self._block_of.get(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def acquire(self, block_ids: list[int]) -> None:
+        """Hold cached blocks for a job (from ``match``): they are no longer evictable."""
+        for block_id in block_ids:
+            self._evictable.pop(block_id, None)
+        self.allocator.share(block_ids)
+
+    # ---- allocation -------------------------------------------------------------------
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_available
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Fresh blocks, evicting least recently used cached blocks when the free list is short."""
+        if num_blocks > self.num_available:
+            raise OutOfBlocks(f"need {num_blocks} blocks, {self.num_available} free or evictable")
+        self.evict(num_blocks - self.allocator.num_free)
+        return self.allocator.allocate_blocks(num_blocks)
+
+    def evict(self, num_blocks: int) -> int:
+        """Return up to ``num_blocks`` evictable blocks to the free list; how many were."""
+        count = 0
+        while count < num_blocks and self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            block_hash = self._hash_of.pop(block_id)
+            del self._block_of[block_hash]
+            self._changes[block_hash] = False
+            self.allocator.free([block_id])
+            count += 1
+        return count
+
+    def clear(self) -> int:
+        """Evict every cached block no job holds."""
+        return self.evict(len(self._evictable))
+
+    # ---- caching and release ----------------------------------------------------------
+    def insert(self, block_hash: bytes, block_id: int) -> bool:
+        """Cache a held block whose KV is now complete. False when disabled or the hash is cached already."""
+        if not self.enabled or block_hash in self._block_of or block_id in self._hash_of:
+            return False
+        self.allocator.share([block_id])  # the cache's own reference
+        self._block_of[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+        self._changes[block_hash] = True
+        return True
+
+    def release(self, block_ids: list[int]) -> None:
+        """A job drops its blocks. Released last block first, so a prefix outlives its tails in the LRU."""
+        for block_id in reversed(block_ids):
+            self.allocator.free([block_id])
+            if block_id in self._hash_of and self.allocator.ref_count(block_id) == 1:
+                self._evictable[block_id] = None
+
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes cached, hashes evicted) since the last call: for a worker's index of its cache."""
+        changes, self._changes = self._changes, {}
+        return [h for h, cached in changes.items() if cached], [h for h, cached in changes.items() if not cached]
+
+    def cached_hashes(self) -> list[bytes]:
+        return list(self._block_of)
