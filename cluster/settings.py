@@ -140,8 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     a("--max-num-tokens", type=int, default=d.max_num_tokens, help="token budget of one prefill forward")
     a("--max-seq-len", type=int, help="prompt + output tokens (default: the model's max positions)")
     a("--max-input-len", type=int, help="longest prompt accepted (default: max_seq_len - 1)")
-    a("--kv-transport", default=d.kv_transport, choices=["auto", "shm", "cuda_ipc"],
-      help="how KV blocks move from prefill to decode (auto: cuda_ipc on a GPU, shm on the CPU)")
+    a("--kv-transport", default=d.kv_transport, choices=["auto", "shm", "cuda_ipc", "nccl"],
+      help="how KV blocks move from prefill to decode (auto: cuda_ipc on a GPU, shm on the CPU; "
+           "nccl: point-to-point pushes, NCCL between GPUs, gloo between CPU pools)")
     a("--capacity-scheduler-policy", default=d.capacity_scheduler_policy, choices=CAPACITY_POLICIES)
     a("--context-chunking-policy", default=d.context_chunking_policy, choices=CHUNKING_POLICIES)
     a("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)

@@ -28,6 +28,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_transport(name: str, device: torch.device) -> str:
+    """auto: cuda_ipc on a GPU, shm on the CPU. nccl is only ever asked for; it
+    moves CUDA pools over NCCL and CPU pools over gloo (the pool decides)."""
     if name == "auto":
         return "cuda_ipc" if device.type == "cuda" else "shm"
     if name == "shm" and device.type == "cuda":

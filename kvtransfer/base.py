@@ -69,6 +69,7 @@ class Transport(ABC):
 _TRANSPORTS = {
     "shm": "kvtransfer.shm:ShmTransport",
     "cuda_ipc": "kvtransfer.cuda_ipc:CudaIpcTransport",
+    "nccl": "kvtransfer.nccl:NcclTransport",
 }
 
 
