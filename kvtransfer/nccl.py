@@ -37,6 +37,10 @@ applied. Left open: the narrow race where the close is still in flight while
 the scatter starts, and the decode worker's own handoff deadline; closing it
 needs the decode worker to wait for its receive threads before freeing.
 
+Files: ``nccl_pair`` (wire constants, control frames, pair process groups),
+``nccl_recv`` (the decode side's pool server), this module (the prefill side
+and the transport).
+
 Failures: a dead peer closes the control socket, failing its pair at the next
 poll; a hung one misses ``done()``'s deadline (``timeout_s``); either way the
 chunk raises TransferError and the worker loop keeps going.
@@ -44,279 +48,24 @@ chunk raises TransferError and the worker loop keeps going.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
-import datetime
-import enum
 import os
-import select
 import socket
-import struct
 import threading
 import time
-import uuid
-import weakref
 
-import msgpack
 import structlog
 import torch
-import torch.distributed as dist
 
 from kernels import ops
 from kvtransfer.base import CompletedTransfer, Connection, Transfer, TransferError, Transport
+from kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, PairStatus, ChunkStatus, Frames, make_group, warm_up, abort_later, on_stream
+from kvtransfer.nccl_recv import PoolServer
 
 log = structlog.get_logger(__name__)
 
-WIRE_VERSION = 1
-PAYLOAD_TAG = 1
-DECODE_RANK, PREFILL_RANK = 0, 1
-_POLL_S = 0.1  # how often blocked threads look at their stop flag
-_MAX_FRAME_BYTES = 1 << 24
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-_live = weakref.WeakSet()  # servers and pairs whose threads must stop before the process exits
 
-
-@atexit.register
-def _stop_threads_at_exit() -> None:
-    """A daemon thread returning from a c10d call during interpreter shutdown is
-    unwound through C++ and aborts the process, so stop and join them first."""
-    for owner in list(_live):
-        owner.close(join_s=1.0)
-
-
-class PairStatus(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"
-    READY = "ready"
-    FAILED = "failed"
-
-
-class ChunkStatus(enum.Enum):
-    QUEUED = "queued"
-    SENT = "sent"
-    ACKED = "acked"
-    FAILED = "failed"
-
-
-# ---- control frames and the process group (both sides) ---------------------------------
-class _Frames:
-    """Length-prefixed msgpack maps over a socket, buffered both ways, so the same code
-    serves a non-blocking socket (worker loop) and one with a timeout (threads)."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self._in, self._out = bytearray(), bytearray()
-
-    def send(self, message: dict) -> None:
-        body = msgpack.packb(message)
-        self._out += struct.pack(">I", len(body)) + body
-        self.flush()
-
-    def flush(self) -> None:
-        """Write what the socket takes now; the rest waits for the next call."""
-        while self._out:
-            try:
-                del self._out[: self.sock.send(self._out)]
-            except (BlockingIOError, TimeoutError):
-                return
-
-    def received(self) -> list[dict]:
-        """Complete frames after one read (which, with a timeout, waits up to it);
-        ConnectionError once the peer is gone."""
-        try:
-            data = self.sock.recv(1 << 16)
-        except (BlockingIOError, TimeoutError):
-            data = None
-        if data == b"":
-            raise ConnectionError("the peer closed the control connection")
-        self._in += data or b""
-        frames = []
-        while len(self._in) >= 4:
-            (size,) = struct.unpack_from(">I", self._in)
-            if size > _MAX_FRAME_BYTES:
-                raise ConnectionError(f"control frame of {size} bytes")
-            if len(self._in) < 4 + size:
-                break
-            frames.append(msgpack.unpackb(bytes(self._in[4 : 4 + size])))
-            del self._in[: 4 + size]
-        return frames
-
-    def peer_gave_up(self) -> bool:
-        """True once the peer closed its end (a failed pair), without consuming frames."""
-        if not select.select([self.sock], [], [], 0)[0]:
-            return False
-        try:
-            return self.sock.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
-
-    def wait(self, stop: threading.Event, deadline: float = float("inf")) -> list[dict]:
-        """Threads only: block (at most ``_POLL_S`` per call into the socket) for frames."""
-        while not stop.is_set():
-            self.flush()
-            if frames := self.received():
-                return frames
-            if time.monotonic() > deadline:
-                raise TimeoutError("no control frame in time")
-        return []
-
-
-def _make_group(store_port: int, pair_id: int, rank: int, backend: str, host: str, timeout_s: float):
-    """The pair's process group; blocks until the peer joins (threads only)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    # a store client per pair: a rendezvous blocks its client while it waits
-    store = dist.TCPStore(host, store_port, is_master=False, wait_for_workers=False, timeout=timeout)
-    store = dist.PrefixStore(f"tandem-kv/pair/{pair_id}/", store)
-    if backend == "nccl":
-        # 2 = abort the communicator on a watchdog timeout but keep the process: a dead
-        # peer must fail its transfers, not kill the worker (torch's default tears it down)
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        return dist.ProcessGroupNCCL(store, rank, 2, timeout)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host in _LOOPBACK
-                        else dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, rank, 2, options)
-
-
-def _warm_up(group, rank: int, device: torch.device, timeout_s: float) -> None:
-    """One byte from prefill to decode in the pairing threads, so the NCCL communicator
-    is created there, not inside the first real send on the worker loop."""
-    probe = torch.zeros(1, dtype=torch.uint8, device=device)
-    if rank == PREFILL_RANK:
-        group.send([probe], DECODE_RANK, PAYLOAD_TAG).wait()
-    else:
-        group.recv([probe], PREFILL_RANK, PAYLOAD_TAG).wait()
-    if device.type == "cuda":
-        _wait_device(time.monotonic() + timeout_s)
-
-
-def _wait_device(deadline: float) -> None:
-    """Threads only: poll (a sync could hang on a dead peer) until the current stream's work ran."""
-    event = torch.cuda.Event()
-    event.record()
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise TransferError("the KV payload did not land on the device in time")
-        time.sleep(0.0002)
-
-
-def _abort_later(group) -> None:
-    """End an NCCL communicator whose kernels may wait on a dead peer, off the worker
-    loop (gloo needs nothing: its waits fail once the peer's sockets close)."""
-    if group is not None and not isinstance(group, dist.ProcessGroupGloo):
-        threading.Thread(target=_abort, args=(group,), name="kv-abort", daemon=True).start()
-
-
-def _abort(group) -> None:
-    with contextlib.suppress(Exception):
-        group.abort()
-
-
-def _on_stream(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-# ---- decode side ------------------------------------------------------------------------
-class _PoolServer:
-    """Accepts pairs for one exported pool; one receive thread per pair."""
-
-    def __init__(self, pool, host: str, timeout_s: float):
-        self._kv = pool.kv  # [L, 2, N, bs, H, D]
-        self._backend = "nccl" if self._kv.is_cuda else "gloo"
-        self._host, self._timeout_s = host, timeout_s
-        self._bytes_per_block = self._kv[:, :, 0].numel() * self._kv.element_size()
-        self._stop = threading.Event()
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-        self._listener = socket.create_server((host, 0))
-        self._listener.settimeout(_POLL_S)
-        self.endpoint = {
-            "transport": "nccl", "backend": self._backend, "host": host, "store_port": self._store.port,
-            "ctrl_port": self._listener.getsockname()[1], "instance": uuid.uuid4().hex, "layout": pool.layout(),
-        }
-        self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
-        self._threads[0].start()
-        _live.add(self)
-
-    def close(self, join_s: float = 0.0) -> None:
-        self._stop.set()
-        deadline = time.monotonic() + join_s
-        for thread in list(self._threads):
-            thread.join(max(deadline - time.monotonic(), 0))
-
-    def _accept_loop(self) -> None:
-        pair_id = 0
-        with self._listener:
-            while not self._stop.is_set():
-                try:
-                    conn, _addr = self._listener.accept()
-                except TimeoutError:
-                    continue
-                pair_id += 1
-                thread = threading.Thread(target=self._serve_pair, args=(conn, pair_id),
-                                          name=f"kv-recv-{pair_id}", daemon=True)
-                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-                thread.start()
-
-    def _serve_pair(self, conn: socket.socket, pair_id: int) -> None:
-        device, group = self._kv.device, None
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        try:
-            with conn:
-                conn.settimeout(_POLL_S)
-                ctrl = _Frames(conn)
-                ctrl.send({"kind": "kv_welcome", "v": WIRE_VERSION, "pair_id": pair_id})
-                group = _make_group(self._store.port, pair_id, DECODE_RANK, self._backend, self._host,
-                                    self._timeout_s)
-                _warm_up(group, DECODE_RANK, device, self._timeout_s)
-                with _on_stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
-                    while frames := ctrl.wait(self._stop):
-                        for header in frames:
-                            if header.get("kind") == "kv_bye":
-                                return
-                            error = self._apply(group, header, ctrl)
-                            ctrl.send({"kind": "kv_ack", "v": WIRE_VERSION, "seq": header.get("seq"),
-                                       "error": error})
-        except Exception as exc:  # this pair is over (peer gone, broken frame); the pool is not
-            log.info("kv pair closed", pair_id=pair_id, error=str(exc)[:300])
-            _abort_later(group)
-
-    def _apply(self, group, header: dict, ctrl: _Frames) -> str | None:
-        """Receive one payload and scatter it; -> an error for the ack, or None."""
-        error = self._check(header)
-        num_bytes = header.get("num_bytes")
-        if error is not None and not (isinstance(num_bytes, int) and 0 < num_bytes <= self._kv.nbytes):
-            raise TransferError(f"unreadable chunk header {header!r}: {error}")  # cannot resync: drop the pair
-        kv = self._kv
-        payload = torch.empty(num_bytes, dtype=torch.uint8, device=kv.device)
-        group.recv([payload], PREFILL_RANK, PAYLOAD_TAG).wait()  # CUDA: the stream waits, not the CPU
-        if kv.is_cuda:
-            _wait_device(time.monotonic() + self._timeout_s)
-        if error is not None:
-            return error  # drained, so the next chunk still lines up
-        if ctrl.peer_gave_up():  # its PrefillDone("failed") may be on the way: the blocks are not ours
-            raise TransferError("the sender closed the pair before its chunk was applied")
-        dst_block_ids = header["dst_block_ids"]
-        staging = payload.view(kv.dtype).view(kv.shape[0], 2, len(dst_block_ids), *kv.shape[3:])
-        ops.scatter_blocks(kv, torch.tensor(dst_block_ids, dtype=torch.long).to(kv.device), staging)
-        if kv.is_cuda:
-            _wait_device(time.monotonic() + self._timeout_s)
-        return None
-
-    def _check(self, header: dict) -> str | None:
-        if header.get("kind") != "kv_chunk" or header.get("v") != WIRE_VERSION:
-            return f"unexpected message kind={header.get('kind')!r} v={header.get('v')!r}"
-        ids, num_blocks = header.get("dst_block_ids"), self._kv.shape[2]
-        if not ids or any(not 0 <= b < num_blocks for b in ids):
-            return f"destination block ids {ids} outside the pool of {num_blocks} blocks"
-        if header.get("num_bytes") != len(ids) * self._bytes_per_block:
-            return f"{header.get('num_bytes')} payload bytes for {len(ids)} blocks"
-        return None
-
-
-# ---- prefill side -----------------------------------------------------------------------
 class NcclTransfer(Transfer):
     def __init__(self, pair: "_SendPair", seq: int, dst_block_ids: list[int], payload: torch.Tensor,
                  deadline: float):
@@ -362,7 +111,7 @@ class _SendPair:
         self.timeout_s = timeout_s
         self.peer = f"decode KV endpoint {endpoint['host']}:{endpoint['ctrl_port']}"
         self._endpoint, self._device = endpoint, device
-        self._ctrl: _Frames | None = None
+        self._ctrl: Frames | None = None
         self._group = None
         self._queued: list[NcclTransfer] = []
         self._sent: collections.deque[NcclTransfer] = collections.deque()  # awaiting acks, in send order
@@ -372,7 +121,7 @@ class _SendPair:
         self._lock = threading.Lock()  # status: the pairing thread and the worker loop
         self._thread = threading.Thread(target=self._form, name="kv-pair", daemon=True)
         self._thread.start()
-        _live.add(self)
+        LIVE.add(self)
 
     def stage(self, src_kv: torch.Tensor, src_block_ids: list[int]) -> torch.Tensor:
         """Gather the chunk's blocks into one contiguous buffer now: the next forward may
@@ -397,7 +146,7 @@ class _SendPair:
         if self.status is not PairStatus.READY:
             return  # a FAILED pair's chunks fail in their done()
         try:
-            with _on_stream(self._stream):  # CUDA: NCCL's stream runs after this one, where the gathers ran
+            with on_stream(self._stream):  # CUDA: NCCL's stream runs after this one, where the gathers ran
                 for transfer in self._queued:
                     self._ctrl.send({"kind": "kv_chunk", "v": WIRE_VERSION, "seq": transfer.seq,
                                      "dst_block_ids": transfer.dst_block_ids,
@@ -423,7 +172,7 @@ class _SendPair:
         self._stop.set()
         if self._ctrl is not None:
             self._ctrl.sock.close()  # the receive thread sees EOF and ends the pair there
-        _abort_later(self._group)
+        abort_later(self._group)
 
     def close(self, join_s: float = 0.0) -> None:
         if self.status is PairStatus.READY:
@@ -440,14 +189,14 @@ class _SendPair:
             if self._device.type == "cuda":
                 torch.cuda.set_device(self._device)
             sock = socket.create_connection((endpoint["host"], endpoint["ctrl_port"]), timeout=self.timeout_s)
-            sock.settimeout(_POLL_S)
-            ctrl = _Frames(sock)
+            sock.settimeout(POLL_S)
+            ctrl = Frames(sock)
             welcome = ctrl.wait(self._stop, deadline)
             if not welcome or welcome[0].get("kind") != "kv_welcome" or welcome[0].get("v") != WIRE_VERSION:
                 raise TransferError(f"unexpected welcome {welcome!r}")
-            self._group = _make_group(endpoint["store_port"], welcome[0]["pair_id"], PREFILL_RANK,
+            self._group = make_group(endpoint["store_port"], welcome[0]["pair_id"], PREFILL_RANK,
                                       endpoint["backend"], endpoint["host"], self.timeout_s)
-            _warm_up(self._group, PREFILL_RANK, self._device, self.timeout_s)
+            warm_up(self._group, PREFILL_RANK, self._device, self.timeout_s)
             sock.setblocking(False)
         except Exception as exc:
             if sock is not None:
@@ -501,11 +250,11 @@ class NcclTransport(Transport):
     def __init__(self, timeout_s: float | None = None, host: str | None = None):
         self.timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("TANDEM_KV_TIMEOUT_S", 60))
         self.host = host or os.environ.get("TANDEM_KV_HOST", "127.0.0.1")
-        self._servers: list[_PoolServer] = []
+        self._servers: list[PoolServer] = []
 
     def export_pool(self, pool) -> dict:
         try:
-            server = _PoolServer(pool, self.host, self.timeout_s)
+            server = PoolServer(pool, self.host, self.timeout_s)
         except (OSError, RuntimeError) as exc:
             raise TransferError(f"cannot listen for KV pairs on {self.host}: {exc}") from exc
         self._servers.append(server)

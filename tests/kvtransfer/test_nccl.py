@@ -70,14 +70,14 @@ def _send_chunks(endpoint, dtype_name, seed, dst_block_ids, results, reconnect=F
 def _export_and_wait(endpoint_queue, got_chunk, hang):
     """A decode side in its own process; ``hang``: its receive thread stalls on the
     first chunk's payload (alive, never acks)."""
-    from kvtransfer import nccl
+    from kvtransfer import nccl_recv
 
     if hang:
         def stall(*_args):
             got_chunk.set()
             time.sleep(3600)
 
-        nccl._PoolServer._apply = stall
+        nccl_recv.PoolServer._apply = stall
     pool = KVCachePool(**LAYOUT, dtype=torch.float32)
     endpoint_queue.put(NcclTransport(timeout_s=TIMEOUT_S).export_pool(pool))
     time.sleep(3600)
@@ -197,16 +197,16 @@ def _send_and_linger(endpoint, results, release):
 
 
 def test_a_chunk_whose_sender_gave_up_is_not_applied(monkeypatch):
-    from kvtransfer import nccl
+    from kvtransfer import nccl_pair
 
-    outcomes, check = [], nccl._Frames.peer_gave_up
+    outcomes, check = [], nccl_pair.Frames.peer_gave_up
 
     def late_check(self):  # the payload is in; the sender's deadline for its ack passes meanwhile
         time.sleep(TIMEOUT_S + 1)
         outcomes.append(check(self))
         return outcomes[-1]
 
-    monkeypatch.setattr(nccl._Frames, "peer_gave_up", late_check)
+    monkeypatch.setattr(nccl_pair.Frames, "peer_gave_up", late_check)
     pool = KVCachePool(**LAYOUT, dtype=torch.float32)
     transport = NcclTransport(timeout_s=TIMEOUT_S)
     ctx = mp.get_context("spawn")
