@@ -36,6 +36,16 @@ def gateway_output(gateway_id: str) -> str:
 GATEWAY_OUTPUT_MAXLEN = 100_000  # entries kept (approximately) in a gateway's output stream
 
 
+def admitted(worker_id: str) -> str:
+    """Hash request_id -> tokens reserved on a decode worker by admission (``cluster.admission``)."""
+    return f"{PREFIX}:admitted:{worker_id}"
+
+
+def reserved_tokens(worker_id: str) -> str:
+    """Sum of ``admitted(worker_id)``: tokens of a decode worker's pool promised to admitted requests."""
+    return f"{PREFIX}:reserved:{worker_id}"
+
+
 def policy() -> str:
     """Hash of live scheduling settings (capacity / chunking policy)."""
     return f"{PREFIX}:policy"

@@ -103,7 +103,9 @@ class PrefillJob:
 
     ``kv_endpoint`` says how to reach the decode worker's KV pool (the
     transport's own map); ``dst_block_ids`` are the preallocated destination
-    blocks, in order, covering at least the prompt.
+    blocks, in order, covering at least the prompt. With ``resume`` the
+    prompt is a paused request's prompt + output tokens but the last: the KV
+    is computed and transferred, and PrefillDone("ok") carries no first token.
     """
 
     request_id: str
@@ -118,6 +120,7 @@ class PrefillJob:
     priority: int = 0
     arrival_time: float = 0.0
     reply_to: str = ""
+    resume: bool = False  # a paused request's KV is recomputed: no first token is sampled or published
     kind: ClassVar[str]
 
 
@@ -189,4 +192,7 @@ class WorkerInfo:
     block_size: int = 16
     max_seq_len: int = 0
     kv_endpoint: dict = field(default_factory=dict)
+    capacity_scheduler_policy: str = ""  # decode: the policy it admits under now
+    max_batch_size: int = 0  # decode: most requests it holds admitted (0: no limit)
+    num_preemptions: int = 0  # decode: requests paused since it started (monotonic)
     kind: ClassVar[str]

@@ -50,6 +50,8 @@ class Settings:
     heartbeat_ttl_s: float = 5.0
     transfer_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
+    max_queue_len: int = 1024  # gateway: requests waiting for room on a decode worker, then 429
+    queue_timeout_s: float = 60.0  # gateway: longest wait for room, then 429
     log_level: str = "info"
 
     @classmethod
@@ -86,6 +88,8 @@ class Settings:
             _check(self.max_tokens_in_paged_kv_cache >= self.max_seq_len,
                    f"--max-tokens-in-paged-kv-cache {self.max_tokens_in_paged_kv_cache} cannot hold one "
                    f"sequence of --max-seq-len {self.max_seq_len}")
+        _check(self.max_queue_len >= 0, f"--max-queue-len must be >= 0, got {self.max_queue_len}")
+        _check(self.queue_timeout_s >= 0, f"--queue-timeout-s must be >= 0, got {self.queue_timeout_s}")
         _check(self.capacity_scheduler_policy in CAPACITY_POLICIES,
                f"--capacity-scheduler-policy must be one of {CAPACITY_POLICIES}")
         _check(self.context_chunking_policy in CHUNKING_POLICIES,
@@ -153,4 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
         a("--host", default=d.host)
         a("--port", type=int, default=d.port)
         a("--request-timeout-s", type=float, default=d.request_timeout_s)
+        a("--max-queue-len", type=int, default=d.max_queue_len,
+          help="requests the gateway holds while no decode worker has room; more get 429")
+        a("--queue-timeout-s", type=float, default=d.queue_timeout_s,
+          help="longest a request waits in the gateway for room before it gets 429")
     a("--worker-id", help="worker name in the registry (default: role-host-pid)")

@@ -21,6 +21,8 @@ class DecodeRequest:
     receiver: object | None = None  # kvtransfer.KVReceiver while PREFILLING
     abort_requested: bool = False
     finish_reason: str | None = None
+    admitted_seq: int | None = None  # order of first admission (later = preempted first)
+    num_preemptions: int = 0
 
     @property
     def request_id(self) -> str:
@@ -35,5 +37,20 @@ class DecodeRequest:
         return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
+    def is_resuming(self) -> bool:
+        """Admitted again after a pause: the prefill recomputes prompt + output tokens but the last."""
+        return bool(self.output_token_ids)
+
+    @property
     def order_key(self) -> tuple[int, float]:
         return (self.spec.priority, self.spec.arrival_time)
+
+    @property
+    def queue_key(self) -> tuple[int, bool, float]:
+        """Waiting order: priority, then paused requests ahead of queued ones, then arrival."""
+        return (self.spec.priority, self.status is not RequestStatus.PAUSED, self.spec.arrival_time)
+
+    @property
+    def keep_key(self) -> tuple[int, int]:
+        """Running order: who keeps its blocks longest (the largest key is preempted first)."""
+        return (self.spec.priority, self.admitted_seq or 0)

@@ -1,14 +1,26 @@
 """Decode-side capacity scheduler (plain Python, no torch).
 
-Moves requests: QUEUED -(reserve blocks)-> PREFILLING -(KV complete)->
-DECODING -> FINISHED; ABORTED or FAILED from any status. Blocks are freed on
-every exit path; a PREFILLING request's blocks are freed only once the prefill
-worker no longer writes them (``on_prefill_done`` or the receiver's failure).
+Moves requests::
 
-GUARANTEED_NO_EVICT: a request is given blocks for its prompt plus
-``max_tokens`` (capped at ``max_seq_len``) before its prefill starts, so a
-started request never runs out of blocks and is never paused; requests that do
-not fit wait in arrival order (priority first).
+    QUEUED -(reserve blocks)-> PREFILLING -(KV complete)-> DECODING -> FINISHED
+               ^                                              |
+               +------ PAUSED <-(no block for the next step)--+
+
+and to ABORTED or FAILED from any status. Blocks are freed on every exit path;
+a PREFILLING request's blocks are freed only once the prefill worker no longer
+writes them (``on_prefill_done`` or the receiver's failure). Every request that
+ends is reported once by ``pop_ended`` (the worker gives back its admission).
+
+The capacity policy (``decode.policies``; switchable between steps, applying
+to admissions from then on) decides how much a request reserves and when
+waiting requests may be admitted: in ``queue_key`` order, head-of-line, at
+most ``max_batch_size`` active. Before each step every running request gets a
+block for the token it writes (``can_grow`` / ``grow``); one admitted under
+GUARANTEED_NO_EVICT or STATIC_BATCH has it already. When the pool is empty,
+running requests are paused, the largest ``keep_key`` first (lowest priority,
+then most recently admitted): a paused request loses its blocks and waits
+ahead of the queued requests of its priority; on resume the prefill recomputes
+its prompt + output tokens but the last, and decoding goes on from the last.
 
 Sliding window (``attention_window``): after each step the blocks a request
 no longer attends to are released and recycled for its later positions, so a
@@ -18,10 +30,12 @@ prompt (``decode.window``).
 
 from __future__ import annotations
 
+from cluster.admission import GUARANTEED_NO_EVICT
 from cluster.request_state import RequestStatus, finish_reason
+from decode.policies import get_policy
 from decode.request import DecodeRequest
 from decode.window import SlidingWindow, held_block_ids
-from engine.block_allocator import BlockAllocator
+from engine.block_allocator import BlockAllocator, blocks_for
 
 
 class DecodeScheduler:
@@ -33,62 +47,89 @@ class DecodeScheduler:
         max_seq_len: int,
         eos_token_ids: list[int],
         attention_window: int | None = None,
+        policy: str = GUARANTEED_NO_EVICT,
     ):
         self.allocator = allocator
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.eos_token_ids = list(eos_token_ids)
         self.window = SlidingWindow(allocator, attention_window) if attention_window else None
+        self.policy = get_policy(policy)
         self.requests: dict[str, DecodeRequest] = {}
-        self.waiting: list[DecodeRequest] = []  # QUEUED, ordered by (priority, arrival)
+        self.waiting: list[DecodeRequest] = []  # QUEUED and PAUSED, in queue_key order
         self.prefilling: dict[str, DecodeRequest] = {}  # PREFILLING
         self.running: list[DecodeRequest] = []  # DECODING
+        self.num_preemptions = 0
+        self._num_admitted = 0
+        self._ended_ids: list[str] = []
+
+    def set_policy(self, name: str) -> None:
+        if name != self.policy.name:
+            self.policy = get_policy(name)
 
     # ---- intake -------------------------------------------------------------------
     def add(self, request: DecodeRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id}")
         self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _enqueue(self, request: DecodeRequest) -> None:
         self.waiting.append(request)
-        self.waiting.sort(key=lambda r: r.order_key)
+        self.waiting.sort(key=lambda r: r.queue_key)
 
     def total_tokens(self, request: DecodeRequest) -> int:
         """The most tokens (prompt + output) the request can reach."""
         return min(request.num_prompt_tokens + request.spec.max_tokens, self.max_seq_len)
 
     def reserved_tokens(self, request: DecodeRequest) -> int:
-        total = self.total_tokens(request)
-        return total if self.window is None else self.window.reserved_tokens(request.num_prompt_tokens, total)
+        """The policy's reservation (less with a sliding window); a resumed request's covers all it computed."""
+        tokens = self.policy.reserve_tokens(request, self.max_seq_len)
+        if self.window is not None:
+            tokens = self.window.reserved_tokens(request.num_prompt_tokens, tokens)
+        return max(tokens, request.num_tokens) if request.is_resuming else tokens
 
     def can_reserve(self, request: DecodeRequest) -> bool:
-        return self.allocator.can_allocate(self.reserved_tokens(request))
+        needed = blocks_for(self.reserved_tokens(request), self.allocator.block_size)
+        return needed + self.policy.headroom_blocks(self) <= self.allocator.num_free
+
+    def reserve(self, request: DecodeRequest) -> None:
+        request.block_ids = self.allocator.allocate(self.reserved_tokens(request))
+        request.status = RequestStatus.PREFILLING
+        if request.admitted_seq is None:
+            self._num_admitted += 1
+            request.admitted_seq = self._num_admitted
+        self.prefilling[request.request_id] = request
 
     def schedule_prefills(self) -> list[DecodeRequest]:
-        """Reserve blocks for waiting requests that fit; they go to a prefill worker next."""
+        """Reserve blocks for waiting requests the policy admits now; they go to a prefill worker next."""
         started = []
-        while self.waiting and len(self.prefilling) < self.max_batch_size:
+        if not self.policy.may_admit(self):
+            return started
+        while self.waiting and self.num_active < self.max_batch_size:
             request = self.waiting[0]
             if not self.can_reserve(request):
                 break  # head-of-line: later requests must not starve the first
             self.waiting.pop(0)
-            request.block_ids = self.allocator.allocate(self.reserved_tokens(request))
-            request.status = RequestStatus.PREFILLING
-            self.prefilling[request.request_id] = request
+            self.reserve(request)
             started.append(request)
         return started
 
     # ---- prefill results ------------------------------------------------------------
     def on_prefill_done(self, request: DecodeRequest, first_token: int | None, error: str | None) -> str | None:
-        """The prefill worker is done with this request's blocks. Returns its finish reason, if it ended."""
+        """The prefill worker is done with this request's blocks. Returns its finish reason, if it ended.
+
+        A resumed request brings no first token: decoding goes on from its last one.
+        """
         self.prefilling.pop(request.request_id, None)
         if request.abort_requested:
             self._end(request, RequestStatus.ABORTED, "abort")
             return "abort"
-        if first_token is None:
+        if error is not None or (first_token is None and not request.is_resuming):
             request.finish_reason = "error"
             self._end(request, RequestStatus.FAILED, "error")
             return "error"
-        reason = self._append(request, first_token)
+        reason = None if request.is_resuming else self._append(request, first_token)
         if reason is not None:
             self._end(request, RequestStatus.FINISHED, reason)
             return reason
@@ -99,8 +140,44 @@ class DecodeScheduler:
 
     # ---- decode steps ---------------------------------------------------------------
     def schedule_decode(self) -> list[DecodeRequest]:
-        """The batch for the next step (continuous batching: membership changes between steps)."""
+        """The batch for the next step (continuous batching: membership changes between steps).
+
+        Every member gets a block for the token it writes, in ``keep_key`` order;
+        when none is free, requests are paused from the other end of that order.
+        """
+        for request in sorted(self.running, key=lambda r: r.keep_key):
+            if request.status is RequestStatus.DECODING and self._make_room(request):
+                self.grow(request)
         return self.running[: self.max_batch_size]
+
+    def can_grow(self, request: DecodeRequest) -> bool:
+        return self.allocator.can_append(request.block_ids, request.num_tokens)
+
+    def grow(self, request: DecodeRequest) -> None:
+        self.allocator.append(request.block_ids, request.num_tokens)
+
+    def pause(self, request: DecodeRequest) -> None:
+        """Preempt a running request: its blocks go back; its KV is recomputed when it resumes."""
+        self.running.remove(request)
+        self._free_blocks(request)
+        request.status = RequestStatus.PAUSED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def _make_room(self, request: DecodeRequest) -> bool:
+        """Pause requests until ``request`` can grow; False if it had to be paused itself."""
+        while not self.can_grow(request):
+            victim = max(self.running, key=lambda r: r.keep_key)
+            self.pause(victim)
+            if victim is request:
+                return False
+        return True
+
+    def num_growth_blocks(self) -> int:
+        """Blocks the running requests still need for their next step."""
+        block_size = self.allocator.block_size
+        return sum(max(blocks_for(r.num_tokens, block_size) - len(r.block_ids), 0) for r in self.running)
 
     def on_step(self, batch: list[DecodeRequest], token_ids: list[int]) -> list[tuple[DecodeRequest, int, str | None]]:
         """Record one step's tokens. Returns (request, output index, finish reason) per request."""
@@ -123,7 +200,7 @@ class DecodeScheduler:
         if request is None:
             return None
         request.abort_requested = True
-        if request.status is RequestStatus.QUEUED:
+        if request.status in (RequestStatus.QUEUED, RequestStatus.PAUSED):
             self.waiting.remove(request)
             self._end(request, RequestStatus.ABORTED, "abort")
         elif request.status is RequestStatus.DECODING:
@@ -168,6 +245,12 @@ class DecodeScheduler:
         request.finish_reason = reason
         self._free_blocks(request)
         self.requests.pop(request.request_id, None)
+        self._ended_ids.append(request.request_id)
+
+    def pop_ended(self) -> list[str]:
+        """Ids of the requests that ended (any status) since the last call."""
+        ended, self._ended_ids = self._ended_ids, []
+        return ended
 
     @property
     def num_waiting(self) -> int:
@@ -176,3 +259,8 @@ class DecodeScheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_active(self) -> int:
+        """Requests holding blocks for their own use: PREFILLING and DECODING."""
+        return len(self.prefilling) + len(self.running)

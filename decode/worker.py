@@ -16,9 +16,11 @@ import redis
 import structlog
 
 from cluster import keys
+from cluster.admission import Reservations
 from cluster.inbox import Inbox, send
 from cluster.messages import AbortRequest, GenerateRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
 from cluster.outputs import queue_events
+from cluster.policy import LivePolicies
 from cluster.prefix_index import choose_prefill_worker, longest_prefixes
 from cluster.registry import Heartbeat, live_workers
 from cluster.request_state import RequestStatus
@@ -35,6 +37,7 @@ from kvtransfer import KVPoll, KVReceiver, get_transport
 log = structlog.get_logger(__name__)
 
 PEER_CHECK_INTERVAL_S = 0.5
+RECONCILE_INTERVAL_S = 5.0  # how often admission entries of requests never seen are looked for
 
 
 class DecodeWorker:
@@ -60,8 +63,14 @@ class DecodeWorker:
             max_seq_len=settings.max_seq_len,
             eos_token_ids=self.runner.config.eos_token_ids,
             attention_window=self.runner.config.attention_window(),
+            policy=settings.capacity_scheduler_policy,
         )
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
+        self.policies = LivePolicies(self.redis, settings)
+        self.reservations = Reservations(self.redis, self.worker_id)
+        self.reservations.clear()  # a new incarnation holds no admitted request
+        self._ended_ids: list[str] = []  # requests gone whose admission is not given back yet
+        self._reconciled_at = time.monotonic()
         self.heartbeat = Heartbeat(
             settings.redis_url, self.info, settings.heartbeat_interval_s, settings.heartbeat_ttl_s
         )
@@ -74,12 +83,14 @@ class DecodeWorker:
     def step(self) -> None:
         self._handle_messages(self.inbox.read(block_ms=None if self._busy() else 20))
         self._refresh_peers()
+        self.scheduler.set_policy(self.policies.refresh().capacity_scheduler_policy)
         self._dispatch_prefills()
         self._check_handoffs()
         batch = self.scheduler.schedule_decode()
         token_ids = self._run(batch) if batch else None
         if token_ids is not None:
             self._publish(self.scheduler.on_step(batch, token_ids))
+        self._release_admissions()
 
     def serve(self, stop) -> None:
         self.heartbeat.start()
@@ -112,6 +123,9 @@ class DecodeWorker:
             block_size=self.settings.tokens_per_block,
             max_seq_len=self.settings.max_seq_len,
             kv_endpoint=self.kv_endpoint,
+            capacity_scheduler_policy=self.scheduler.policy.name,
+            max_batch_size=self.settings.max_batch_size,
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     # ---- helpers --------------------------------------------------------------------
@@ -144,7 +158,8 @@ class DecodeWorker:
             return  # already failed by timeout; the blocks were freed then
         ok = msg.status == "ok"
         request.receiver.on_done(ok, msg.error)
-        reason = self.scheduler.on_prefill_done(request, msg.first_token if ok else None, msg.error)
+        error = None if ok else (msg.error or f"prefill {msg.status}")
+        reason = self.scheduler.on_prefill_done(request, msg.first_token if ok else None, error)
         if msg.status == "failed":
             self._publish([(request, len(request.output_token_ids), reason)], error=msg.error)
 
@@ -182,12 +197,14 @@ class DecodeWorker:
         spec = request.spec
         request.prefill_worker_id = target.worker_id
         request.receiver = KVReceiver(self.settings.transfer_timeout_s)
+        resume = request.is_resuming  # recompute the KV of all but the last token, which decoding feeds next
         send(
             self.redis,
             target.inbox,
             PrefillJob(
                 request_id=spec.request_id,
-                prompt_token_ids=spec.prompt_token_ids,
+                prompt_token_ids=spec.prompt_token_ids + request.output_token_ids[:-1] if resume
+                else spec.prompt_token_ids,
                 sampling=spec.sampling,
                 max_tokens=spec.max_tokens,
                 dst_block_ids=request.block_ids,
@@ -198,6 +215,7 @@ class DecodeWorker:
                 priority=spec.priority,
                 arrival_time=spec.arrival_time,
                 reply_to=spec.reply_to,
+                resume=resume,
             ),
         )
 
@@ -212,13 +230,25 @@ class DecodeWorker:
     def _check_handoffs(self) -> None:
         for request in list(self.scheduler.prefilling.values()):
             if request.receiver.poll() is KVPoll.FAILED:
-                error = request.receiver.error
+                error = request.receiver.error or "kv handoff failed"
                 if request.prefill_worker_id:
                     send(self.redis, keys.inbox("prefill", request.prefill_worker_id), AbortRequest(request.request_id))
                 reason = self.scheduler.on_prefill_done(request, None, error)
                 log.error("kv handoff failed", request_id=request.request_id, error=error)
                 if reason != "abort":
                     self._publish([(request, len(request.output_token_ids), reason)], error=error)
+
+    def _release_admissions(self) -> None:
+        """Give back the admission of every request that left (any path); now and then, release leaks."""
+        self._ended_ids += self.scheduler.pop_ended()
+        if self._ended_ids:
+            self.reservations.release(self._ended_ids)
+            self._ended_ids = []  # kept on a Redis error: the next step retries
+        if time.monotonic() - self._reconciled_at >= RECONCILE_INTERVAL_S:
+            self._reconciled_at = time.monotonic()
+            leaked = self.reservations.reconcile(set(self.scheduler.requests))
+            if leaked:
+                log.warning("released admissions of requests never received", request_ids=leaked)
 
     def _run(self, batch: list[DecodeRequest]) -> list[int] | None:
         """One decode step; on an engine error every running request fails (and frees its blocks)."""

@@ -73,6 +73,15 @@ class WorkerFailed(ServiceUnavailable):
     code = "worker_error"
 
 
+class ServerBusy(GatewayError):
+    """No decode worker had room and the gateway's admission queue was full or the wait ran out."""
+
+    status_code = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+    retry_after_s = RETRY_AFTER_S
+
+
 class RequestTimeout(GatewayError):
     status_code = 504
     type = "timeout_error"

@@ -52,7 +52,9 @@ _FINISH_LABELS = {Status.FAILED: "error", Status.ABORTED: "abort"}
 
 
 class Generation:
-    def __init__(self, service: "GatewayService", request_id: str, inp: GenerationInput, worker: WorkerInfo):
+    def __init__(self, service: "GatewayService", request_id: str, inp: GenerationInput, worker: WorkerInfo,
+                 arrived_at: float | None = None):
+        """``arrived_at`` (monotonic): when the request reached the gateway; TTFT, E2E and the deadline count from it."""
         self.service = service
         self.request_id = request_id
         self.input = inp
@@ -63,7 +65,7 @@ class Generation:
         self.output_token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
-        self._started_at = time.monotonic()
+        self._started_at = time.monotonic() if arrived_at is None else arrived_at
         self._deadline = self._started_at + service.settings.request_timeout_s
         self._first_token_at: float | None = None
         self._worker_done = False  # the worker sent its last event: nothing to abort

@@ -4,13 +4,15 @@ Request counters come from ``StatusMiddleware`` (every response, by route and
 status code) and from ``Generation`` (tokens, latencies, finish reasons). The
 workers' load is republished at scrape time from the router's registry cache,
 one gauge per field labelled by worker and role; a worker that stopped
-heartbeating simply disappears from the scrape.
+heartbeating simply disappears from the scrape. ``tandem_preemptions_total``
+(per decode worker) is a counter that follows the monotonic count the worker
+reports, republished as is.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -20,8 +22,9 @@ _WORKER_FIELDS = ("num_free_blocks", "num_total_blocks", "num_running", "num_wai
 
 
 class GatewayMetrics:
-    def __init__(self, worker_snapshot=None):
-        """``worker_snapshot()`` returns the cached live workers ``{role: [WorkerInfo]}``."""
+    def __init__(self, worker_snapshot=None, num_queued=None):
+        """``worker_snapshot()`` returns the cached live workers ``{role: [WorkerInfo]}``;
+        ``num_queued()`` the requests waiting in the gateway's admission queue."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tandem_gateway_requests", "HTTP requests by route and status code",
@@ -38,6 +41,10 @@ class GatewayMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.running = Gauge("tandem_gateway_requests_running", "Generations in flight in this gateway",
                              registry=r)
+        self.queued = Gauge("tandem_gateway_requests_queued", "Requests waiting for room on a decode worker",
+                            registry=r)
+        if num_queued is not None:
+            self.queued.set_function(num_queued)
         if worker_snapshot is not None:
             r.register(_WorkerLoadCollector(worker_snapshot))
 
@@ -58,11 +65,16 @@ class _WorkerLoadCollector:
                                     labels=["worker", "role"])
             for name in _WORKER_FIELDS
         }
+        preemptions = CounterMetricFamily("tandem_preemptions", "Requests a decode worker paused to free KV blocks",
+                                          labels=["worker"])
         for role, workers in self._snapshot().items():
             for worker in workers:
                 for name, family in families.items():
                     family.add_metric([worker.worker_id, role], float(getattr(worker, name)))
+                if role == "decode":
+                    preemptions.add_metric([worker.worker_id], float(worker.num_preemptions))
         yield from families.values()
+        yield preemptions
 
 
 class StatusMiddleware:

@@ -2,24 +2,27 @@
 
 The registry (``tandem:worker:<role>:*``, one key per live worker, TTL =
 heartbeat) is read at most every ``CACHE_TTL_S`` per role and shared by all
-requests; concurrent readers wait for one refresh. Between refreshes the
-gateway charges each submission to the worker it chose (blocks for prompt +
-max_tokens, one waiting request), so a burst of requests spreads over the
-pool instead of all landing on the worker that looked emptiest at the last
-refresh. The snapshot itself stays as the workers reported it (metrics
-republish it).
+requests; concurrent readers wait for one refresh. The snapshot stays as the
+workers reported it (metrics republish it).
+
+A request goes to a decode worker only with an admission reservation on it
+(``cluster.admission``): one Lua call over every live decode worker picks the
+one with the most unreserved room that can take the request under the
+capacity policy it reports, and records the charge, atomically, so gateways
+sharing a pool cannot oversubscribe a worker. The worker gives the
+reservation back when the request leaves it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import redis.asyncio as aioredis
 import structlog
 
 from cluster import keys
+from cluster.admission import RELEASE_LUA, RESERVE_LUA, charge_tokens
 from cluster.messages import FIELD, AbortRequest, GenerateRequest, MessageError, WorkerInfo, decode, encode
 from gateway.errors import NoWorkerAvailable
 
@@ -45,22 +48,22 @@ async def live_workers(client: aioredis.Redis, role: str) -> list[WorkerInfo]:
     return workers
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // max(block_size, 1))
+def capacity_tokens(worker: WorkerInfo) -> int:
+    """Tokens of admission a decode worker offers: its whole KV pool."""
+    return worker.num_total_blocks * worker.block_size
 
 
-def choose_decode_worker(workers: list[WorkerInfo], num_tokens: int) -> WorkerInfo | None:
-    """The worker with the most room that can hold ``num_tokens``; else the least loaded (it will queue)."""
-    if not workers:
-        return None
-    fits = [w for w in workers if w.num_free_blocks * w.block_size >= num_tokens]
-    if fits:
-        return max(fits, key=lambda w: (w.num_free_blocks * w.block_size, -_load(w), w.worker_id))
-    return min(workers, key=lambda w: (_load(w), -w.num_free_blocks, w.worker_id))
+def admission_args(worker: WorkerInfo, num_prompt_tokens: int, max_tokens: int) -> list[int]:
+    """(charge, capacity tokens, max requests) of one worker, as RESERVE_LUA reads them."""
+    capacity = capacity_tokens(worker)
+    charge = charge_tokens(worker.capacity_scheduler_policy, num_prompt_tokens, max_tokens, worker.max_seq_len,
+                           worker.block_size, capacity)
+    return [charge, capacity, worker.max_batch_size]
 
 
-def _load(worker: WorkerInfo) -> int:
-    return worker.num_running + worker.num_waiting
+def tie_order(workers: list[WorkerInfo]) -> list[WorkerInfo]:
+    """Candidates in the order that breaks ties of room: most free blocks, then least loaded."""
+    return sorted(workers, key=lambda w: (-w.num_free_blocks, w.num_running + w.num_waiting, w.worker_id))
 
 
 class Router:
@@ -69,8 +72,8 @@ class Router:
         self._cache_ttl_s = cache_ttl_s
         self._cache: dict[str, tuple[float, list[WorkerInfo]]] = {}
         self._locks = {role: asyncio.Lock() for role in ROLES}
-        # worker_id -> (blocks, requests) submitted since the last decode snapshot
-        self._charges: dict[str, tuple[int, int]] = {}
+        self._reserve = client.register_script(RESERVE_LUA)
+        self._release = client.register_script(RELEASE_LUA)
 
     async def workers(self, role: str, max_age_s: float | None = None) -> list[WorkerInfo]:
         """Live workers of ``role``, at most ``max_age_s`` (default: the cache TTL) old."""
@@ -80,8 +83,6 @@ class Router:
         async with self._locks[role]:
             if not self._is_fresh(role, max_age_s):  # someone else may have refreshed meanwhile
                 self._cache[role] = (time.monotonic(), await live_workers(self._client, role))
-                if role == "decode":
-                    self._charges.clear()
         return self._cache[role][1]
 
     def cached(self, role: str) -> list[WorkerInfo]:
@@ -93,28 +94,30 @@ class Router:
         (a worker restarted under the same id has lost the requests it held)."""
         return any(w.worker_id == worker_id and started_at in (None, w.started_at) for w in await self.workers(role))
 
-    async def pick_decode_worker(self, num_tokens: int) -> WorkerInfo:
-        worker = choose_decode_worker([self._charged(w) for w in await self.workers("decode")], num_tokens)
-        if worker is None:
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> WorkerInfo | None:
+        """Admit the request to a decode worker that can take it now (atomically); None if none can.
+
+        Raises NoWorkerAvailable when no decode worker is alive at all.
+        """
+        workers = tie_order(await self.workers("decode"))
+        if not workers:
             raise NoWorkerAvailable("no decode worker is alive; retry later")
-        return worker
+        script_keys, args = [], [request_id]
+        for worker in workers:
+            script_keys += [keys.admitted(worker.worker_id), keys.reserved_tokens(worker.worker_id)]
+            args += admission_args(worker, num_prompt_tokens, max_tokens)
+        index = int(await self._reserve(keys=script_keys, args=args))
+        return workers[index] if index >= 0 else None
+
+    async def release(self, worker_id: str, request_id: str) -> None:
+        """Give a reservation back (a submission that failed); a no-op if there is none."""
+        await self._release(keys=[keys.admitted(worker_id), keys.reserved_tokens(worker_id)], args=[request_id])
 
     async def submit(self, worker: WorkerInfo, request: GenerateRequest) -> None:
         await self._client.xadd(keys.inbox("decode", worker.worker_id), {FIELD: encode(request)})
-        # charged until the next snapshot shows the worker's own numbers
-        blocks = blocks_needed(len(request.prompt_token_ids) + request.max_tokens, worker.block_size)
-        charged_blocks, charged_requests = self._charges.get(worker.worker_id, (0, 0))
-        self._charges[worker.worker_id] = (charged_blocks + blocks, charged_requests + 1)
 
     async def abort(self, worker_id: str, request_id: str, reason: str) -> None:
         await self._client.xadd(keys.inbox("decode", worker_id), {FIELD: encode(AbortRequest(request_id, reason))})
-
-    def _charged(self, worker: WorkerInfo) -> WorkerInfo:
-        blocks, requests = self._charges.get(worker.worker_id, (0, 0))
-        if not requests:
-            return worker
-        return dataclasses.replace(worker, num_free_blocks=max(worker.num_free_blocks - blocks, 0),
-                                   num_waiting=worker.num_waiting + requests)
 
     def _is_fresh(self, role: str, max_age_s: float) -> bool:
         entry = self._cache.get(role)

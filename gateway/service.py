@@ -4,8 +4,9 @@
 large blocking pool: every in-flight request holds a connection during its
 blocking XREAD), the router, the metrics and the background tasks that must
 outlive a cancelled request (aborts, stream cleanup). Routes call
-``prepare_*`` (validate + tokenize, off the event loop) and ``start`` (route +
-submit), then stream or collect the returned ``Generation``.
+``prepare_*`` (validate + tokenize, off the event loop) and ``start`` (admit,
+maybe after a wait in the ``AdmissionQueue``, then submit), then stream or
+collect the returned ``Generation``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from redis.backoff import ExponentialBackoff
 
 from cluster.messages import GenerateRequest
 from cluster.settings import Settings
+from gateway.admission import AdmissionQueue
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.mux import OutputMux
@@ -59,8 +61,11 @@ class GatewayService:
         self.validator = Validator(settings, self.tokenizer)
         self.redis = redis if redis is not None else make_redis(settings.redis_url)
         self.router = Router(self.redis)
+        self.admission = AdmissionQueue(self.router, max_queue_len=settings.max_queue_len,
+                                        queue_timeout_s=settings.queue_timeout_s)
         self.mux = OutputMux(self.redis)
-        self.metrics = GatewayMetrics(lambda: {role: self.router.cached(role) for role in ROLES})
+        self.metrics = GatewayMetrics(lambda: {role: self.router.cached(role) for role in ROLES},
+                                      num_queued=lambda: self.admission.num_queued)
         # one thread: tokenizers are not safe to share across threads, and the loop must not block
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._background: set[asyncio.Task] = set()
@@ -73,11 +78,13 @@ class GatewayService:
         return await self._off_loop(self.validator.chat, body)
 
     async def start(self, inp: GenerationInput, prefix: str = "cmpl") -> Generation:
-        """Pick a decode worker and submit; raises NoWorkerAvailable / RedisError before any work starts."""
+        """Admit to a decode worker and submit; raises NoWorkerAvailable, ServerBusy (429) or
+        RedisError before any work starts."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        worker = await self.router.pick_decode_worker(len(inp.prompt_token_ids) + inp.max_tokens)
-        generation = Generation(self, request_id, inp, worker)
+        arrived_at = time.monotonic()
+        worker = await self.admission.admit(request_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority)
+        generation = Generation(self, request_id, inp, worker, arrived_at)
         request = GenerateRequest(
             request_id=request_id,
             prompt_token_ids=inp.prompt_token_ids,
@@ -93,6 +100,8 @@ class GatewayService:
             await self.router.submit(worker, request)
         except BaseException:
             self.mux.unregister(request_id)
+            # it never reached the worker: give its room back (if this fails too, the worker's reconcile does)
+            self.spawn(self.router.release(worker.worker_id, request_id))
             raise
         self.metrics.running.inc()
         self.metrics.prompt_tokens.inc(len(inp.prompt_token_ids))

@@ -20,6 +20,7 @@ from cluster import keys
 from cluster.inbox import Inbox, send
 from cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
 from cluster.outputs import queue_events
+from cluster.policy import LivePolicies
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat
 from cluster.request_state import RequestStatus, finish_reason
@@ -70,6 +71,7 @@ class PrefillWorker:
                                             settings.heartbeat_ttl_s, settings.heartbeat_interval_s)
         self.eos_token_ids = self.runner.config.eos_token_ids
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
+        self.policies = LivePolicies(self.redis, settings)
         self.heartbeat = Heartbeat(
             settings.redis_url, self.info, settings.heartbeat_interval_s, settings.heartbeat_ttl_s
         )
@@ -79,6 +81,7 @@ class PrefillWorker:
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
         self._handle_messages(self.inbox.read(block_ms=None if self.scheduler.jobs else 20))
+        self.scheduler.policy = self.policies.refresh().context_chunking_policy
         chunks = self.scheduler.schedule()
         if chunks:
             self._after_forward(chunks, self._run(chunks))
@@ -172,6 +175,9 @@ class PrefillWorker:
                 self.runner.kv_pool.kv, state.block_ids[first_block : last_block + 1], first_block
             )
             if self.scheduler.on_chunk_done(state, num_tokens):
+                if state.job.resume:  # a paused request's KV, recomputed: it has its tokens already
+                    state.sender.finish()
+                    continue
                 completed.append(state)
                 rows.append(row)
         if not completed:

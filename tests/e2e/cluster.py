@@ -6,6 +6,7 @@ it; tests talk to it over HTTP and read worker state from Redis.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import time
@@ -34,10 +35,13 @@ class LocalCluster:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start_service(self, role: str, worker_id: str | None = None) -> subprocess.Popen:
-        name = worker_id or role
+    def start_service(self, role: str, worker_id: str | None = None, name: str | None = None,
+                      **overrides) -> subprocess.Popen:
+        """Start one service; ``overrides`` change its settings only (e.g. a second gateway's port)."""
+        name = name or worker_id or role
+        settings = dataclasses.replace(self.settings, **overrides) if overrides else self.settings
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        proc = subprocess.Popen(service_argv(role, self.settings, worker_id), stdout=log, stderr=log)
+        proc = subprocess.Popen(service_argv(role, settings, worker_id), stdout=log, stderr=log)
         self.procs[name] = proc
         return proc
 

@@ -18,6 +18,7 @@ import redis
 import uvicorn
 
 from cluster import keys
+from cluster.admission import Reservations
 from cluster.inbox import Inbox
 from cluster.messages import AbortRequest, GenerateRequest, TokenEvent, WorkerInfo, encode
 from cluster.outputs import queue_events
@@ -166,6 +167,7 @@ class FakeDecodeWorker:
     script: Script
     worker_id: str = "decode-fake-0"
     num_free_blocks: int = 64
+    num_total_blocks: int = 64
     block_size: int = 16
     num_running: int = 0
     ttl_s: float = 1.0
@@ -178,6 +180,7 @@ class FakeDecodeWorker:
         pool = redis.BlockingConnectionPool.from_url(self.redis_url, max_connections=256, timeout=30)
         self.client = redis.Redis(connection_pool=pool)
         self.inbox = Inbox(self.client, keys.inbox("decode", self.worker_id), self.worker_id)
+        self.reservations = Reservations(self.client, self.worker_id)  # given back as a real worker does
         self._stop = threading.Event()
         self._alive = True
         self._threads = [threading.Thread(target=self._serve, daemon=True),
@@ -186,7 +189,7 @@ class FakeDecodeWorker:
     def info(self, role: str = "decode") -> WorkerInfo:
         return WorkerInfo(
             worker_id=self.worker_id, role=role, model="tiny", inbox=self.inbox.stream, pid=0, host="test",
-            started_at=self.started_at, heartbeat_at=time.time(), num_total_blocks=64,
+            started_at=self.started_at, heartbeat_at=time.time(), num_total_blocks=self.num_total_blocks,
             num_free_blocks=self.num_free_blocks,
             num_running=self.num_running, block_size=self.block_size, max_seq_len=MAX_POSITIONS,
         )
@@ -232,6 +235,7 @@ class FakeDecodeWorker:
             for msg in messages:
                 if isinstance(msg, AbortRequest):
                     self.aborts.append(msg)
+                    self._release(msg.request_id)
                 elif isinstance(msg, GenerateRequest):
                     self.requests.append(msg)
                     threading.Thread(target=self._play, args=(msg,), daemon=True).start()
@@ -247,6 +251,13 @@ class FakeDecodeWorker:
             pipe = self.client.pipeline(transaction=False)
             queue_events(pipe, [(req.reply_to, event)])  # exactly as the real workers publish
             pipe.execute()
+        self._release(req.request_id)
+
+    def _release(self, request_id: str) -> None:
+        try:
+            self.reservations.release([request_id])
+        except redis.RedisError:
+            pass  # Redis restarted: the reservations went with it
 
 
 def register_prefill(client: redis.Redis, worker_id: str = "prefill-fake-0", ttl_s: float = 30.0) -> None:

@@ -237,30 +237,34 @@ def test_routing_prefers_room(serve, fake_worker):
     assert len(big.requests) == 1 and not small.requests
 
 
-def test_router_charges_submissions_between_refreshes(redis_url, fake_worker):
+def test_two_gateways_never_oversubscribe_a_worker(redis_url, rclient, fake_worker):
     import redis.asyncio as aioredis
 
-    from cluster.messages import GenerateRequest
-    from cluster.sampling import SamplingParams
+    from cluster import keys
     from gateway.router import Router
 
-    fake_worker(token_script([5]), worker_id="decode-a", num_free_blocks=12)
-    fake_worker(token_script([5]), worker_id="decode-b", num_free_blocks=10)
+    fake_worker(lambda req: [], worker_id="decode-a", num_total_blocks=12)  # 192 tokens
+    fake_worker(lambda req: [], worker_id="decode-b", num_total_blocks=10)  # 160 tokens
 
     async def burst():
-        client = aioredis.Redis.from_url(redis_url)
-        router = Router(client, cache_ttl_s=60.0)  # one snapshot for the whole burst
-        chosen = []
-        for i in range(4):
-            worker = await router.pick_decode_worker(32)
-            await router.submit(worker, GenerateRequest(f"r{i}", [1] * 16, SamplingParams(), 16))
-            chosen.append(worker.worker_id)
-        await client.aclose()
-        return chosen
+        clients = [aioredis.Redis.from_url(redis_url) for _ in range(2)]
+        routers = [Router(client, cache_ttl_s=60.0) for client in clients]  # two gateways, one snapshot each
+        # 40 requests of 16 + 16 tokens (2 blocks) from both gateways at once
+        workers = await asyncio.gather(*(routers[i % 2].reserve(f"r{i}", 16, 16) for i in range(40)))
+        chosen = [w.worker_id if w else None for w in workers]
+        await routers[0].release(chosen[0], "r0")
+        await routers[1].release(chosen[0], "r0")  # a second release is a no-op
+        late = await routers[1].reserve("late", 16, 16)  # the room r0 gave back
+        for client in clients:
+            await client.aclose()
+        return chosen, late.worker_id
 
-    # each request takes 2 blocks of 16 tokens: a(12) b(10) a(10) b(8) ...
-    assert asyncio.run(burst()) == ["decode-a", "decode-b", "decode-a", "decode-b"]
-
+    chosen, late = asyncio.run(burst())
+    assert (chosen.count("decode-a"), chosen.count("decode-b"), chosen.count(None)) == (6, 5, 29)
+    assert late == chosen[0]
+    assert int(rclient.get(keys.reserved_tokens("decode-a"))) == 192
+    assert int(rclient.get(keys.reserved_tokens("decode-b"))) == 160
+    assert rclient.hlen(keys.admitted("decode-a")) == 6 and rclient.hlen(keys.admitted("decode-b")) == 5
 
 def test_models_health_metrics(serve, fake_worker, rclient):
     fake_worker(token_script([5], "length"))

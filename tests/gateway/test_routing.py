@@ -1,9 +1,9 @@
-"""Token ordering/dedupe and decode-worker choice: pure logic, no Redis."""
+"""Token ordering/dedupe and decode-worker admission arguments: pure logic, no Redis."""
 
 from __future__ import annotations
 
 from cluster.messages import TokenEvent, WorkerInfo
-from gateway.router import choose_decode_worker
+from gateway.router import admission_args, tie_order
 from gateway.streams import TokenAssembler
 
 
@@ -53,19 +53,20 @@ def test_error_after_the_first_token_ends_the_request():
     assert a.finish_reason == "error"
 
 
-def worker(worker_id, free, running=0, waiting=0, block_size=16):
-    return WorkerInfo(worker_id, "decode", "m", "inbox", 0, "h", 0.0, 0.0, 100, free, running, waiting, block_size)
+def worker(worker_id, free, running=0, waiting=0, block_size=16, total=100, policy="", max_batch_size=0):
+    return WorkerInfo(worker_id, "decode", "m", "inbox", 0, "h", 0.0, 0.0, total, free, running, waiting, block_size,
+                      max_seq_len=1024, capacity_scheduler_policy=policy, max_batch_size=max_batch_size)
 
 
-def test_choose_prefers_the_worker_with_most_room_that_fits():
-    workers = [worker("a", 10), worker("b", 30, running=5), worker("c", 20)]
-    assert choose_decode_worker(workers, 100).worker_id == "b"
+def test_charge_follows_the_workers_policy():
+    # (charge, capacity tokens, max requests); 20-token prompt, 100 new tokens, 16-token blocks
+    assert admission_args(worker("a", 0, policy="GUARANTEED_NO_EVICT"), 20, 100) == [128, 1600, 0]
+    assert admission_args(worker("a", 0, policy="STATIC_BATCH"), 20, 100) == [128, 1600, 0]
+    assert admission_args(worker("a", 0, policy="MAX_UTILIZATION", max_batch_size=8), 20, 100) == [32, 1600, 8]
+    assert admission_args(worker("a", 0), 20, 100)[0] == 128  # a worker that names no policy: no-evict
+    assert admission_args(worker("a", 0, total=4), 20, 100)[0] == 64  # never more than the whole pool
 
 
-def test_choose_falls_back_to_least_loaded_when_none_fits():
-    workers = [worker("a", 1, running=3), worker("b", 2, running=1, waiting=1), worker("c", 0, running=4)]
-    assert choose_decode_worker(workers, 10_000).worker_id == "b"
-
-
-def test_choose_with_no_worker():
-    assert choose_decode_worker([], 10) is None
+def test_ties_go_to_the_most_free_blocks_then_the_least_loaded():
+    workers = [worker("a", 10), worker("b", 30, running=5), worker("c", 30, running=1), worker("d", 20)]
+    assert [w.worker_id for w in tie_order(workers)] == ["c", "b", "d", "a"]

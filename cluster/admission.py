@@ -1,0 +1,121 @@
+"""Admission reservations: how much of each decode worker the gateways have promised away.
+
+Per decode worker, two Redis keys: ``keys.admitted(w)``, a hash request_id ->
+tokens of the requests admitted to it that have not left yet, and
+``keys.reserved_tokens(w)``, the sum of that hash. Only the Lua scripts below
+change them, each atomically, so the sum stays exact:
+
+    RESERVE_LUA  gateway, one call over every live decode worker: the worker with
+                 the most room that can take the request gets an entry (or none)
+    RELEASE_LUA  decode worker when a request leaves it, by any path (finish,
+                 abort, failure); gateway when its submission failed. Idempotent.
+    clear        decode worker at start: a new incarnation holds nothing
+
+A request's charge is what its worker reserves at admission under the worker's
+capacity policy (``reserve_tokens``), in whole blocks; a worker can take
+requests while the charges fit its pool and number at most its
+``max_batch_size``. So under GUARANTEED_NO_EVICT and STATIC_BATCH the gateways
+never promise more KV than the pool holds, while under MAX_UTILIZATION they
+promise only prompts (+1 token) and the worker preempts when growth runs out.
+
+Leaks: an entry whose request never reached its worker (a gateway died between
+reserve and submit) is released by the worker's ``reconcile`` pass once it has
+been unknown to the worker in two passes in a row.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from cluster import keys
+
+GUARANTEED_NO_EVICT, MAX_UTILIZATION, STATIC_BATCH = "GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"
+
+# KEYS: per candidate worker i (1-based): KEYS[2i-1] its admitted hash, KEYS[2i] its reserved-token counter.
+# ARGV[1]: request id; per worker i: ARGV[3i-1] charge, ARGV[3i] capacity tokens, ARGV[3i+1] max requests (0: any).
+# Returns the 0-based index of the worker that took the request, or -1. Ties go to the earlier worker.
+RESERVE_LUA = """
+local best, best_room = -1, -1
+for i = 1, #KEYS / 2 do
+  local charge, capacity, max_requests = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+  local room = capacity - tonumber(redis.call('GET', KEYS[2*i]) or '0')
+  local count = redis.call('HLEN', KEYS[2*i-1])
+  if redis.call('HEXISTS', KEYS[2*i-1], ARGV[1]) == 1 then
+    return i - 1
+  end
+  if room >= charge and (max_requests == 0 or count < max_requests) and room > best_room then
+    best, best_room = i, room
+  end
+end
+if best < 0 then
+  return -1
+end
+redis.call('HSET', KEYS[2*best-1], ARGV[1], ARGV[3*best-1])
+redis.call('INCRBY', KEYS[2*best], ARGV[3*best-1])
+return best - 1
+"""
+
+# KEYS[1] admitted hash, KEYS[2] reserved-token counter; ARGV[1] request id. Returns 1 if it held an entry.
+RELEASE_LUA = """
+local charge = redis.call('HGET', KEYS[1], ARGV[1])
+if not charge then
+  return 0
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('DECRBY', KEYS[2], charge)
+return 1
+"""
+
+
+def reserve_tokens(policy: str, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int,
+                   max_seq_len: int) -> int:
+    """Tokens of KV a decode worker reserves when it admits (or resumes) a request under ``policy``.
+
+    MAX_UTILIZATION: what is computed so far + the token the next step writes.
+    The others: the most the request can reach.
+    """
+    if policy == MAX_UTILIZATION:
+        return min(num_prompt_tokens + max(num_output_tokens, 1), max_seq_len)
+    return min(num_prompt_tokens + max_tokens, max_seq_len)
+
+
+def charge_tokens(policy: str, num_prompt_tokens: int, max_tokens: int, max_seq_len: int, block_size: int,
+                  capacity_tokens: int) -> int:
+    """What admitting a new request costs a worker: its reservation in whole blocks, at most the whole pool."""
+    tokens = reserve_tokens(policy, num_prompt_tokens, 0, max_tokens, max_seq_len or num_prompt_tokens + max_tokens)
+    block_size = max(block_size, 1)
+    return min(-(-tokens // block_size) * block_size, capacity_tokens)
+
+
+class Reservations:
+    """The decode worker's side: release the requests that left, clear at start, reconcile leaks."""
+
+    def __init__(self, client: redis.Redis, worker_id: str):
+        self._client = client
+        self._keys = [keys.admitted(worker_id), keys.reserved_tokens(worker_id)]
+        self._release = client.register_script(RELEASE_LUA)
+        self._suspects: set[str] = set()
+
+    def clear(self) -> None:
+        self._client.delete(*self._keys)
+
+    def release(self, request_ids: list[str]) -> None:
+        """One round trip for all of them; an id without an entry is skipped."""
+        if not request_ids:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for request_id in request_ids:
+            self._release(keys=self._keys, args=[request_id], client=pipe)
+        pipe.execute()
+
+    def reconcile(self, known_ids: set[str]) -> list[str]:
+        """Release entries unknown to the worker now and at the previous pass; returns their ids.
+
+        Between two passes the worker has read its inbox many times, so a request
+        reserved before the first pass and still unknown never reached it.
+        """
+        unknown = {raw.decode() for raw in self._client.hkeys(self._keys[0])} - known_ids
+        stale = sorted(unknown & self._suspects)
+        self.release(stale)
+        self._suspects = unknown - set(stale)
+        return stale

@@ -1,0 +1,67 @@
+"""Waiting for room: requests no decode worker can take now queue here, bounded in length and time.
+
+    arrive --a worker takes it, nobody queued--> ADMITTED
+       |--queue holds max_queue_len already--> REJECTED (429, code queue_full)
+       +--> QUEUED --at the head, a worker takes it--> ADMITTED
+                 +--waited queue_timeout_s--> REJECTED (429, code queue_timeout)
+
+The queue is ordered by (priority, arrival) like the workers' own queues. Only
+its head asks Redis (``Router.reserve``, every ``poll_s``), so requests are
+admitted in order and a waiting crowd costs one Redis call per poll. A waiter
+that is cancelled (its client went away) just leaves the queue. With no decode
+worker alive at all, ``NoWorkerAvailable`` (503) is raised at once instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import time
+
+from cluster.messages import WorkerInfo
+from gateway.errors import ServerBusy
+from gateway.router import Router
+
+POLL_S = 0.01
+
+
+class AdmissionQueue:
+    def __init__(self, router: Router, *, max_queue_len: int, queue_timeout_s: float, poll_s: float = POLL_S):
+        self.router = router
+        self.max_queue_len = max_queue_len
+        self.queue_timeout_s = queue_timeout_s
+        self.poll_s = poll_s
+        self._waiting: list[tuple[int, int]] = []  # (priority, arrival number), sorted
+        self._arrivals = itertools.count()
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._waiting)
+
+    async def admit(self, request_id: str, num_prompt_tokens: int, max_tokens: int, priority: int = 0) -> WorkerInfo:
+        """The worker that took the request (its reservation is made); waits in the queue if none can yet."""
+        reserve = (request_id, num_prompt_tokens, max_tokens)
+        if not self._waiting:
+            worker = await self.router.reserve(*reserve)
+            if worker is not None:
+                return worker
+        if len(self._waiting) >= self.max_queue_len:
+            raise ServerBusy(f"all decode workers are full and {len(self._waiting)} requests are queued; "
+                             "retry later", code="queue_full")
+        ticket = (priority, next(self._arrivals))
+        bisect.insort(self._waiting, ticket)
+        deadline = time.monotonic() + self.queue_timeout_s
+        try:
+            while True:
+                if self._waiting[0] == ticket:
+                    worker = await self.router.reserve(*reserve)
+                    if worker is not None:
+                        return worker
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    raise ServerBusy(f"no decode worker had room within {self.queue_timeout_s:g} s; retry later",
+                                     code="queue_timeout")
+                await asyncio.sleep(min(self.poll_s, remaining_s))
+        finally:
+            self._waiting.remove(ticket)

@@ -1,0 +1,165 @@
+"""Admission across the pool: reservations, the bounded queue, 429s, leak repair, the preemption metric,
+the live policy hash."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from cluster import keys
+from cluster.admission import RESERVE_LUA, Reservations
+from cluster.messages import WorkerInfo
+from gateway.admission import AdmissionQueue
+from gateway.errors import ServerBusy
+from gateway.metrics import GatewayMetrics
+from tests.gateway.conftest import token_script
+
+HOLD = token_script([5, 6, 7], "length", delay_s=0.4)  # a request that holds its room for ~1.2 s
+FILL = {"prompt": "hi", "max_tokens": 20}  # 1-2 prompt tokens + 20: two 16-token blocks, the whole pool below
+
+
+def post(server, body, timeout=20):
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=timeout)
+
+
+def fill_the_pool(server):
+    """Start a request that takes the whole (2-block) pool; returns its thread."""
+    thread = threading.Thread(target=post, args=(server, FILL))
+    thread.start()
+    time.sleep(0.3)
+    return thread
+
+
+def assert_429(response, code):
+    assert response.status_code == 429, response.text
+    assert response.headers["retry-after"] == "1"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["code"]) == ("rate_limit_error", code) and error["message"]
+
+
+def test_full_queue_is_429_at_once(serve, fake_worker):
+    fake_worker(HOLD, num_total_blocks=2)
+    server = serve(max_queue_len=0)
+    holder = fill_the_pool(server)
+    started = time.time()
+    assert_429(post(server, FILL), "queue_full")
+    assert time.time() - started < 0.5
+    holder.join()
+    assert post(server, FILL).status_code == 200  # the room came back
+
+
+def test_queued_request_times_out_with_429(serve, fake_worker):
+    fake_worker(HOLD, num_total_blocks=2)
+    server = serve(max_queue_len=4, queue_timeout_s=0.3)
+    holder = fill_the_pool(server)
+    started = time.time()
+    assert_429(post(server, FILL), "queue_timeout")
+    assert 0.25 < time.time() - started < 1.0
+    holder.join()
+
+
+def test_queued_request_runs_once_room_frees(serve, fake_worker):
+    worker = fake_worker(HOLD, num_total_blocks=2)
+    server = serve(max_queue_len=4, queue_timeout_s=10)
+    holder = fill_the_pool(server)
+    response = post(server, FILL)
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
+    holder.join()
+    assert len(worker.requests) == 2
+    text = httpx.get(server.url + "/metrics").text
+    assert 'tandem_gateway_requests_total{route="/v1/completions",status="200"} 2.0' in text
+    assert "tandem_gateway_requests_queued 0.0" in text
+
+
+class FakeRouter:
+    """Takes requests only while ``room`` > 0; records the order it took them in."""
+
+    def __init__(self):
+        self.room = 0
+        self.taken: list[str] = []
+
+    async def reserve(self, request_id, num_prompt_tokens, max_tokens):
+        if self.room <= 0:
+            return None
+        self.room -= 1
+        self.taken.append(request_id)
+        return WorkerInfo("w", "decode", "m", "inbox", 0, "h", 0.0, 0.0, 1, 1)
+
+
+def test_queue_admits_by_priority_then_arrival():
+    async def scenario():
+        router = FakeRouter()
+        queue = AdmissionQueue(router, max_queue_len=8, queue_timeout_s=5, poll_s=0.001)
+        tasks = []
+        for request_id, priority in [("a", 5), ("b", 0), ("c", 5), ("d", 0)]:
+            tasks.append(asyncio.create_task(queue.admit(request_id, 1, 1, priority)))
+            await asyncio.sleep(0.005)
+        assert queue.num_queued == 4
+        for _ in range(4):
+            router.room += 1
+            await asyncio.sleep(0.02)
+        await asyncio.gather(*tasks)
+        return router.taken, queue.num_queued
+
+    assert asyncio.run(scenario()) == (["b", "d", "a", "c"], 0)
+
+
+def test_cancelled_waiter_leaves_the_queue():
+    async def scenario():
+        queue = AdmissionQueue(FakeRouter(), max_queue_len=1, queue_timeout_s=5, poll_s=0.001)
+        waiter = asyncio.create_task(queue.admit("a", 1, 1))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ServerBusy):
+            await queue.admit("b", 1, 1)  # the one place is taken
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        return queue.num_queued
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_reconcile_releases_entries_the_worker_never_received(rclient):
+    reserve = rclient.register_script(RESERVE_LUA)
+    worker_keys = [keys.admitted("w"), keys.reserved_tokens("w")]
+    for request_id in ("known", "lost"):
+        assert reserve(keys=worker_keys, args=[request_id, 32, 1024, 0]) == 0
+    assert reserve(keys=worker_keys, args=["known", 32, 1024, 0]) == 0  # a replayed call charges once
+    reservations = Reservations(rclient, "w")
+    assert reservations.reconcile({"known"}) == []  # unknown once: maybe still in the inbox
+    assert reservations.reconcile({"known"}) == ["lost"]  # unknown twice: never arrived
+    assert int(rclient.get(keys.reserved_tokens("w"))) == 32
+    reservations.release(["known", "known"])
+    assert int(rclient.get(keys.reserved_tokens("w"))) == 0 and rclient.hlen(keys.admitted("w")) == 0
+
+
+def test_preemption_counter_follows_the_workers_count():
+    workers = {"decode": [WorkerInfo("decode-0", "decode", "m", "inbox", 0, "h", 0.0, 0.0, 10, 10,
+                                     num_preemptions=3)],
+               "prefill": [WorkerInfo("prefill-0", "prefill", "m", "inbox", 0, "h", 0.0, 0.0, 10, 10)]}
+    text = GatewayMetrics(lambda: workers).render().decode()
+    assert "# TYPE tandem_preemptions_total counter" in text
+    assert 'tandem_preemptions_total{worker="decode-0"} 3.0' in text
+    assert 'worker="prefill-0"' not in text.split("tandem_preemptions_total", 1)[1]
+
+
+def test_live_policies_start_from_flags_switch_and_ignore_junk(rclient):
+    from cluster.policy import LivePolicies
+    from cluster.settings import Settings
+
+    rclient.hset(keys.policy(), "context_chunking_policy", "EQUAL_PROGRESS")  # set by an earlier worker
+    policies = LivePolicies(rclient, Settings(capacity_scheduler_policy="MAX_UTILIZATION"), interval_s=0.05)
+    assert rclient.hgetall(keys.policy()) == {b"capacity_scheduler_policy": b"MAX_UTILIZATION",
+                                               b"context_chunking_policy": b"EQUAL_PROGRESS"}
+    assert policies.refresh().context_chunking_policy == "EQUAL_PROGRESS"  # the hash wins over the flag
+    rclient.hset(keys.policy(), "capacity_scheduler_policy", "STATIC_BATCH")
+    assert policies.refresh().capacity_scheduler_policy == "MAX_UTILIZATION"  # read at most every interval
+    time.sleep(0.06)
+    assert policies.refresh().capacity_scheduler_policy == "STATIC_BATCH"
+    rclient.hset(keys.policy(), "capacity_scheduler_policy", "FASTEST")
+    time.sleep(0.06)
+    assert policies.refresh().capacity_scheduler_policy == "STATIC_BATCH"  # junk is ignored
