@@ -1,11 +1,12 @@
-"""Tests for ``tandem bench serve`` (bench/serve.py): metric math, SSE parsing, and
-the client end to end against a tiny in-process SSE server with known delays."""
+"""Tests for ``tandem bench serve`` (bench/serve.py): the client end to end against a
+tiny in-process SSE server with known delays. The metric math, SSE parsing and
+synthetic requests are tested in test_serve_metrics.py, test_serve_sse.py and
+test_datasets.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import signal
 import socket
@@ -15,216 +16,16 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench import serve
-from bench.datasets import arrival_offsets, parse_range, synthetic_requests
-from bench.serve import (
-    RequestResult,
-    SSEDecoder,
-    compute_metrics,
-    decode_payload,
-    iter_sse_data,
-    meets_slos,
-    parse_goodput,
-    parse_percentiles,
-    summarize,
-    tpot_seconds,
-)
+from bench.datasets import arrival_offsets, synthetic_requests
+from bench.serve_metrics import compute_metrics
+from bench.serve_request import BenchConfig
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-# ----------------------------------------------------------------- metric math
-
-
-def test_summarize_percentiles_match_numpy_linear():
-    vals = list(range(1, 101))
-    s = summarize(vals, [50, 90, 99, 99.9])
-    assert s["mean"] == pytest.approx(50.5)
-    assert s["median"] == pytest.approx(50.5)
-    assert s["p50"] == pytest.approx(50.5)
-    assert s["p90"] == pytest.approx(90.1)
-    assert s["p99"] == pytest.approx(99.01)
-    assert s["p99.9"] == pytest.approx(99.901)
-    assert s["min"] == 1 and s["max"] == 100
-    assert s["std"] == pytest.approx(float(np.std(vals)))
-
-
-def test_summarize_empty_and_single():
-    s = summarize([], [50, 99])
-    assert set(s) == {"mean", "median", "std", "min", "max", "p50", "p99"}
-    assert all(v is None for v in s.values())
-    s = summarize([7.0], [50, 99])
-    assert s["mean"] == s["p99"] == s["median"] == 7.0
-
-
-def test_parse_percentiles_and_goodput():
-    assert parse_percentiles("50,90,99") == [50.0, 90.0, 99.0]
-    assert parse_percentiles(" 99.9 ") == [99.9]
-    for bad in ("0", "101", "", "x"):
-        with pytest.raises(ValueError):
-            parse_percentiles(bad)
-    assert parse_goodput(["ttft:200", "tpot:50", "e2el:1000"]) == {
-        "ttft": 200.0, "tpot": 50.0, "e2el": 1000.0}
-    assert parse_goodput(["TTFT:1.5,tpot:2"]) == {"ttft": 1.5, "tpot": 2.0}
-    assert parse_goodput(None) == {}
-    for bad in (["itl:5"], ["ttft"], ["ttft:0"], ["ttft:-3"], ["ttft:abc"]):
-        with pytest.raises(ValueError):
-            parse_goodput(bad)
-
-
-def _res(i, ttft, latency, out, itl=(), success=True, prompt_len=10, error=""):
-    r = RequestResult(i, prompt_len, out)
-    r.finished = True
-    r.success = success
-    r.error = error
-    r.ttft, r.latency, r.output_tokens = ttft, latency, out
-    r.itl = list(itl)
-    return r
-
-
-def test_tpot_definition_and_single_token():
-    assert tpot_seconds(1.0, 0.2, 5) == pytest.approx(0.2)
-    assert tpot_seconds(1.0, 0.2, 2) == pytest.approx(0.8)
-    assert tpot_seconds(1.0, 0.2, 1) is None
-    assert tpot_seconds(1.0, 0.2, 0) is None
-    one = _res(0, 0.1, 0.1, 1)
-    assert one.tpot is None
-    # A single-token request has no TPOT: it meets any TPOT SLO, and stays out of the stats.
-    assert meets_slos(one, {"tpot": 0.001})
-    assert not meets_slos(one, {"ttft": 50})  # 100 ms > 50 ms
-    m = compute_metrics([one, _res(1, 0.1, 0.5, 5)], 1.0, [50], {"tpot": 150})
-    assert m["tpot_ms"]["mean"] == pytest.approx(100.0)  # only the 5-token request
-    assert m["good_requests"] == 2
-
-
-def test_compute_metrics_throughput_and_goodput():
-    results = [
-        _res(0, 0.100, 1.0, 10, itl=[0.1] * 9, prompt_len=100),   # tpot 100 ms
-        _res(1, 0.300, 1.2, 10, itl=[0.1] * 9, prompt_len=200),   # ttft 300 ms, tpot 100 ms
-        _res(2, 0.050, 0.5, 10, itl=[0.05] * 9, prompt_len=50),   # tpot 50 ms
-        _res(3, None, 0.01, 0, success=False, prompt_len=1000, error="HTTP 500: boom"),
-    ]
-    unfinished = RequestResult(4, 10, 10)  # cut off by an interrupt
-    m = compute_metrics(results + [unfinished], 2.0, [50, 99], {"ttft": 200, "tpot": 80})
-    assert (m["completed"], m["failed"], m["incomplete"]) == (3, 1, 1)
-    assert m["total_input_tokens"] == 350  # failed requests do not count
-    assert m["total_output_tokens"] == 30
-    assert m["request_throughput"] == pytest.approx(1.5)
-    assert m["input_throughput"] == pytest.approx(175.0)
-    assert m["output_throughput"] == pytest.approx(15.0)
-    assert m["total_token_throughput"] == pytest.approx(190.0)
-    assert m["good_requests"] == 1  # only request 2 meets both ttft<=200 and tpot<=80
-    assert m["request_goodput"] == pytest.approx(0.5)
-    assert m["ttft_ms"]["mean"] == pytest.approx(150.0)
-    assert m["ttft_ms"]["median"] == pytest.approx(100.0)
-    assert m["e2el_ms"]["p50"] == pytest.approx(1000.0)
-    assert m["tpot_ms"]["mean"] == pytest.approx((100 + 100 + 50) / 3)
-    assert m["itl_ms"]["mean"] == pytest.approx((0.1 * 18 + 0.05 * 9) / 27 * 1e3)
-    assert m["errors"] == [{"error": "HTTP 500: boom", "count": 1}]
-    no_slo = compute_metrics(results, 2.0)
-    assert no_slo["request_goodput"] is None
-    assert serve.format_report(m)  # renders
-    # usage-reported prompt tokens win over the nominal length
-    r = _res(0, 0.1, 0.2, 2, prompt_len=10)
-    r.usage_prompt_tokens = 17
-    assert compute_metrics([r], 1.0)["total_input_tokens"] == 17
-
-
-# ------------------------------------------------------------------------- SSE
-
-
-def test_sse_data_lines_blank_lines_comments_and_done():
-    lines = [
-        ": keep-alive comment",
-        "",
-        'data: {"a": 1}',
-        "",
-        "event: message",
-        "id: 7",
-        'data:{"a": 2}',  # no space after the colon is valid too
-        "",
-        "",
-        "data: [DONE]",
-        "",
-        'data: {"a": 3}',  # after [DONE]: ignored
-        "",
-    ]
-    assert list(iter_sse_data(lines)) == ['{"a": 1}', '{"a": 2}', "[DONE]"]
-
-
-def test_sse_multiline_and_unterminated_events():
-    d = SSEDecoder()
-    assert d.feed('data: {"x":') == []
-    assert d.feed("data: 1}") == []
-    assert d.feed("\r\n") == ['{"x":\n1}']
-    assert decode_payload('{"x":\n1}') == [{"x": 1}]
-    # no blank line at the end of the stream: flushed
-    assert list(iter_sse_data(['data: {"b": 1}'])) == ['{"b": 1}']
-    # a server that forgot the blank lines between events
-    joined = list(iter_sse_data(['data: {"c": 1}', 'data: {"c": 2}']))
-    assert len(joined) == 1 and decode_payload(joined[0]) == [{"c": 1}, {"c": 2}]
-    with pytest.raises(json.JSONDecodeError):
-        decode_payload("{not json")
-    assert decode_payload("   ") == []
-
-
-def test_chunk_content_and_errors():
-    comp = {"choices": [{"index": 0, "text": "hi", "finish_reason": None}]}
-    chat = {"choices": [{"index": 0, "delta": {"content": "yo"}}]}
-    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}
-    assert serve.chunk_content(comp, chat=False) == "hi"
-    assert serve.chunk_content(chat, chat=True) == "yo"
-    assert serve.chunk_content(role, chat=True) == ""
-    assert serve.chunk_content(usage, chat=False) == ""
-    assert serve.error_message(comp) is None
-    assert serve.error_message({"error": {"message": "bad", "type": "x"}}) == "bad"
-    assert serve.error_message({"object": "error", "message": "nope"}) == "nope"
-    assert serve.error_message({"detail": "Not Found"}) == "Not Found"
-    assert serve.http_error_text(400, b'{"error": {"message": "too long"}}') == "HTTP 400: too long"
-    assert serve.http_error_text(502, b"Bad Gateway") == "HTTP 502: Bad Gateway"
-    assert serve.http_error_text(500, b"") == "HTTP 500: (empty body)"
-
-
-# -------------------------------------------------------------------- datasets
-
-
-def test_synthetic_requests_deterministic_and_in_range():
-    a = synthetic_requests(20, chat=False, input_len_range=(5, 9), output_len_range=(2, 4),
-                           min_token_id=10, max_token_id=12, seed=3)
-    b = synthetic_requests(20, chat=False, input_len_range=(5, 9), output_len_range=(2, 4),
-                           min_token_id=10, max_token_id=12, seed=3)
-    assert a == b
-    assert a != synthetic_requests(20, chat=False, input_len_range=(5, 9),
-                                   output_len_range=(2, 4), min_token_id=10,
-                                   max_token_id=12, seed=4)
-    for s in a:
-        assert 5 <= s.prompt_len <= 9 and len(s.prompt) == s.prompt_len
-        assert 2 <= s.output_len <= 4
-        assert all(isinstance(t, int) and 10 <= t <= 12 for t in s.prompt)
-    assert {s.prompt_len for s in a} == set(range(5, 10))  # inclusive bounds
-    chat = synthetic_requests(3, chat=True, input_len=12, output_len=7)
-    assert all(isinstance(s.prompt, str) and len(s.prompt.split()) == 12 for s in chat)
-    assert parse_range("3:8") == (3, 8)
-    for bad in ("3", "8:3", "0:4", "a:b"):
-        with pytest.raises(ValueError):
-            parse_range(bad)
-
-
-def test_arrival_offsets():
-    assert np.all(arrival_offsets(5, math.inf) == 0)
-    off = arrival_offsets(4000, 10.0, 1.0, seed=1)
-    assert off[0] == 0 and np.all(np.diff(off) >= 0)
-    assert np.mean(np.diff(off)) == pytest.approx(0.1, rel=0.08)
-    bursty = np.diff(arrival_offsets(4000, 10.0, 0.25, seed=1))
-    assert np.mean(bursty) == pytest.approx(0.1, rel=0.15)
-    assert np.std(bursty) > 1.5 * np.std(np.diff(off))  # burstier = more spread
-    assert np.array_equal(arrival_offsets(10, 5.0, seed=2), arrival_offsets(10, 5.0, seed=2))
 
 
 # ------------------------------------------------------- in-process SSE server
@@ -467,7 +268,7 @@ def test_unreachable_server_and_bad_args(tmp_path, capsys):
 
 def test_stop_event_gives_partial_results(server):
     url, _ = server
-    cfg = serve.BenchConfig(base_url=url, model="tiny-model", max_concurrency=2)
+    cfg = BenchConfig(base_url=url, model="tiny-model", max_concurrency=2)
     specs = synthetic_requests(20, chat=False, input_len=4, output_len=10)
 
     async def go():

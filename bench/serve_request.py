@@ -1,0 +1,185 @@
+"""One streaming request of ``tandem bench serve``: the client config, the request
+body, sending it and timing its chunks into a :class:`RequestResult`, and the
+``GET /v1/models`` lookup. Every failure of a request lands in its ``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from bench.datasets import RequestSpec
+from bench.serve_metrics import RequestResult
+from bench.sse import DONE, SSEDecoder, chunk_content, decode_payload, error_message, http_error_text
+
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    endpoint: str = "completions"
+    model: str = ""
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    request_timeout: float = 600.0
+    temperature: float = 0.0
+    api_key: str | None = None
+    extra_body: dict = field(default_factory=dict)
+    seed: int = 0
+    keep_text: bool = False
+    progress: bool = False
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == "chat"
+
+    @property
+    def url(self) -> str:
+        return api_root(self.base_url) + ENDPOINT_PATHS[self.endpoint]
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def api_root(base_url: str) -> str:
+    """``http://h:p``, ``http://h:p/`` and ``http://h:p/v1`` all mean the same server."""
+    root = base_url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return root
+
+
+def build_payload(cfg: BenchConfig, spec: RequestSpec) -> dict[str, Any]:
+    payload: dict[str, Any] = {"model": cfg.model}
+    if cfg.chat:
+        payload["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        payload["prompt"] = spec.prompt
+    payload.update(
+        max_tokens=spec.output_len,
+        temperature=cfg.temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+        ignore_eos=True,
+    )
+    payload.update(cfg.extra_body)
+    return payload
+
+
+async def _stream_request(
+    client: httpx.AsyncClient, cfg: BenchConfig, spec: RequestSpec, res: RequestResult
+) -> None:
+    """Send one streaming request, filling ``res`` as chunks arrive."""
+    payload = build_payload(cfg, spec)
+    t0 = time.perf_counter()
+    last = t0
+    text: list[str] = []
+    async with client.stream("POST", cfg.url, json=payload, headers=cfg.headers()) as resp:
+        if resp.status_code != 200:
+            res.error = http_error_text(resp.status_code, await resp.aread())
+            res.latency = time.perf_counter() - t0
+            return
+        decoder = SSEDecoder()
+        done = False
+
+        def handle(data: str) -> bool:
+            """Returns True at the end of the stream."""
+            nonlocal last
+            now = time.perf_counter()
+            if data.strip() == DONE:
+                return True
+            for obj in decode_payload(data):
+                if not isinstance(obj, dict):
+                    continue
+                msg = error_message(obj)
+                if msg is not None:
+                    raise _StreamError(msg)
+                content = chunk_content(obj, cfg.chat)
+                if content:
+                    if res.ttft is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    res.content_chunks += 1
+                    if cfg.keep_text:
+                        text.append(content)
+                for choice in obj.get("choices") or ():
+                    if isinstance(choice, dict) and choice.get("finish_reason"):
+                        res.finish_reason = str(choice["finish_reason"])
+                usage = obj.get("usage")
+                if isinstance(usage, dict):
+                    if usage.get("completion_tokens") is not None:
+                        res.usage_output_tokens = int(usage["completion_tokens"])
+                    if usage.get("prompt_tokens") is not None:
+                        res.usage_prompt_tokens = int(usage["prompt_tokens"])
+            return False
+
+        async for line in resp.aiter_lines():
+            for data in decoder.feed(line):
+                done = handle(data) or done
+            if done:
+                break
+        if not done:
+            for data in decoder.flush():
+                handle(data)
+    res.latency = time.perf_counter() - t0
+    res.generated_text = "".join(text)
+    res.output_tokens = (
+        res.usage_output_tokens if res.usage_output_tokens is not None else res.content_chunks
+    )
+    if res.ttft is None:
+        res.error = "stream ended without any generated content"
+        return
+    res.success = True
+
+
+class _StreamError(Exception):
+    pass
+
+
+async def send_request(
+    client: httpx.AsyncClient, cfg: BenchConfig, spec: RequestSpec, res: RequestResult
+) -> RequestResult:
+    """One request under ``cfg.request_timeout`` (a bound on the whole request,
+    not only on each read); every failure lands in ``res.error``."""
+    t0 = time.perf_counter()
+    try:
+        await asyncio.wait_for(_stream_request(client, cfg, spec, res), cfg.request_timeout)
+    except asyncio.TimeoutError:
+        res.success = False
+        res.error = f"timed out after {cfg.request_timeout:g} s"
+    except httpx.TimeoutException as exc:
+        res.success = False
+        res.error = f"timed out ({type(exc).__name__}) after {cfg.request_timeout:g} s"
+    except _StreamError as exc:
+        res.success = False
+        res.error = f"error in stream: {exc}"
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError, OSError) as exc:
+        res.success = False
+        res.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if res.latency is None or not res.success:
+        res.latency = time.perf_counter() - t0
+    res.finished = True
+    return res
+
+
+async def fetch_model(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
+    """The first model id of ``GET /v1/models``."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+        resp = await client.get(api_root(base_url) + "/v1/models", headers=headers)
+        if resp.status_code != 200:
+            raise RuntimeError(http_error_text(resp.status_code, resp.content))
+        data = resp.json().get("data") or []
+        if not data or "id" not in data[0]:
+            raise RuntimeError("GET /v1/models listed no models")
+        return str(data[0]["id"])
