@@ -20,6 +20,7 @@ from cluster.admission import Reservations
 from cluster.inbox import Inbox, send
 from cluster.messages import AbortRequest, GenerateRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
 from cluster.outputs import queue_events
+from cluster.worker_loop import run_steps, worker_info
 from cluster.policy import LivePolicies
 from cluster.prefix_index import choose_prefill_worker, longest_prefixes
 from cluster.registry import Heartbeat, live_workers
@@ -96,32 +97,18 @@ class DecodeWorker:
         self.heartbeat.start()
         log.info("decode worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total)
         try:
-            while not stop.is_set():
-                try:
-                    self.step()
-                except redis.RedisError as exc:
-                    log.warning("redis unavailable, retrying", error=str(exc))
-                    stop.wait(0.5)
+            run_steps(self.step, stop)
         finally:
             self.heartbeat.stop()
             self.runner.kv_pool.close()
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(
-            worker_id=self.worker_id,
-            role=self.role,
-            model=self.settings.model_name,
-            inbox=self.inbox.stream,
-            pid=os.getpid(),
-            host=os.uname().nodename,
-            started_at=self._started_at,
-            heartbeat_at=0.0,
+        return worker_info(
+            self.settings, self.role, self.worker_id, self.inbox.stream, self._started_at,
             num_total_blocks=self.allocator.num_total,
             num_free_blocks=self.allocator.num_free,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            block_size=self.settings.tokens_per_block,
-            max_seq_len=self.settings.max_seq_len,
             kv_endpoint=self.kv_endpoint,
             capacity_scheduler_policy=self.scheduler.policy.name,
             max_batch_size=self.settings.max_batch_size,

@@ -10,7 +10,6 @@ see ``prefill.scheduler``.
 
 from __future__ import annotations
 
-import os
 import time
 
 import redis
@@ -20,6 +19,7 @@ from cluster import keys
 from cluster.inbox import Inbox, send
 from cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
 from cluster.outputs import queue_events
+from cluster.worker_loop import run_steps, worker_info
 from cluster.policy import LivePolicies
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat
@@ -93,33 +93,19 @@ class PrefillWorker:
         self.heartbeat.start()
         log.info("prefill worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total)
         try:
-            while not stop.is_set():
-                try:
-                    self.step()
-                except redis.RedisError as exc:
-                    log.warning("redis unavailable, retrying", error=str(exc))
-                    stop.wait(0.5)
+            run_steps(self.step, stop)
         finally:
             self.heartbeat.stop()
             if self.prefix_index is not None:
                 self.prefix_index.delete()
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(
-            worker_id=self.worker_id,
-            role=self.role,
-            model=self.settings.model_name,
-            inbox=self.inbox.stream,
-            pid=os.getpid(),
-            host=os.uname().nodename,
-            started_at=self._started_at,
-            heartbeat_at=0.0,
+        return worker_info(
+            self.settings, self.role, self.worker_id, self.inbox.stream, self._started_at,
             num_total_blocks=self.allocator.num_total,
             num_free_blocks=self.prefix_cache.num_available,  # cached blocks nobody holds count as free
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            block_size=self.block_size,
-            max_seq_len=self.settings.max_seq_len,
         )
 
     # ---- helpers --------------------------------------------------------------------

@@ -1,0 +1,46 @@
+"""What the prefill and decode worker processes share: the step loop and the registry record."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable
+
+import redis
+import structlog
+
+from cluster.messages import WorkerInfo
+from cluster.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+REDIS_RETRY_S = 0.5
+
+
+def run_steps(step: Callable[[], None], stop: threading.Event) -> None:
+    """Call ``step`` until ``stop`` is set; a Redis outage is waited out, not fatal."""
+    while not stop.is_set():
+        try:
+            step()
+        except redis.RedisError as exc:
+            log.warning("redis unavailable, retrying", error=str(exc))
+            stop.wait(REDIS_RETRY_S)
+
+
+def worker_info(
+    settings: Settings, role: str, worker_id: str, inbox: str, started_at: float, **load
+) -> WorkerInfo:
+    """A registry record: identity from the arguments, load and role-specific fields from ``load``."""
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        model=settings.model_name,
+        inbox=inbox,
+        pid=os.getpid(),
+        host=os.uname().nodename,
+        started_at=started_at,
+        heartbeat_at=0.0,
+        block_size=settings.tokens_per_block,
+        max_seq_len=settings.max_seq_len,
+        **load,
+    )
