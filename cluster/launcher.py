@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ import threading
 import time
 import urllib.request
 
+from cluster.placement import count_gpus, plan
 from cluster.settings import Settings
 
 GRACE_S = 10.0
@@ -145,13 +147,18 @@ def serve(args: argparse.Namespace) -> int:
     try:
         # prefill workers first: on a shared GPU the decode workers then size
         # their pools from the memory the prefill workers left free
-        for i in range(args.num_prefill_workers):
-            procs.append(subprocess.Popen(service_argv("prefill", settings, f"prefill-{i}")))
-        if not wait_registered(settings.redis_url, "prefill", args.num_prefill_workers, procs, READY_TIMEOUT_S):
-            print("tandem: the prefill workers did not start; stopping", file=sys.stderr)
-            return 1
-        for i in range(args.num_decode_workers):
-            procs.append(subprocess.Popen(service_argv("decode", settings, f"decode-{i}")))
+        placements = plan(count_gpus(), settings.device, settings.kv_transport,
+                          args.num_prefill_workers, args.num_decode_workers)
+        for role in ("prefill", "decode"):
+            for place in (p for p in placements if p.role == role):
+                worker_settings = dataclasses.replace(settings, kv_transport=place.kv_transport or settings.kv_transport)
+                argv = service_argv(role, worker_settings, f"{role}-{place.index}")
+                procs.append(subprocess.Popen(argv, env={**os.environ, **place.env}))
+            if role == "prefill" and not wait_registered(
+                settings.redis_url, "prefill", args.num_prefill_workers, procs, READY_TIMEOUT_S
+            ):
+                print("tandem: the prefill workers did not start; stopping", file=sys.stderr)
+                return 1
         procs.append(subprocess.Popen(service_argv("gateway", settings)))
         base = f"http://{settings.host}:{settings.port}"
         if not wait_healthy(f"{base}/health", procs, READY_TIMEOUT_S):

@@ -1,0 +1,23 @@
+"""Where `tandem serve` puts its workers on the GPUs."""
+
+from cluster.placement import plan
+
+
+def test_cpu_and_one_gpu_keep_everything_together():
+    for gpus, device in ((0, "auto"), (1, "auto"), (4, "cpu"), (4, "cuda:1")):
+        placements = plan(gpus, device, "auto", 1, 1)
+        assert [(p.role, p.env, p.kv_transport) for p in placements] == [("prefill", {}, None), ("decode", {}, None)]
+
+
+def test_two_gpus_split_prefill_and_decode_and_use_nccl(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    prefill, decode = plan(2, "auto", "auto", 1, 1)
+    assert (prefill.role, prefill.env, prefill.kv_transport) == ("prefill", {"CUDA_VISIBLE_DEVICES": "0"}, "nccl")
+    assert (decode.role, decode.env, decode.kv_transport) == ("decode", {"CUDA_VISIBLE_DEVICES": "1"}, "nccl")
+
+
+def test_explicit_transport_wins_and_visible_devices_are_respected(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    placements = plan(4, "cuda", "cuda_ipc", 2, 3)
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in placements] == ["4", "5", "6", "7", "6"]
+    assert all(p.kv_transport is None for p in placements)
