@@ -1,8 +1,8 @@
 """A worker's inbox: a Redis stream read through a consumer group.
 
-Consumer groups keep unacknowledged entries pending, so a later recovery step
-can reclaim what a crashed worker had taken. Entries are acknowledged once
-handled.
+Entries are read with NOACK (one round trip a read): a message counts as
+delivered once a worker has taken it. Reclaiming what a crashed worker had
+taken would need acknowledging after handling instead; it is not built.
 """
 
 from __future__ import annotations
@@ -39,16 +39,13 @@ class Inbox:
     def read(self, block_ms: int | None, count: int = 256) -> list[Any]:
         """Take up to ``count`` new messages; wait up to ``block_ms`` if none (None = don't wait)."""
         reply = self._client.xreadgroup(
-            keys.GROUP, self._consumer, {self.stream: ">"}, count=count, block=block_ms
+            keys.GROUP, self._consumer, {self.stream: ">"}, count=count, block=block_ms, noack=True
         )
-        messages, entry_ids = [], []
+        messages = []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
-                entry_ids.append(entry_id)
                 try:
                     messages.append(decode(fields[FIELD]))
                 except (MessageError, KeyError) as exc:
                     log.error("dropping unreadable inbox entry", entry_id=entry_id, error=str(exc))
-        if entry_ids:
-            self._client.xack(self.stream, keys.GROUP, *entry_ids)
         return messages

@@ -138,6 +138,7 @@ class PrefillDone:
     first_token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    prefill_worker_id: str = ""  # who sends it: a reply from an earlier dispatch is recognised and ignored
     kind: ClassVar[str]
 
 

@@ -15,7 +15,7 @@ import redis
 import structlog
 
 from cluster import keys
-from cluster.messages import WorkerInfo, decode, encode
+from cluster.messages import MessageError, WorkerInfo, decode, encode
 
 log = structlog.get_logger(__name__)
 
@@ -25,11 +25,15 @@ def live_workers(client: redis.Redis, role: str) -> list[WorkerInfo]:
     names = list(client.scan_iter(match=keys.worker_pattern(role), count=1000))
     if not names:
         return []
-    return [decode(raw) for raw in client.mget(names) if raw is not None]
-
-
-def is_alive(client: redis.Redis, role: str, worker_id: str) -> bool:
-    return bool(client.exists(keys.worker(role, worker_id)))
+    workers = []
+    for raw in client.mget(names):
+        if raw is None:
+            continue  # expired between SCAN and MGET
+        try:
+            workers.append(decode(raw))
+        except MessageError as exc:  # e.g. a newer worker during a rolling upgrade
+            log.error("unreadable registry record", role=role, error=str(exc))
+    return workers
 
 
 class Heartbeat:

@@ -42,10 +42,6 @@ class DecodeRequest:
         return bool(self.output_token_ids)
 
     @property
-    def order_key(self) -> tuple[int, float]:
-        return (self.spec.priority, self.spec.arrival_time)
-
-    @property
     def queue_key(self) -> tuple[int, bool, float]:
         """Waiting order: priority, then paused requests ahead of queued ones, then arrival."""
         return (self.spec.priority, self.status is not RequestStatus.PAUSED, self.spec.arrival_time)

@@ -126,7 +126,6 @@ class DecodeScheduler:
             self._end(request, RequestStatus.ABORTED, "abort")
             return "abort"
         if error is not None or (first_token is None and not request.is_resuming):
-            request.finish_reason = "error"
             self._end(request, RequestStatus.FAILED, "error")
             return "error"
         reason = None if request.is_resuming else self._append(request, first_token)

@@ -19,7 +19,7 @@ from cluster import keys
 from cluster.admission import Reservations
 from cluster.inbox import Inbox, send
 from cluster.messages import AbortRequest, GenerateRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
-from cluster.outputs import queue_events
+from cluster.outputs import Outbox
 from cluster.worker_loop import run_steps, worker_info
 from cluster.policy import LivePolicies
 from cluster.prefix_index import choose_prefill_worker, longest_prefixes
@@ -58,6 +58,12 @@ class DecodeWorker:
             self.runner.enable_cuda_graphs(settings.max_batch_size, settings.max_seq_len)
         self.kv_endpoint = self.transport.export_pool(self.runner.kv_pool)
         self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, settings.tokens_per_block)
+        if self.allocator.num_total * settings.tokens_per_block < settings.max_seq_len:
+            # a request of max_seq_len tokens could never be admitted and would block the queue
+            raise ValueError(
+                f"decode KV pool holds {self.allocator.num_total * settings.tokens_per_block} tokens, "
+                f"less than --max-seq-len {settings.max_seq_len}: lower --max-seq-len or give the pool more memory"
+            )
         self.scheduler = DecodeScheduler(
             self.allocator,
             max_batch_size=settings.max_batch_size,
@@ -67,6 +73,7 @@ class DecodeWorker:
             policy=settings.capacity_scheduler_policy,
         )
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
+        self.outbox = Outbox(self.redis)
         self.policies = LivePolicies(self.redis, settings)
         self.reservations = Reservations(self.redis, self.worker_id)
         self.reservations.clear()  # a new incarnation holds no admitted request
@@ -82,6 +89,7 @@ class DecodeWorker:
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
+        self.outbox.flush()  # what a Redis outage kept back goes out before anything newer
         self._handle_messages(self.inbox.read(block_ms=None if self._busy() else 20))
         self._refresh_peers()
         self.scheduler.set_policy(self.policies.refresh().capacity_scheduler_policy)
@@ -143,6 +151,8 @@ class DecodeWorker:
         request = self.scheduler.prefilling.get(msg.request_id)
         if request is None:
             return  # already failed by timeout; the blocks were freed then
+        if msg.prefill_worker_id and msg.prefill_worker_id != request.prefill_worker_id:
+            return  # from a worker the request was taken away from (re-dispatched): stale
         ok = msg.status == "ok"
         request.receiver.on_done(ok, msg.error)
         error = None if ok else (msg.error or f"prefill {msg.status}")
@@ -158,52 +168,62 @@ class DecodeWorker:
         self._prefill_workers = live_workers(self.redis, "prefill")
         alive = {w.worker_id for w in self._prefill_workers}
         for request in list(self.scheduler.prefilling.values()):
-            if request.prefill_worker_id not in alive:
-                # the prefill worker died: nobody writes these blocks any more, redo the prefill
-                log.warning("prefill worker lost, re-dispatching", request_id=request.request_id,
-                            prefill_worker_id=request.prefill_worker_id)
-                if request.abort_requested:
-                    request.receiver.fail("prefill worker lost")
-                else:
-                    self._send_prefill_job(request)
+            lost = request.prefill_worker_id
+            if lost is None or lost in alive:
+                continue  # never handed out (its handoff already failed), or still served
+            # the prefill worker's heartbeat expired: redo the prefill elsewhere. Should it
+            # only have missed beats, the abort stops it, and its late PrefillDone is ignored.
+            log.warning("prefill worker lost, re-dispatching", request_id=request.request_id,
+                        prefill_worker_id=lost)
+            send(self.redis, keys.inbox("prefill", lost), AbortRequest(request.request_id, "re-dispatched"))
+            if request.abort_requested:
+                request.receiver.fail("prefill worker lost")
+            else:
+                self._send_prefill_job(request)
 
     def _dispatch_prefills(self) -> None:
         if not self._prefill_workers:
             return  # requests wait, holding no blocks, until a prefill worker registers
-        for request in self.scheduler.schedule_prefills():
+        started = self.scheduler.schedule_prefills()
+        for request in started:  # every started request is tracked before any Redis call can fail
+            request.receiver = KVReceiver(self.settings.transfer_timeout_s)
+        for request in started:
             self._send_prefill_job(request)
 
     def _send_prefill_job(self, request: DecodeRequest) -> None:
+        """Hand the request to a prefill worker; if that cannot happen now, its handoff fails (blocks freed)."""
         workers = self._prefill_workers
+        request.receiver = KVReceiver(self.settings.transfer_timeout_s)
         if not workers:
-            request.receiver = request.receiver or KVReceiver(self.settings.transfer_timeout_s)
             request.receiver.fail("no prefill worker alive")
             return
-        self._round_robin += 1
-        target = choose_prefill_worker(workers, self._cached_prefixes(request, workers), self._round_robin)
+        try:
+            self._round_robin += 1
+            target = choose_prefill_worker(workers, self._cached_prefixes(request, workers), self._round_robin)
+            request.prefill_worker_id = target.worker_id
+            send(self.redis, target.inbox, self._prefill_job(request))
+        except redis.RedisError as exc:
+            request.prefill_worker_id = None  # nobody got the job: nobody writes the blocks
+            request.receiver.fail(f"could not hand the request to a prefill worker: {exc}")
+
+    def _prefill_job(self, request: DecodeRequest) -> PrefillJob:
         spec = request.spec
-        request.prefill_worker_id = target.worker_id
-        request.receiver = KVReceiver(self.settings.transfer_timeout_s)
         resume = request.is_resuming  # recompute the KV of all but the last token, which decoding feeds next
-        send(
-            self.redis,
-            target.inbox,
-            PrefillJob(
-                request_id=spec.request_id,
-                prompt_token_ids=spec.prompt_token_ids + request.output_token_ids[:-1] if resume
-                else spec.prompt_token_ids,
-                sampling=spec.sampling,
-                max_tokens=spec.max_tokens,
-                dst_block_ids=request.block_ids,
-                kv_endpoint=self.kv_endpoint,
-                decode_worker_id=self.worker_id,
-                stop_token_ids=spec.stop_token_ids,
-                ignore_eos=spec.ignore_eos,
-                priority=spec.priority,
-                arrival_time=spec.arrival_time,
-                reply_to=spec.reply_to,
-                resume=resume,
-            ),
+        return PrefillJob(
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids + request.output_token_ids[:-1] if resume
+            else spec.prompt_token_ids,
+            sampling=spec.sampling,
+            max_tokens=spec.max_tokens,
+            dst_block_ids=request.block_ids,
+            kv_endpoint=self.kv_endpoint,
+            decode_worker_id=self.worker_id,
+            stop_token_ids=spec.stop_token_ids,
+            ignore_eos=spec.ignore_eos,
+            priority=spec.priority,
+            arrival_time=spec.arrival_time,
+            reply_to=spec.reply_to,
+            resume=resume,
         )
 
     def _cached_prefixes(self, request: DecodeRequest, workers: list[WorkerInfo]) -> dict[str, int]:
@@ -251,16 +271,12 @@ class DecodeWorker:
 
     def _publish(self, events: list[tuple[DecodeRequest, int, str | None]], error: str | None = None) -> None:
         """Every event of one step in one round trip."""
-        if not events:
-            return
-        pipe = self.redis.pipeline(transaction=False)
         queued = []
         for request, index, reason in events:
             new_tokens = request.output_token_ids[index:] if reason != "error" else []
             event = TokenEvent(request.request_id, index, new_tokens, reason, error if reason == "error" else None)
             queued.append((request.spec.reply_to, event))
-        queue_events(pipe, queued)
-        pipe.execute()
+        self.outbox.send(queued)
 
 
 def _shm_dir() -> str:

@@ -40,6 +40,10 @@ class BlockAllocator:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
+    def can_allocate_total(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` could ever fit, with every block free."""
+        return blocks_for(num_tokens, self.block_size) <= self.num_blocks
+
     def can_allocate(self, num_tokens: int) -> bool:
         return blocks_for(num_tokens, self.block_size) <= len(self._free)
 

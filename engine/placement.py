@@ -56,8 +56,8 @@ def kv_pool_blocks(
         free, _total = torch.cuda.mem_get_info(device)
         budget = free * settings.kv_cache_free_gpu_mem_fraction
         candidates.append(int(budget // (bytes_per_token * block_size)))
-    elif not candidates:
-        candidates.append(CPU_DEFAULT_KV_TOKENS // block_size)
+    elif not candidates:  # CPU default: a fixed count, never less than one full-length sequence
+        candidates.append(max(CPU_DEFAULT_KV_TOKENS, settings.max_seq_len or 0) // block_size)
     num_blocks = min(candidates)
     log.info(
         "kv pool sized",

@@ -20,6 +20,9 @@ class PrefillState:
     sender: object | None = None  # kvtransfer.KVSender
     first_token: int | None = None
     finish_reason: str | None = None
+    # set when the job was given up (abort, engine error) while writes were in flight:
+    # the PrefillDone status and error to send once they have drained
+    abandoned: tuple[str, str | None] | None = None
 
     @property
     def request_id(self) -> str:

@@ -135,6 +135,14 @@ class PrefillScheduler:
         state.num_released_blocks = end
         return end - start
 
+    def drain(self, state: PrefillState) -> None:
+        """Compute no more of a PREFILLING job; it waits in TRANSFERRING (keeping its blocks,
+        which in-flight writes still read) until its writes are done."""
+        if state in self.prefilling:
+            self.prefilling.remove(state)
+            state.status = RequestStatus.TRANSFERRING
+            self.transferring.append(state)
+
     def finish(self, state: PrefillState, status: RequestStatus) -> None:
         """End a job: its local blocks go back and the worker forgets it."""
         for queue in (self.waiting, self.prefilling, self.transferring):

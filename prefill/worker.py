@@ -18,7 +18,7 @@ import structlog
 from cluster import keys
 from cluster.inbox import Inbox, send
 from cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
-from cluster.outputs import queue_events
+from cluster.outputs import Outbox
 from cluster.worker_loop import run_steps, worker_info
 from cluster.policy import LivePolicies
 from cluster.prefix_index import PrefixIndex
@@ -45,16 +45,17 @@ class PrefillWorker:
         self.settings = settings
         self.worker_id = settings.worker_name(self.role)
         self.redis = redis.Redis.from_url(settings.redis_url)
-        # room for the prompts in flight; the rest of a shared GPU is the decode worker's
-        cap = max(4 * settings.max_num_tokens, 2 * settings.max_input_len)
+        # room for the prompts in flight (a paused request resumes with up to max_seq_len - 1
+        # tokens); the rest of a shared GPU is the decode worker's
+        cap = max(4 * settings.max_num_tokens, 2 * settings.max_seq_len)
         self.runner = build_runner(settings, gpu_cap_tokens=cap)
         self.transport = get_transport(resolve_transport(settings.kv_transport, self.runner.device))
         self.block_size = settings.tokens_per_block
         self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, self.block_size)
-        if self.allocator.num_total * self.block_size < settings.max_input_len:
+        if self.allocator.num_total * self.block_size < settings.max_seq_len:
             raise ValueError(
                 f"prefill KV pool holds {self.allocator.num_total * self.block_size} tokens, "
-                f"less than --max-input-len {settings.max_input_len}"
+                f"less than --max-seq-len {settings.max_seq_len} (a resumed request can be that long)"
             )
         self.prefix_cache = PrefixCache(self.allocator, enabled=settings.enable_prefix_caching)
         self.scheduler = PrefillScheduler(
@@ -71,6 +72,7 @@ class PrefillWorker:
                                             settings.heartbeat_ttl_s, settings.heartbeat_interval_s)
         self.eos_token_ids = self.runner.config.eos_token_ids
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
+        self.outbox = Outbox(self.redis)
         self.policies = LivePolicies(self.redis, settings)
         self.heartbeat = Heartbeat(
             settings.redis_url, self.info, settings.heartbeat_interval_s, settings.heartbeat_ttl_s
@@ -80,11 +82,14 @@ class PrefillWorker:
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
+        self.outbox.flush()  # first tokens a Redis outage kept back go out first
         self._handle_messages(self.inbox.read(block_ms=None if self.scheduler.jobs else 20))
         self.scheduler.policy = self.policies.refresh().context_chunking_policy
         chunks = self.scheduler.schedule()
         if chunks:
-            self._after_forward(chunks, self._run(chunks))
+            logits = self._run(chunks)
+            if logits is not None:
+                self._after_forward(chunks, logits)
         self._poll_transfers()
         if self.prefix_index is not None:
             self.prefix_index.sync()
@@ -123,6 +128,11 @@ class PrefillWorker:
             log.error("duplicate prefill job ignored", request_id=job.request_id)
             return
         state = PrefillState(job=job)
+        if not self.allocator.can_allocate_total(len(job.prompt_token_ids)):
+            # it could never be admitted, and would hold up every job behind it
+            self._reply(state, "failed", error=f"{len(job.prompt_token_ids)} tokens exceed this prefill worker's "
+                                               f"KV pool of {self.allocator.num_total * self.block_size}")
+            return
         try:
             state.sender = KVSender(self._connect(job.kv_endpoint), job.dst_block_ids)
         except TransferError as exc:
@@ -140,15 +150,35 @@ class PrefillWorker:
         state = self.scheduler.jobs.get(request_id)
         if state is None or state.status is RequestStatus.TRANSFERRING:
             return  # unknown (already reported) or draining: PrefillDone follows anyway
-        self.scheduler.finish(state, RequestStatus.ABORTED)
-        self._reply(state, "aborted")
+        self._give_up(state, "aborted", None)
+
+    def _fail_job(self, state: PrefillState, error: str) -> None:
+        if state.status is not RequestStatus.TRANSFERRING:
+            self._give_up(state, "failed", error)
+
+    def _give_up(self, state: PrefillState, status: str, error: str | None) -> None:
+        """End a job early. Writes still in flight keep the destination blocks busy, so
+        PrefillDone waits for them (ownership: no write lands after PrefillDone)."""
+        if state.status is RequestStatus.PREFILLING and state.sender.poll() is KVPoll.TRANSFERRING:
+            state.abandoned = (status, error)
+            state.sender.finish()
+            self.scheduler.drain(state)
+            return
+        self.scheduler.finish(state, RequestStatus.ABORTED if status == "aborted" else RequestStatus.FAILED)
+        self._reply(state, status, error=error)
 
     def _run(self, chunks: list[tuple[PrefillState, int]]):
         seqs = []
         for state, num_tokens in chunks:
             start = state.num_computed
             seqs.append(SeqChunk(state.job.prompt_token_ids[start : start + num_tokens], start, state.block_ids))
-        return self.runner.forward(seqs)
+        try:
+            return self.runner.forward(seqs)
+        except Exception as exc:  # an engine error fails these jobs, not the worker
+            log.exception("prefill forward failed")
+            for state, _ in chunks:
+                self._fail_job(state, f"prefill failed: {exc}")
+            return None
 
     def _after_forward(self, chunks: list[tuple[PrefillState, int]], logits) -> None:
         completed, rows = [], []
@@ -169,7 +199,6 @@ class PrefillWorker:
         if not completed:
             return
         token_ids = sample(logits[rows], [s.job.sampling for s in completed], [0] * len(completed))
-        pipe = self.redis.pipeline(transaction=False)
         queued = []
         for state, token_id in zip(completed, token_ids):
             job = state.job
@@ -182,13 +211,16 @@ class PrefillWorker:
             queued.append((job.reply_to, TokenEvent(job.request_id, 0, [token_id], state.finish_reason,
                                                     num_cached_tokens=state.num_cached_tokens)))
             state.sender.finish()
-        queue_events(pipe, queued)
-        pipe.execute()
+        self.outbox.send(queued)
 
     def _poll_transfers(self) -> None:
         for state in list(self.scheduler.transferring):
             status = state.sender.poll()
-            if status is KVPoll.SUCCESS:
+            if state.abandoned is not None and status in (KVPoll.SUCCESS, KVPoll.FAILED):
+                reply, error = state.abandoned
+                self.scheduler.finish(state, RequestStatus.ABORTED if reply == "aborted" else RequestStatus.FAILED)
+                self._reply(state, reply, error=error)
+            elif status is KVPoll.SUCCESS:
                 self.scheduler.finish(state, RequestStatus.FINISHED)
                 self._reply(state, "ok")
             elif status is KVPoll.FAILED:
@@ -205,7 +237,7 @@ class PrefillWorker:
     def _reply(self, state: PrefillState, status: str, error: str | None = None) -> None:
         job = state.job
         done = PrefillDone(job.request_id, status, state.first_token if status == "ok" else None,
-                           state.finish_reason, error)
+                           state.finish_reason, error, prefill_worker_id=self.worker_id)
         send(self.redis, keys.inbox("decode", job.decode_worker_id), done)
 
 

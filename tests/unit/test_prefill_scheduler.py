@@ -70,3 +70,16 @@ def test_priority_orders_admission():
 def test_bad_policy_is_rejected():
     with pytest.raises(ValueError, match="FIRST_COME_FIRST_SERVED"):
         make("SHORTEST_FIRST")
+
+
+def test_drain_keeps_blocks_until_finish():
+    alloc, sched = make()
+    sched.add(state("a", 13))
+    (job, n), = sched.schedule()
+    sched.on_chunk_done(job, n)
+    held = alloc.num_free
+    sched.drain(job)  # given up while a write may still read its blocks
+    assert job.status is RequestStatus.TRANSFERRING and job in sched.transferring
+    assert alloc.num_free == held and sched.schedule() == []
+    sched.finish(job, RequestStatus.ABORTED)
+    assert alloc.num_free == alloc.num_total
