@@ -144,7 +144,10 @@ class DecodeScheduler:
         Every member gets a block for the token it writes, in ``keep_key`` order;
         when none is free, requests are paused from the other end of that order.
         """
-        for request in sorted(self.running, key=lambda r: r.keep_key):
+        block_size = self.allocator.block_size
+        # only a request that crosses into a new block needs one (about 1 in block_size per step)
+        needy = [r for r in self.running if blocks_for(r.num_tokens, block_size) > len(r.block_ids)]
+        for request in sorted(needy, key=lambda r: r.keep_key):
             if request.status is RequestStatus.DECODING and self._make_room(request):
                 self.grow(request)
         return self.running[: self.max_batch_size]
