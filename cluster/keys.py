@@ -23,10 +23,6 @@ def prefix_index(worker_id: str) -> str:
     return f"{PREFIX}:prefix:{worker_id}"
 
 
-def output(request_id: str) -> str:
-    """A request's output stream of TokenEvents."""
-    return f"{PREFIX}:out:{request_id}"
-
 
 def gateway_output(gateway_id: str) -> str:
     """A gateway's output stream: TokenBatches for every request it submitted."""
@@ -51,5 +47,3 @@ def policy() -> str:
     return f"{PREFIX}:policy"
 
 
-OUTPUT_TTL_S = 3600  # an abandoned output stream disappears after this
-FINISHED_OUTPUT_TTL_S = 120

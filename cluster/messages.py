@@ -84,7 +84,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     priority: int = 0
     arrival_time: float = 0.0
-    reply_to: str = ""  # the gateway's output stream; "" = a stream of this request's own
+    reply_to: str = ""  # the output stream of the gateway that submitted it (keys.gateway_output)
     kind: ClassVar[str]
 
 

@@ -23,10 +23,13 @@ log = structlog.get_logger(__name__)
 def live_workers(client: redis.Redis, role: str) -> list[WorkerInfo]:
     """Every worker of ``role`` whose heartbeat has not expired."""
     names = list(client.scan_iter(match=keys.worker_pattern(role), count=1000))
-    if not names:
-        return []
+    return parse_records(role, client.mget(names)) if names else []
+
+
+def parse_records(role: str, raws: list[bytes | None]) -> list[WorkerInfo]:
+    """Registry values (MGET of the worker keys) -> records, skipping expired and unreadable ones."""
     workers = []
-    for raw in client.mget(names):
+    for raw in raws:
         if raw is None:
             continue  # expired between SCAN and MGET
         try:

@@ -23,7 +23,8 @@ import structlog
 
 from cluster import keys
 from cluster.admission import RELEASE_LUA, RESERVE_LUA, charge_tokens
-from cluster.messages import FIELD, AbortRequest, GenerateRequest, MessageError, WorkerInfo, decode, encode
+from cluster.messages import FIELD, AbortRequest, GenerateRequest, WorkerInfo, encode
+from cluster.registry import parse_records
 from gateway.errors import NoWorkerAvailable
 
 log = structlog.get_logger(__name__)
@@ -35,17 +36,7 @@ ROLES = ("decode", "prefill")
 async def live_workers(client: aioredis.Redis, role: str) -> list[WorkerInfo]:
     """Every worker of ``role`` whose heartbeat has not expired (async ``cluster.registry.live_workers``)."""
     names = [name async for name in client.scan_iter(match=keys.worker_pattern(role), count=1000)]
-    if not names:
-        return []
-    workers = []
-    for raw in await client.mget(names):
-        if raw is None:
-            continue  # expired between SCAN and MGET
-        try:
-            workers.append(decode(raw))
-        except MessageError as exc:
-            log.error("unreadable registry record", role=role, error=str(exc))
-    return workers
+    return parse_records(role, await client.mget(names)) if names else []
 
 
 def capacity_tokens(worker: WorkerInfo) -> int:
