@@ -8,9 +8,16 @@ The decode side (a process on cuda:0) exports a KV pool at the llama2-7b shape
 ``KVSender`` in 8 chunks of 256 tokens, as the prefill worker does, and times
 from the first send until every chunk is acknowledged. The same bytes copied
 with one ``Tensor.to("cuda:0")`` from cuda:1 are the anchor (target >= 60% of
-it). TTFT share: the handoff's time over HF-free prefill time measured by
-``bench.engine`` (not repeated here). Written 2026-11-29, not yet run: the
-two-GPU machine had no device time left in the session that wrote it.
+it).
+
+Then the TTFT share, as the prefill worker runs it: the prefill side builds
+the llama2-7b shape with random bf16 weights on cuda:1 and prefills the
+2048-token prompt with ``--max-num-tokens`` 2048 (one chunk) and 512 (four
+chunks, each chunk's blocks sent right after its forward, so transfers
+overlap the next forward). ``tail`` is the time from the last forward's end
+to the decode side's last ack: the delay the handoff adds before decode can
+start (the first token itself is published at sampling time, before the
+handoff ends). Reported as a fraction of the prefill time.
 """
 
 from __future__ import annotations
@@ -70,7 +77,56 @@ def _prefill_side(endpoint, result_queue, reps: int) -> None:
         if rep:
             times.append(time.perf_counter() - t0)
     times.sort()
-    result_queue.put({"handoff_s": times[len(times) // 2], "bytes": src.numel() * src.element_size()})
+    result = {"handoff_s": times[len(times) // 2], "bytes": src.numel() * src.element_size()}
+    del src
+    torch.cuda.empty_cache()
+    result["prefill"] = _prefill_tail(connection, reps)
+    result_queue.put(result)
+
+
+def _prefill_tail(connection, reps: int) -> dict:
+    """Prefill a 2048-token prompt on the llama2-7b shape, sending each chunk's blocks after its forward."""
+    from bench.engine import build_runner
+    from engine.attention import SeqChunk
+    from kvtransfer import KVPoll, KVSender
+
+    runner = build_runner("llama2-7b", num_tokens=PROMPT + 256, max_seq_len=PROMPT, max_batch_size=1)
+    runner.graphs = None  # prefill does not use the decode graphs
+    prompt = torch.randint(3, runner.config.vocab_size, (PROMPT,)).tolist()
+    blocks = list(range(NUM_BLOCKS))
+    out = {}
+    for chunk in (2048, 512):
+        forward_s, tail_s, plain_s = [], [], []
+        for rep in range(reps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for start in range(0, PROMPT, chunk):
+                runner.forward([SeqChunk(prompt[start:start + chunk], start, blocks)])
+            torch.cuda.synchronize()
+            if rep:
+                plain_s.append(time.perf_counter() - t0)
+            sender = KVSender(connection, list(range(8, 8 + NUM_BLOCKS)))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for start in range(0, PROMPT, chunk):
+                runner.forward([SeqChunk(prompt[start:start + chunk], start, blocks)])
+                first, last = start // BLOCK, (start + chunk) // BLOCK
+                sender.send_blocks(runner.kv_pool.kv, blocks[first:last], first)
+                sender.poll()
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            sender.finish()
+            while (status := sender.poll()) is KVPoll.TRANSFERRING:
+                pass
+            t2 = time.perf_counter()
+            if status is not KVPoll.SUCCESS:
+                return {"error": sender.error}
+            if rep:
+                forward_s.append(t1 - t0)
+                tail_s.append(t2 - t1)
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        out[chunk] = {"prefill_s": med(plain_s), "prefill_while_sending_s": med(forward_s), "tail_s": med(tail_s)}
+    return out
 
 
 def device_copy_s(num_bytes: int, reps: int = 10) -> float:
@@ -116,6 +172,16 @@ def main() -> int:
         dict(workload="nccl_handoff_2048", model="llama2-7b", metric="ms", value=result["handoff_s"] * 1e3,
              anchor=None, anchor_value=None, ratio=None),
     ]
+    for chunk, p in result.get("prefill", {}).items():
+        if chunk == "error":
+            rows.append(dict(workload="nccl_prefill_tail", model="llama2-7b", metric="error", value=p))
+            continue
+        added = (p["prefill_while_sending_s"] + p["tail_s"]) / p["prefill_s"] - 1
+        rows.append(dict(workload=f"nccl_prefill_tail_chunk{chunk}", model="llama2-7b", metric="added_ttft_fraction",
+                         value=added, anchor="prefill_ms", anchor_value=p["prefill_s"] * 1e3, ratio=None))
+        rows.append(dict(workload=f"nccl_prefill_tail_chunk{chunk}", model="llama2-7b", metric="tail_ms",
+                         value=p["tail_s"] * 1e3, anchor="prefill_while_sending_ms",
+                         anchor_value=p["prefill_while_sending_s"] * 1e3, ratio=None))
     with open(args.out, "w") as f:
         json.dump({"rows": rows}, f, indent=1)
     for r in rows:
