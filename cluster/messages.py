@@ -121,6 +121,7 @@ class PrefillJob:
     arrival_time: float = 0.0
     reply_to: str = ""
     resume: bool = False  # a paused request's KV is recomputed: no first token is sampled or published
+    handoff_id: str = ""  # this dispatch's grant on the decode side's pool (transports that check one)
     kind: ClassVar[str]
 
 

@@ -19,6 +19,8 @@ class DecodeRequest:
     output_token_ids: list[int] = field(default_factory=list)
     prefill_worker_id: str | None = None
     receiver: object | None = None  # kvtransfer.KVReceiver while PREFILLING
+    handoff_id: str | None = None  # the current dispatch's grant on our pool while PREFILLING
+    num_dispatches: int = 0
     abort_requested: bool = False
     finish_reason: str | None = None
     admitted_seq: int | None = None  # order of first admission (later = preempted first)

@@ -154,6 +154,7 @@ class DecodeWorker:
         if msg.prefill_worker_id and msg.prefill_worker_id != request.prefill_worker_id:
             return  # from a worker the request was taken away from (re-dispatched): stale
         ok = msg.status == "ok"
+        self._end_handoff(request)
         request.receiver.on_done(ok, msg.error)
         error = None if ok else (msg.error or f"prefill {msg.status}")
         reason = self.scheduler.on_prefill_done(request, msg.first_token if ok else None, error)
@@ -194,6 +195,10 @@ class DecodeWorker:
         """Hand the request to a prefill worker; if that cannot happen now, its handoff fails (blocks freed)."""
         workers = self._prefill_workers
         request.receiver = KVReceiver(self.settings.transfer_timeout_s)
+        self._end_handoff(request)  # a re-dispatch: the earlier worker's late chunks are refused
+        request.num_dispatches += 1
+        request.handoff_id = f"{request.request_id}#{request.num_dispatches}"
+        self.transport.grant(request.handoff_id, request.block_ids)
         if not workers:
             request.receiver.fail("no prefill worker alive")
             return
@@ -224,6 +229,7 @@ class DecodeWorker:
             arrival_time=spec.arrival_time,
             reply_to=spec.reply_to,
             resume=resume,
+            handoff_id=request.handoff_id or "",
         )
 
     def _cached_prefixes(self, request: DecodeRequest, workers: list[WorkerInfo]) -> dict[str, int]:
@@ -240,10 +246,16 @@ class DecodeWorker:
                 error = request.receiver.error or "kv handoff failed"
                 if request.prefill_worker_id:
                     send(self.redis, keys.inbox("prefill", request.prefill_worker_id), AbortRequest(request.request_id))
+                self._end_handoff(request)  # before the blocks are freed: no late chunk lands in them
                 reason = self.scheduler.on_prefill_done(request, None, error)
                 log.error("kv handoff failed", request_id=request.request_id, error=error)
                 if reason != "abort":
                     self._publish([(request, len(request.output_token_ids), reason)], error=error)
+
+    def _end_handoff(self, request: DecodeRequest) -> None:
+        if request.handoff_id is not None:
+            self.transport.revoke(request.handoff_id)
+            request.handoff_id = None
 
     def _release_admissions(self) -> None:
         """Give back the admission of every request that left (any path); now and then, release leaks."""

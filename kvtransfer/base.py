@@ -46,9 +46,11 @@ class CompletedTransfer(Transfer):
 class Connection(ABC):
     @abstractmethod
     def write(
-        self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]
+        self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int],
+        handoff_id: str | None = None,
     ) -> Transfer:
-        """Copy ``src_kv[:, :, src_block_ids]`` into the peer's ``[:, :, dst_block_ids]``."""
+        """Copy ``src_kv[:, :, src_block_ids]`` into the peer's ``[:, :, dst_block_ids]``;
+        ``handoff_id`` names the grant the receiving side checks (transports that check one)."""
 
     def close(self) -> None:
         pass
@@ -64,6 +66,14 @@ class Transport(ABC):
     @abstractmethod
     def connect(self, endpoint: dict) -> Connection:
         """Sending side: open a connection to an exported pool."""
+
+    def grant(self, handoff_id: str, block_ids: list[int]) -> None:
+        """Receiving side: chunks of this handoff may write these blocks (no-op where the
+        receiving side applies nothing itself)."""
+
+    def revoke(self, handoff_id: str) -> None:
+        """Receiving side: the handoff is over; once this returns, none of its chunks
+        writes the pool, so its blocks may be freed."""
 
 
 _TRANSPORTS = {

@@ -41,7 +41,8 @@ class CudaIpcConnection(Connection):
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
-    def write(self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> Transfer:
+    def write(self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int],
+              handoff_id: str | None = None) -> Transfer:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
         dst_kv = self._dst_kv

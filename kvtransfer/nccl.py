@@ -74,6 +74,7 @@ class NcclTransfer(Transfer):
         self.seq, self.dst_block_ids = seq, dst_block_ids
         self.payload = payload  # the gathered [L, 2, n, bs, H, D] as bytes; alive until acked
         self.work = None
+        self.handoff_id: str | None = None
         self._pair, self._deadline = pair, deadline
 
     def done(self) -> bool:
@@ -134,9 +135,10 @@ class _SendPair:
             src = torch.tensor(src_block_ids, dtype=torch.long).to(src_kv.device, non_blocking=True)
             return ops.gather_blocks(src_kv, src).reshape(-1).view(torch.uint8)
 
-    def add(self, dst_block_ids: list[int], payload: torch.Tensor) -> NcclTransfer:
+    def add(self, dst_block_ids: list[int], payload: torch.Tensor, handoff_id: str | None) -> NcclTransfer:
         self._next_seq += 1
         transfer = NcclTransfer(self, self._next_seq, dst_block_ids, payload, time.monotonic() + self.timeout_s)
+        transfer.handoff_id = handoff_id
         self._queued.append(transfer)
         self.pump()
         return transfer
@@ -149,7 +151,7 @@ class _SendPair:
             with on_stream(self._stream):  # CUDA: NCCL's stream runs after this one, where the gathers ran
                 for transfer in self._queued:
                     self._ctrl.send({"kind": "kv_chunk", "v": WIRE_VERSION, "seq": transfer.seq,
-                                     "dst_block_ids": transfer.dst_block_ids,
+                                     "dst_block_ids": transfer.dst_block_ids, "handoff": transfer.handoff_id,
                                      "num_bytes": transfer.payload.numel()})
                     transfer.work = self._group.send([transfer.payload], DECODE_RANK, PAYLOAD_TAG)
                     transfer.status = ChunkStatus.SENT
@@ -216,13 +218,14 @@ class NcclConnection(Connection):
         self._endpoint, self._timeout_s = endpoint, timeout_s
         self._pair: _SendPair | None = None
 
-    def write(self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> Transfer:
+    def write(self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int],
+              handoff_id: str | None = None) -> Transfer:
         self._check(src_kv, src_block_ids, dst_block_ids)
         if not src_block_ids:
             return CompletedTransfer()
         if self._pair is None or self._pair.status is PairStatus.FAILED:
             self._pair = _SendPair(self._endpoint, src_kv.device, self._timeout_s)
-        return self._pair.add(list(dst_block_ids), self._pair.stage(src_kv, src_block_ids))
+        return self._pair.add(list(dst_block_ids), self._pair.stage(src_kv, src_block_ids), handoff_id)
 
     def close(self) -> None:
         if self._pair is not None:
@@ -259,6 +262,14 @@ class NcclTransport(Transport):
             raise TransferError(f"cannot listen for KV pairs on {self.host}: {exc}") from exc
         self._servers.append(server)
         return server.endpoint
+
+    def grant(self, handoff_id: str, block_ids: list[int]) -> None:
+        for server in self._servers:
+            server.grant(handoff_id, block_ids)
+
+    def revoke(self, handoff_id: str) -> None:
+        for server in self._servers:
+            server.revoke(handoff_id)
 
     def connect(self, endpoint: dict) -> Connection:
         if endpoint.get("transport") != self.name or endpoint.get("backend") not in ("gloo", "nccl"):

@@ -5,6 +5,8 @@ See ``kvtransfer.nccl`` for the protocol, the roles and the ownership rules.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime
 import socket
 import threading
@@ -17,13 +19,37 @@ import torch.distributed as dist
 
 from kernels import ops
 from kvtransfer.base import TransferError
-from kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, Frames, make_group, warm_up, wait_device, abort_later, on_stream
+from kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, Frames, make_group, warm_up, abort_later, on_stream
 
 log = structlog.get_logger(__name__)
 
 
+MAX_AHEAD = 4  # chunks whose payload receives are posted at once (their buffers are alive together)
+
+
+@dataclasses.dataclass
+class _Chunk:
+    header: dict
+    error: str | None
+    payload: torch.Tensor
+    work: object  # the payload's receive
+    deadline: float
+    applied: object = None  # CUDA event after the scatter (None: nothing on the device to wait for)
+    handoff: str | None = None
+
+
 class PoolServer:
-    """Accepts pairs for one exported pool; one receive thread per pair."""
+    """Accepts pairs for one exported pool; one receive thread per pair.
+
+    Grants: the decode worker ``grant``s a handoff its destination blocks when it
+    hands a prefill job out and ``revoke``s it when the handoff ends. A chunk that
+    names a handoff is applied only while that handoff holds a grant covering its
+    blocks, and ``revoke`` returns only after the scatters of that handoff already
+    on the device finished, so the decode worker may free the blocks right after
+    it: a late chunk (its sender gave up, or was taken for dead) never writes
+    blocks that another request owns. Chunks that name no handoff (the transport's
+    own tests) are applied as they come.
+    """
 
     def __init__(self, pool, host: str, timeout_s: float):
         self._kv = pool.kv  # [L, 2, N, bs, H, D]
@@ -31,6 +57,9 @@ class PoolServer:
         self._host, self._timeout_s = host, timeout_s
         self._bytes_per_block = self._kv[:, :, 0].numel() * self._kv.element_size()
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # grants and scatters in flight: receive threads and the worker loop
+        self._grants: dict[str, frozenset[int]] = {}
+        self._scattering: dict[str, list] = collections.defaultdict(list)  # handoff -> CUDA events
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self._listener = socket.create_server((host, 0))
@@ -42,6 +71,18 @@ class PoolServer:
         self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
         self._threads[0].start()
         LIVE.add(self)
+
+    def grant(self, handoff_id: str, block_ids: list[int]) -> None:
+        with self._lock:
+            self._grants[handoff_id] = frozenset(block_ids)
+
+    def revoke(self, handoff_id: str) -> None:
+        """No chunk of this handoff is applied after this returns."""
+        with self._lock:
+            self._grants.pop(handoff_id, None)
+            events = self._scattering.pop(handoff_id, [])
+        for event in events:  # a block scatter already launched on a healthy device: microseconds
+            event.synchronize()
 
     def close(self, join_s: float = 0.0) -> None:
         self._stop.set()
@@ -76,38 +117,91 @@ class PoolServer:
                                     self._timeout_s)
                 warm_up(group, DECODE_RANK, device, self._timeout_s)
                 with on_stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
-                    while frames := ctrl.wait(self._stop):
-                        for header in frames:
-                            if header.get("kind") == "kv_bye":
-                                return
-                            error = self._apply(group, header, ctrl)
-                            ctrl.send({"kind": "kv_ack", "v": WIRE_VERSION, "seq": header.get("seq"),
-                                       "error": error})
+                    self._receive_loop(group, ctrl, conn)
         except Exception as exc:  # this pair is over (peer gone, broken frame); the pool is not
             log.info("kv pair closed", pair_id=pair_id, error=str(exc)[:300])
             abort_later(group)
 
-    def _apply(self, group, header: dict, ctrl: Frames) -> str | None:
-        """Receive one payload and scatter it; -> an error for the ack, or None."""
+    def _receive_loop(self, group, ctrl: Frames, conn: socket.socket) -> None:
+        """Receives run ahead of the scatters: while chunk i's payload lands and is
+        scattered, the receives of the next chunks are already posted."""
+        headers: collections.deque[dict] = collections.deque()
+        receiving: collections.deque[_Chunk] = collections.deque()
+        applying: collections.deque[_Chunk] = collections.deque()
+        while not self._stop.is_set():
+            busy = bool(headers or receiving or applying)
+            conn.settimeout(0 if busy else POLL_S)  # idle: block on the socket; busy: poll the device
+            ctrl.flush()
+            for header in ctrl.received():
+                if header.get("kind") == "kv_bye":
+                    return
+                headers.append(header)
+            while headers and len(receiving) < MAX_AHEAD:
+                receiving.append(self._post(group, headers.popleft()))
+            progressed = False
+            while receiving and self._landed(receiving[0]):
+                chunk = receiving.popleft()
+                self._apply(chunk, ctrl)
+                applying.append(chunk)
+                progressed = True
+            if receiving and time.monotonic() > receiving[0].deadline:
+                raise TransferError("a KV payload did not arrive in time")
+            while applying and (applying[0].applied is None or applying[0].applied.query()):
+                chunk = applying.popleft()
+                self._forget(chunk)
+                ctrl.send({"kind": "kv_ack", "v": WIRE_VERSION, "seq": chunk.header.get("seq"),
+                           "error": chunk.error})
+                progressed = True
+            if busy and not progressed:
+                time.sleep(2e-5)
+
+    def _post(self, group, header: dict) -> _Chunk:
+        """Post the receive of one announced payload (a bad header's payload is drained too)."""
         error = self._check(header)
         num_bytes = header.get("num_bytes")
         if error is not None and not (isinstance(num_bytes, int) and 0 < num_bytes <= self._kv.nbytes):
             raise TransferError(f"unreadable chunk header {header!r}: {error}")  # cannot resync: drop the pair
-        kv = self._kv
-        payload = torch.empty(num_bytes, dtype=torch.uint8, device=kv.device)
-        group.recv([payload], PREFILL_RANK, PAYLOAD_TAG).wait()  # CUDA: the stream waits, not the CPU
-        if kv.is_cuda:
-            wait_device(time.monotonic() + self._timeout_s)
-        if error is not None:
-            return error  # drained, so the next chunk still lines up
+        payload = torch.empty(num_bytes, dtype=torch.uint8, device=self._kv.device)
+        work = group.recv([payload], PREFILL_RANK, PAYLOAD_TAG)
+        if not self._kv.is_cuda:
+            work.wait()  # gloo: the bytes are here once this returns
+        return _Chunk(header, error, payload, work, time.monotonic() + self._timeout_s)
+
+    def _landed(self, chunk: _Chunk) -> bool:
+        return not self._kv.is_cuda or chunk.work.is_completed()
+
+    def _apply(self, chunk: _Chunk, ctrl: Frames) -> None:
+        """Scatter a landed payload into its blocks, if they are still granted."""
+        if chunk.error is not None:
+            return  # drained, so the next chunk still lines up
         if ctrl.peer_gave_up():  # its PrefillDone("failed") may be on the way: the blocks are not ours
             raise TransferError("the sender closed the pair before its chunk was applied")
-        dst_block_ids = header["dst_block_ids"]
-        staging = payload.view(kv.dtype).view(kv.shape[0], 2, len(dst_block_ids), *kv.shape[3:])
-        ops.scatter_blocks(kv, torch.tensor(dst_block_ids, dtype=torch.long).to(kv.device), staging)
-        if kv.is_cuda:
-            wait_device(time.monotonic() + self._timeout_s)
-        return None
+        kv, header = self._kv, chunk.header
+        dst_block_ids, handoff = header["dst_block_ids"], header.get("handoff")
+        with self._lock:
+            if handoff is not None and not self._grants.get(handoff, frozenset()).issuperset(dst_block_ids):
+                chunk.error = f"handoff {handoff} holds no grant for blocks {dst_block_ids}"
+                return
+            if kv.is_cuda:
+                chunk.work.wait()  # this stream after the receive (it already ran)
+            staging = chunk.payload.view(kv.dtype).view(kv.shape[0], 2, len(dst_block_ids), *kv.shape[3:])
+            ops.scatter_blocks(kv, torch.tensor(dst_block_ids, dtype=torch.long).to(kv.device), staging)
+            if kv.is_cuda:
+                chunk.applied = torch.cuda.Event()
+                chunk.applied.record()
+                if handoff is not None:
+                    chunk.handoff = handoff
+                    self._scattering[handoff].append(chunk.applied)
+
+    def _forget(self, chunk: _Chunk) -> None:
+        chunk.payload = chunk.work = None
+        if chunk.handoff is not None:
+            with self._lock:
+                events = self._scattering.get(chunk.handoff)
+                if events is not None and chunk.applied in events:
+                    events.remove(chunk.applied)
+                    if not events:
+                        del self._scattering[chunk.handoff]
 
     def _check(self, header: dict) -> str | None:
         if header.get("kind") != "kv_chunk" or header.get("v") != WIRE_VERSION:

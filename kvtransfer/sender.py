@@ -13,8 +13,9 @@ from kvtransfer.base import Connection, KVPoll, Transfer, TransferError
 
 
 class KVSender:
-    def __init__(self, connection: Connection | None, dst_block_ids: list[int]):
+    def __init__(self, connection: Connection | None, dst_block_ids: list[int], handoff_id: str | None = None):
         self._connection = connection
+        self._handoff_id = handoff_id
         self._dst_block_ids = dst_block_ids
         self._in_flight: list[Transfer] = []
         self._finished = False
@@ -30,7 +31,8 @@ class KVSender:
             return
         try:
             self._in_flight.append(
-                self._connection.write(src_kv, src_block_ids, self._dst_block_ids[first_block_index:end])
+                self._connection.write(src_kv, src_block_ids, self._dst_block_ids[first_block_index:end],
+                                       self._handoff_id)
             )
         except TransferError as exc:
             self._fail(str(exc))

@@ -18,7 +18,8 @@ class ShmConnection(Connection):
     def __init__(self, pool):
         self._pool = pool
 
-    def write(self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> Transfer:
+    def write(self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int],
+              handoff_id: str | None = None) -> Transfer:
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
         dst_kv = self._pool.kv

@@ -134,7 +134,7 @@ class PrefillWorker:
                                                f"KV pool of {self.allocator.num_total * self.block_size}")
             return
         try:
-            state.sender = KVSender(self._connect(job.kv_endpoint), job.dst_block_ids)
+            state.sender = KVSender(self._connect(job.kv_endpoint), job.dst_block_ids, job.handoff_id or None)
         except TransferError as exc:
             self._reply(state, "failed", error=str(exc))
             return

@@ -76,7 +76,7 @@ class _AsyncConnection(Connection):
     def __init__(self, fail=False):
         self.fail = fail
 
-    def write(self, src_kv, src_block_ids, dst_block_ids):
+    def write(self, src_kv, src_block_ids, dst_block_ids, handoff_id=None):
         return _SlowTransfer(2, self.fail)
 
 
