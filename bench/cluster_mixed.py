@@ -3,7 +3,8 @@
     python -m bench.cluster_mixed --model-shape llama2-7b --out results.json
 
 Writes a random-weight checkpoint at the shape (safetensors, HF names, bf16)
-with a locally built tokenizer, measures HF ``generate_batch`` on the same
+with a locally built word-level tokenizer covering the whole vocabulary (so every
+generated id streams as text and TTFT/ITL are measured per token), measures HF ``generate_batch`` on the same
 weights shape, then starts ``tandem serve`` (gateway, prefill and decode
 workers on this GPU, cuda_ipc handoff) and drives it with ``bench.serve``:
 128 requests, prompts uniform in [64, 511] tokens (seed 0), 256 new tokens
@@ -29,7 +30,7 @@ from bench.shapes import SHAPES, hf_config_dict
 def write_checkpoint(name: str, path: str) -> str:
     from safetensors.torch import save_file
 
-    from engine.testing import make_tiny_tokenizer
+    from engine.testing import make_wordlevel_tokenizer
 
     os.makedirs(path, exist_ok=True)
     shape = SHAPES[name]
@@ -61,7 +62,7 @@ def write_checkpoint(name: str, path: str) -> str:
             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
         }
     save_file(tensors, os.path.join(path, "model.safetensors"))
-    make_tiny_tokenizer().save_pretrained(path)
+    make_wordlevel_tokenizer(vocab).save_pretrained(path)  # every id streams as visible text
     return path
 
 
@@ -80,7 +81,7 @@ def hf_continuous_batching(name: str) -> float:
 def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int) -> dict:
     serve_cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model_path, "--port", str(port),
                  "--max-batch-size", "128", "--max-num-tokens", "8192", "--max-seq-len", "1024",
-                 "--max-input-len", "768", "--log-level", "warning"]
+                 "--max-input-len", "768", "--log-level", "info"]
     log = open(os.path.join(out_dir, "cluster.log"), "w")
     cluster = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:

@@ -26,6 +26,7 @@ from cluster.prefix_index import choose_prefill_worker, longest_prefixes
 from cluster.registry import Heartbeat, live_workers
 from cluster.request_state import RequestStatus
 from cluster.settings import Settings
+from cluster.step_stats import StepStats
 from decode.request import DecodeRequest
 from decode.scheduler import DecodeScheduler
 from engine.attention import SeqChunk
@@ -86,9 +87,11 @@ class DecodeWorker:
         self._prefill_workers: list[WorkerInfo] = []
         self._peers_checked_at = 0.0
         self._round_robin = 0
+        self.stats = StepStats(self.role)
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
+        started = time.perf_counter()
         self.outbox.flush()  # what a Redis outage kept back goes out before anything newer
         self._handle_messages(self.inbox.read(block_ms=None if self._busy() else 20))
         self._refresh_peers()
@@ -96,10 +99,16 @@ class DecodeWorker:
         self._dispatch_prefills()
         self._check_handoffs()
         batch = self.scheduler.schedule_decode()
+        forward_started = time.perf_counter()
         token_ids = self._run(batch) if batch else None
+        forward_s = time.perf_counter() - forward_started
         if token_ids is not None:
             self._publish(self.scheduler.on_step(batch, token_ids))
         self._release_admissions()
+        if batch:
+            self.stats.record(len(batch), forward_s, time.perf_counter() - started)
+        self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
+                             waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free)
 
     def serve(self, stop) -> None:
         self.heartbeat.start()

@@ -98,6 +98,22 @@ def make_tiny_tokenizer():
     return wrapped
 
 
+def make_wordlevel_tokenizer(vocab_size: int):
+    """A tokenizer covering every id of a large vocabulary (benchmarks on random weights):
+    id i >= 3 is the word ``t{i}``, so every generated token streams as visible text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD_ID, "<s>": BOS_ID, "</s>": EOS_ID, **{f"t{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                      clean_up_tokenization_spaces=False)
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
 def _tiny_config(arch: str, vocab_size: int, overrides: dict[str, Any]):
     from transformers import AutoConfig
 

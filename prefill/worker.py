@@ -25,6 +25,7 @@ from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat
 from cluster.request_state import RequestStatus, finish_reason
 from cluster.settings import Settings
+from cluster.step_stats import StepStats
 from engine.attention import SeqChunk
 from engine.block_allocator import BlockAllocator
 from engine.placement import build_runner, resolve_transport
@@ -79,20 +80,27 @@ class PrefillWorker:
         )
         self._connections: dict[str, object] = {}  # decode endpoint path -> Connection
         self._started_at = time.time()
+        self.stats = StepStats(self.role)
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
+        started = time.perf_counter()
         self.outbox.flush()  # first tokens a Redis outage kept back go out first
         self._handle_messages(self.inbox.read(block_ms=None if self.scheduler.jobs else 20))
         self.scheduler.policy = self.policies.refresh().context_chunking_policy
         chunks = self.scheduler.schedule()
         if chunks:
+            forward_started = time.perf_counter()
             logits = self._run(chunks)
             if logits is not None:
                 self._after_forward(chunks, logits)
+            self.stats.record(sum(n for _, n in chunks), time.perf_counter() - forward_started,
+                              time.perf_counter() - started)
         self._poll_transfers()
         if self.prefix_index is not None:
             self.prefix_index.sync()
+        self.stats.maybe_log(jobs=len(self.scheduler.jobs), transferring=len(self.scheduler.transferring),
+                             free_blocks=self.allocator.num_free)
 
     def serve(self, stop) -> None:
         self.heartbeat.start()

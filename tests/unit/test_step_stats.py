@@ -1,0 +1,27 @@
+"""Worker-loop statistics: rates over the interval, then reset."""
+
+import structlog
+
+from cluster.step_stats import StepStats
+
+
+def test_logs_rates_once_per_interval_and_resets(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("cluster.step_stats.time.monotonic", lambda: clock[0])
+    stats = StepStats("decode", interval_s=5.0)
+    for batch in (4, 8, 12):
+        stats.record(batch, forward_s=0.010, loop_s=0.012)
+    clock[0] += 2.0
+    assert not stats.maybe_log(running=3)
+    clock[0] += 3.0
+    with structlog.testing.capture_logs() as logs:
+        assert stats.maybe_log(running=3, waiting=1)
+    (entry,) = logs
+    assert entry["event"] == "decode stats"
+    assert entry["tokens_per_s"] == 24 / 5.0 and entry["mean_batch"] == 8.0
+    assert entry["forward_ms"] == 10.0 and entry["loop_ms"] == 12.0 and entry["running"] == 3
+    assert stats.steps == 0 and stats.tokens == 0
+    clock[0] += 6.0
+    with structlog.testing.capture_logs() as logs:
+        stats.maybe_log()
+    assert logs == []  # nothing ran: nothing to report
