@@ -10,6 +10,7 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kvtransfer/test_nccl_gpu.py tests/gpu/test_gpu_two_gpus.py -m gpu 2>&1 | tee "$OUT/x2_tests.log" | tail -25
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P timeout 180 python3 -m bench.nccl_handoff --out "$OUT/nccl_handoff.json" 2>&1 | tee "$OUT/nccl_handoff.log" | tail -10
 # issue 3 on GPU 0 of the same machine: where a decode step's time goes, then the mixed workload
-CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m bench.decode_profile --out "$OUT/decode_profile.json" 2>&1 | tee "$OUT/decode_profile.log" | grep -v "^  " | tail -4
+[ -n "$PROFILE" ] && CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m bench.decode_profile --out "$OUT/decode_profile.json" 2>&1 | tee "$OUT/decode_profile.log" | grep -v "^  " | tail -4
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m bench.cluster_mixed --skip-hf --out "$OUT/cluster_mixed.json" 2>&1 | tee "$OUT/cluster_mixed.log" | tail -8
+grep -h "decode stats\|prefill stats" "$OUT/cluster.log" | head -40 | cut -c1-400
 echo "== summary"; grep -h "passed\|failed" "$OUT/x2_tests.log" | tail -2; grep -h "workload" "$OUT/nccl_handoff.log" | cut -c1-220; grep -h " via " "$OUT/nccl_handoff.log" | sort | uniq -c | head -5
