@@ -83,7 +83,8 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int) -
                  "--max-batch-size", "128", "--max-num-tokens", "8192", "--max-seq-len", "1024",
                  "--max-input-len", "768", "--log-level", "info"]
     log = open(os.path.join(out_dir, "cluster.log"), "w")
-    cluster = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    cluster = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+                               env={**os.environ, "TANDEM_STATS_INTERVAL_S": "1"})
     try:
         deadline = time.monotonic() + 420
         for line in cluster.stdout:

@@ -4,6 +4,7 @@ the queues and free KV blocks at the end of the interval."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import structlog
@@ -12,8 +13,9 @@ log = structlog.get_logger(__name__)
 
 
 class StepStats:
-    def __init__(self, role: str, interval_s: float = 5.0):
-        self.role, self.interval_s = role, interval_s
+    def __init__(self, role: str, interval_s: float | None = None):
+        self.role = role
+        self.interval_s = interval_s if interval_s is not None else float(os.environ.get("TANDEM_STATS_INTERVAL_S", 5))
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
