@@ -25,6 +25,8 @@ log = structlog.get_logger(__name__)
 
 
 MAX_AHEAD = 4  # chunks whose payload receives are posted at once (their buffers are alive together)
+SPIN_S = 0.05  # while chunks are in flight, poll the device without sleeping this long after progress
+# (a sleep of 20 us took milliseconds on the Firecracker GPU machines: 6 ms per chunk, 22 GB/s)
 
 
 @dataclasses.dataclass
@@ -128,6 +130,7 @@ class PoolServer:
         headers: collections.deque[dict] = collections.deque()
         receiving: collections.deque[_Chunk] = collections.deque()
         applying: collections.deque[_Chunk] = collections.deque()
+        progressed_at = time.monotonic()
         while not self._stop.is_set():
             busy = bool(headers or receiving or applying)
             conn.settimeout(0 if busy else POLL_S)  # idle: block on the socket; busy: poll the device
@@ -152,8 +155,11 @@ class PoolServer:
                 ctrl.send({"kind": "kv_ack", "v": WIRE_VERSION, "seq": chunk.header.get("seq"),
                            "error": chunk.error})
                 progressed = True
-            if busy and not progressed:
-                time.sleep(2e-5)
+            now = time.monotonic()
+            if progressed:
+                progressed_at = now
+            elif busy:  # yield the GIL to the worker loop; sleep only once nothing moved for a while
+                time.sleep(0 if now - progressed_at < SPIN_S else 1e-4)
 
     def _post(self, group, header: dict) -> _Chunk:
         """Post the receive of one announced payload (a bad header's payload is drained too)."""
