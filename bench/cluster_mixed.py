@@ -114,6 +114,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", default="/tmp/tandem-bench-ckpt")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--label", default="mixed_128req", help="workload name in the rows (say, for a two-GPU run)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cluster_mixed.json"))
     args = parser.parse_args()
     name = args.model_shape
@@ -123,13 +124,13 @@ def main() -> int:
     metrics = result.get("metrics", result)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, indent=1))
     tok_s = metrics.get("output_throughput")
-    rows = [dict(workload="mixed_128req", model=name, metric="out_tok_per_s", value=tok_s, anchor=None,
+    rows = [dict(workload=args.label, model=name, metric="out_tok_per_s", value=tok_s, anchor=None,
                  anchor_value=None, ratio=None)]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         stats = metrics.get(key) or {}
         for pct in ("p50", "p99"):
             if pct in stats:
-                rows.append(dict(workload="mixed_128req", model=name, metric=f"{key}_{pct}", value=stats[pct],
+                rows.append(dict(workload=args.label, model=name, metric=f"{key}_{pct}", value=stats[pct],
                                  anchor=None, anchor_value=None, ratio=None))
 
     def save():

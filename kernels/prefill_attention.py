@@ -86,7 +86,7 @@ def _attend_kv_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])  # vary per batch: one compile, not one per value class
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_bt,

@@ -28,6 +28,7 @@ from cluster.settings import Settings
 from cluster.step_stats import StepStats
 from engine.attention import SeqChunk
 from engine.block_allocator import BlockAllocator
+from engine.warmup import warm_up_prefill
 from engine.placement import build_runner, resolve_transport
 from engine.prefix_cache import PrefixCache
 from engine.sampler import sample
@@ -58,6 +59,7 @@ class PrefillWorker:
                 f"prefill KV pool holds {self.allocator.num_total * self.block_size} tokens, "
                 f"less than --max-seq-len {settings.max_seq_len} (a resumed request can be that long)"
             )
+        warm_up_prefill(self.runner, self.allocator, settings.max_num_tokens)
         self.prefix_cache = PrefixCache(self.allocator, enabled=settings.enable_prefix_caching)
         self.scheduler = PrefillScheduler(
             self.allocator,
