@@ -71,6 +71,38 @@ def _prefill_side(endpoint, result_queue, reps: int) -> None:
     result_queue.put(result)
 
 
+def _trace_side(endpoint, out_path: str) -> None:
+    """Diagnostics: per-chunk host timeline of 8 back-to-back chunks (send call, ack seen)."""
+    from kvtransfer import KVSender
+    from kvtransfer.nccl import NcclTransport
+
+    torch.cuda.set_device(1)
+    src = torch.randn(LAYERS, 2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, device="cuda:1").to(torch.bfloat16)
+    connection = NcclTransport(timeout_s=60).connect(endpoint)
+    per_chunk = CHUNK // BLOCK
+    reps = []
+    for _ in range(3):
+        sender = KVSender(connection, list(range(8, 8 + NUM_BLOCKS)))
+        torch.cuda.synchronize()
+        t0, marks = time.perf_counter(), []
+        for first in range(0, NUM_BLOCKS, per_chunk):
+            a = time.perf_counter()
+            sender.send_blocks(src, list(range(first, first + per_chunk)), first)
+            marks.append(("send", first // per_chunk, a - t0, time.perf_counter() - t0))
+        transfers = list(sender._in_flight)
+        acked = set()
+        while len(acked) < len(transfers):
+            for i, t in enumerate(transfers):
+                if i not in acked and t.done():
+                    acked.add(i)
+                    marks.append(("acked", i, time.perf_counter() - t0))
+        reps.append(marks)
+    with open(out_path, "w") as f:
+        json.dump(reps, f)
+    for mark in reps[-1]:
+        print("sender", mark)
+
+
 def _handoff_s(connection, src, chunk: int, reps: int):
     from kvtransfer import KVPoll, KVSender
 
@@ -201,10 +233,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "nccl_handoff.json"))
+    parser.add_argument("--trace", action="store_true", help="only the per-chunk timelines (diagnostics)")
     args = parser.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs two CUDA devices")
     ctx = mp.get_context("spawn")
+    if args.trace:
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        os.environ["TANDEM_KV_TRACE"] = os.path.join(out_dir, "recv_trace.json")
+        endpoints, done = ctx.Queue(), ctx.Event()
+        decode = ctx.Process(target=_decode_side, args=(endpoints, done))
+        decode.start()
+        sender = ctx.Process(target=_trace_side, args=(endpoints.get(timeout=300), os.path.join(out_dir, "send_trace.json")))
+        sender.start()
+        sender.join(300)
+        done.set()
+        decode.join(60)
+        with open(os.environ["TANDEM_KV_TRACE"]) as f:
+            trace = json.load(f)
+        t0 = trace[0][2]
+        for seq, what, t in trace[-48:]:
+            print("receiver", seq, what, round((t - t0) * 1e3, 3))
+        return 0
     endpoints, results, done = ctx.Queue(), ctx.Queue(), ctx.Event()
     decode = ctx.Process(target=_decode_side, args=(endpoints, done))
     decode.start()

@@ -6,6 +6,8 @@ See ``kvtransfer.nccl`` for the protocol, the roles and the ownership rules.
 from __future__ import annotations
 
 import collections
+import json
+import os
 import dataclasses
 import datetime
 import socket
@@ -22,6 +24,7 @@ from kvtransfer.base import TransferError
 from kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, Frames, make_group, warm_up, abort_later, on_stream
 
 log = structlog.get_logger(__name__)
+TRACE_PATH = os.environ.get("TANDEM_KV_TRACE")  # diagnostics: per-chunk receive timeline, written at close
 
 
 MAX_AHEAD = 4  # chunks whose payload receives are posted at once (their buffers are alive together)
@@ -72,7 +75,13 @@ class PoolServer:
         }
         self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
         self._threads[0].start()
+        self._trace: list[tuple] = []
         LIVE.add(self)
+
+    def _mark(self, chunk_or_header, what: str) -> None:
+        if TRACE_PATH:
+            header = chunk_or_header if isinstance(chunk_or_header, dict) else chunk_or_header.header
+            self._trace.append((header.get("seq"), what, time.perf_counter()))
 
     def grant(self, handoff_id: str, block_ids: list[int]) -> None:
         with self._lock:
@@ -91,6 +100,9 @@ class PoolServer:
         deadline = time.monotonic() + join_s
         for thread in list(self._threads):
             thread.join(max(deadline - time.monotonic(), 0))
+        if TRACE_PATH and self._trace:
+            with open(TRACE_PATH, "w") as f:
+                json.dump(self._trace, f)
 
     def _accept_loop(self) -> None:
         pair_id = 0
@@ -139,12 +151,16 @@ class PoolServer:
                 if header.get("kind") == "kv_bye":
                     return
                 headers.append(header)
+                self._mark(header, "header")
             while headers and len(receiving) < MAX_AHEAD:
                 receiving.append(self._post(group, headers.popleft()))
+                self._mark(receiving[-1], "posted")
             progressed = False
             while receiving and self._landed(receiving[0]):
                 chunk = receiving.popleft()
+                self._mark(chunk, "landed")
                 self._apply(chunk, ctrl)
+                self._mark(chunk, "scatter_enqueued")
                 applying.append(chunk)
                 progressed = True
             if receiving and time.monotonic() > receiving[0].deadline:
@@ -154,6 +170,7 @@ class PoolServer:
                 self._forget(chunk)
                 ctrl.send({"kind": "kv_ack", "v": WIRE_VERSION, "seq": chunk.header.get("seq"),
                            "error": chunk.error})
+                self._mark(chunk, "acked")
                 progressed = True
             now = time.monotonic()
             if progressed:

@@ -62,3 +62,17 @@ def test_chunks_land_only_while_their_handoff_is_granted():
         go_on.set()
         transport.close()
         child.join(30)
+
+
+def test_control_frames_are_not_delayed_by_nagle():
+    import socket
+
+    from kvtransfer.nccl_pair import Frames
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with socket.create_connection(listener.getsockname()) as client:
+            server, _ = listener.accept()
+            with server:
+                for sock in (client, server):
+                    Frames(sock)
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
