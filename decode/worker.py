@@ -13,6 +13,7 @@ import tempfile
 import time
 
 import redis
+import torch
 import structlog
 
 from cluster import keys
@@ -33,7 +34,7 @@ from engine.attention import SeqChunk
 from engine.block_allocator import BlockAllocator
 from engine.placement import build_runner, resolve_device, resolve_transport
 from engine.prefix_cache import block_hashes, num_reusable_blocks
-from engine.sampler import sample
+from engine.sampler import sample_async
 from kvtransfer import KVPoll, KVReceiver, get_transport
 
 log = structlog.get_logger(__name__)
@@ -88,25 +89,34 @@ class DecodeWorker:
         self._peers_checked_at = 0.0
         self._round_robin = 0
         self.stats = StepStats(self.role)
+        # the step on the device: (batch, its tokens (on the host once ``ready``), ready event, launch time)
+        self._in_flight = None
+        self._collected_at = time.perf_counter()
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
-        started = time.perf_counter()
-        self.outbox.flush()  # what a Redis outage kept back goes out before anything newer
+        """One loop turn. The GPU runs step N+1 while this process publishes step N's
+        tokens and does its Redis work: the step is launched before that work, and its
+        tokens are read at the start of the next turn.
+
+        Order matters for block ownership: the tokens of the step in flight are read
+        (so no kernel still writes its requests' blocks) before messages are handled,
+        since an abort frees blocks; everything after the launch leaves running
+        requests' blocks alone (finishing requests were freed before it).
+        """
+        events = self._collect()
         self._handle_messages(self.inbox.read(block_ms=None if self._busy() else 20))
-        self._refresh_peers()
         self.scheduler.set_policy(self.policies.refresh().capacity_scheduler_policy)
+        batch = self.scheduler.schedule_decode()
+        if batch:
+            self._launch(batch)
+        self.outbox.flush()  # what a Redis outage kept back goes out before anything newer
+        if events:
+            self._publish(events)
+        self._refresh_peers()
         self._dispatch_prefills()
         self._check_handoffs()
-        batch = self.scheduler.schedule_decode()
-        forward_started = time.perf_counter()
-        token_ids = self._run(batch) if batch else None
-        forward_s = time.perf_counter() - forward_started
-        if token_ids is not None:
-            self._publish(self.scheduler.on_step(batch, token_ids))
         self._release_admissions()
-        if batch:
-            self.stats.record(len(batch), forward_s, time.perf_counter() - started)
         self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
                              waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free)
 
@@ -278,17 +288,48 @@ class DecodeWorker:
             if leaked:
                 log.warning("released admissions of requests never received", request_ids=leaked)
 
-    def _run(self, batch: list[DecodeRequest]) -> list[int] | None:
-        """One decode step; on an engine error every running request fails (and frees its blocks)."""
+    def _launch(self, batch: list[DecodeRequest]) -> None:
+        """Start one decode step on the device; its tokens are read by ``_collect``."""
+        launched = time.perf_counter()
         chunks = [SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids) for r in batch]
         try:
             logits = self.runner.forward(chunks)
-            return sample(logits, [r.spec.sampling for r in batch], [len(r.output_token_ids) for r in batch])
+            tokens = sample_async(logits, [r.spec.sampling for r in batch], [len(r.output_token_ids) for r in batch])
+            ready = None
+            if tokens.is_cuda:  # copied to pinned memory behind the step; the host reads them next turn
+                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                host.copy_(tokens, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+                tokens = host
+            self._in_flight = (batch, tokens, ready, launched)
         except Exception as exc:
-            log.exception("decode step failed")
-            failed = self.scheduler.fail_running(str(exc))
-            self._publish([(r, len(r.output_token_ids), "error") for r in failed], error=str(exc))
-            return None
+            self._engine_failed(exc)
+
+    def _collect(self) -> list[tuple[DecodeRequest, int, str | None]]:
+        """Tokens of the step in flight (waits for it) -> its events; [] when none is."""
+        if self._in_flight is None:
+            self._collected_at = time.perf_counter()  # an idle turn is not a step's time
+            return []
+        (batch, tokens, ready, launched), self._in_flight = self._in_flight, None
+        try:
+            if ready is not None:
+                ready.synchronize()
+            token_ids = tokens.tolist()
+        except Exception as exc:
+            self._engine_failed(exc)
+            return []
+        now = time.perf_counter()
+        self.stats.record(len(batch), now - launched, now - self._collected_at)
+        self._collected_at = now
+        return self.scheduler.on_step(batch, token_ids)
+
+    def _engine_failed(self, exc: Exception) -> None:
+        """On an engine error every running request fails (and frees its blocks)."""
+        log.exception("decode step failed")
+        self._in_flight = None
+        failed = self.scheduler.fail_running(str(exc))
+        self._publish([(r, len(r.output_token_ids), "error") for r in failed], error=str(exc))
 
     def _publish(self, events: list[tuple[DecodeRequest, int, str | None]], error: str | None = None) -> None:
         """Every event of one step in one round trip."""

@@ -26,6 +26,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], step_indices: lis
     step_indices[b] is the index of the token being generated for row b's
     request (0 for the first token).
     """
+    return sample_async(logits, params, step_indices).tolist()
+
+
+def sample_async(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:
+    """As ``sample``, but -> [B] int64 on the logits' device, without waiting for it."""
     num_rows = logits.shape[0]
     if len(params) != num_rows or len(step_indices) != num_rows:
         raise ValueError(f"{num_rows} logits rows but {len(params)} params and {len(step_indices)} step indices")
@@ -37,7 +42,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], step_indices: lis
             logits[rows], [params[b] for b in random_rows], [step_indices[b] for b in random_rows]
         )
         tokens = tokens.index_copy(0, rows, chosen)
-    return tokens.tolist()
+    return tokens
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:
