@@ -177,7 +177,9 @@ def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return block_n, 4, 2
 
 
-def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace):
+def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
+                             config: tuple[int, int, int, int] | None = None):
+    """``config``: (BLOCK_N, num_warps, num_stages, num_splits) instead of the shape rules (tuning only)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2 >= 16"
@@ -197,6 +199,8 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         max_context_len = min(max_context_len, sliding_window)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
     block_n, num_warps, num_stages = _tile_config(head_dim, q.dtype)
+    if config is not None:
+        block_n, num_warps, num_stages, num_splits = config
     direct = num_splits == 1
     if direct:
         partial_out = partial_lse = out  # unused

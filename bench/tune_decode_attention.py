@@ -1,0 +1,82 @@
+"""Sweep the decode attention kernel's tile settings at the benchmark shapes (GPU).
+
+    python3 -m bench.tune_decode_attention --out $OUT/tune_decode.json
+
+For each (batch, context) of the decode workloads on the llama2-7b and
+llama3-8b shapes, times the kernel with the shape rules' settings and with
+every (BLOCK_N, num_warps, num_stages, num_splits) of a small grid, checks each
+against the torch reference, and prints the best against the rule, as a
+fraction of the measured copy bandwidth (K and V bytes read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+
+from bench.timing import ceilings, median_ms
+from kernels import reference
+from kernels.decode_attention import _launch_decode_attention
+
+SHAPES = {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}  # q heads, kv heads (head_dim 128)
+CASES = [(1, 256), (1, 2048), (64, 256), (128, 416)]
+GRID = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)))
+
+
+def run_case(name, batch, context, copy_bw):
+    hq, hkv = SHAPES[name]
+    block_size, d = 16, 128
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq + 8
+    k = torch.randn(num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(num_blocks - 8, device="cuda")[: batch * blocks_per_seq].to(torch.int32)
+    tables = perm.view(batch, blocks_per_seq).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    scale = d**-0.5
+    ref = reference.decode_attention(q.float(), k.float(), v.float(), tables, lens, scale)
+    out = torch.empty_like(q)
+    kv_bytes = 2 * batch * context * hkv * d * 2
+    rows = []
+    for config in [None] + GRID:
+        try:
+            fn = lambda: _launch_decode_attention(q, k, v, tables, lens, out, scale, None, None, config)  # noqa: E731
+            out.fill_(float("nan"))
+            fn()
+            if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
+                continue
+            ms = median_ms(fn, reps=30, warmup=3)
+        except Exception:  # a tile that does not fit shared memory
+            continue
+        rows.append({"config": config, "us": ms * 1e3, "bw_fraction": kv_bytes / (ms / 1e3) / copy_bw})
+    rule = next(r for r in rows if r["config"] is None)
+    best = min(rows, key=lambda r: r["us"])
+    return {"model": name, "batch": batch, "context": context, "rule": rule, "best": best,
+            "top5": sorted(rows, key=lambda r: r["us"])[:5]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_decode.json"))
+    args = parser.parse_args()
+    copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
+    results = []
+    for name in SHAPES:
+        for batch, context in CASES:
+            r = run_case(name, batch, context, copy_bw)
+            results.append(r)
+            print(f"{name:10s} b{batch:<4d} ctx{context:<5d} rule {r['rule']['us']:8.1f} us "
+                  f"({r['rule']['bw_fraction']:.2f})  best {r['best']['us']:8.1f} us "
+                  f"({r['best']['bw_fraction']:.2f}) {r['best']['config']}", flush=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
