@@ -7,7 +7,7 @@ source scripts/device_env.sh || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L | tee "$OUT/gpus.txt"
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kvtransfer/test_nccl_gpu.py tests/gpu/test_gpu_two_gpus.py -m gpu 2>&1 | tee "$OUT/x2_tests.log" | tail -25
+timeout 260 python3 -m pytest -q -p no:cacheprovider tests/kvtransfer/test_nccl_gpu.py tests/gpu/test_gpu_two_gpus.py tests/gpu/test_gpu_cluster.py -m gpu 2>&1 | tee "$OUT/x2_tests.log" | tail -25
 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P timeout 180 python3 -m bench.nccl_handoff --out "$OUT/nccl_handoff.json" 2>&1 | tee "$OUT/nccl_handoff.log" | tail -10
 # issue 3 on GPU 0 of the same machine: where a decode step's time goes, then the mixed workload
 [ -n "$PROFILE" ] && CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m bench.decode_profile --out "$OUT/decode_profile.json" 2>&1 | tee "$OUT/decode_profile.log" | grep -v "^  " | tail -4
