@@ -39,8 +39,12 @@ class Outbox:
 
     def send(self, events: list[tuple[str, TokenEvent]]) -> None:
         """Queue ``events`` after anything still pending and try to deliver all in one round trip."""
-        self._pending.extend(events)
+        self.keep(events)
         self.flush()
+
+    def keep(self, events: list[tuple[str, TokenEvent]]) -> None:
+        """Queue ``events`` for the next ``flush`` (no Redis call: cannot fail)."""
+        self._pending.extend(events)
 
     def flush(self) -> None:
         if not self._pending:

@@ -92,6 +92,7 @@ class DecodeWorker:
         # the step on the device: (batch, its tokens (on the host once ``ready``), ready event, launch time)
         self._in_flight = None
         self._collected_at = time.perf_counter()
+        self._handoff_seq = 0
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
@@ -105,14 +106,16 @@ class DecodeWorker:
         requests' blocks alone (finishing requests were freed before it).
         """
         events = self._collect()
-        self._handle_messages(self.inbox.read(block_ms=None if self._busy() else 20))
+        # recorded tokens go to the outbox now, sent after the launch: a Redis error
+        # anywhere in this turn must not lose them (the scheduler already has them)
+        self.outbox.keep(self._token_events(events))
+        idle = not self._busy() and not events
+        self._handle_messages(self.inbox.read(block_ms=20 if idle else None))
         self.scheduler.set_policy(self.policies.refresh().capacity_scheduler_policy)
         batch = self.scheduler.schedule_decode()
         if batch:
             self._launch(batch)
-        self.outbox.flush()  # what a Redis outage kept back goes out before anything newer
-        if events:
-            self._publish(events)
+        self.outbox.flush()  # in order: what an outage kept back, then this step's tokens
         self._refresh_peers()
         self._dispatch_prefills()
         self._check_handoffs()
@@ -215,8 +218,8 @@ class DecodeWorker:
         workers = self._prefill_workers
         request.receiver = KVReceiver(self.settings.transfer_timeout_s)
         self._end_handoff(request)  # a re-dispatch: the earlier worker's late chunks are refused
-        request.num_dispatches += 1
-        request.handoff_id = f"{request.request_id}#{request.num_dispatches}"
+        self._handoff_seq += 1  # per worker: a reused request id never meets an old grant
+        request.handoff_id = f"{request.request_id}#{self._handoff_seq}"
         self.transport.grant(request.handoff_id, request.block_ids)
         if not workers:
             request.receiver.fail("no prefill worker alive")
@@ -328,17 +331,26 @@ class DecodeWorker:
         """On an engine error every running request fails (and frees its blocks)."""
         log.exception("decode step failed")
         self._in_flight = None
+        if torch.cuda.is_available() and self.runner.device.type == "cuda":
+            try:  # the failed step's kernels may still write the blocks about to be freed
+                torch.cuda.synchronize(self.runner.device)
+            except Exception:  # a sticky device error: nothing runs any more either
+                log.exception("device sync after a failed step")
         failed = self.scheduler.fail_running(str(exc))
         self._publish([(r, len(r.output_token_ids), "error") for r in failed], error=str(exc))
 
     def _publish(self, events: list[tuple[DecodeRequest, int, str | None]], error: str | None = None) -> None:
         """Every event of one step in one round trip."""
+        self.outbox.send(self._token_events(events, error))
+
+    @staticmethod
+    def _token_events(events: list[tuple[DecodeRequest, int, str | None]], error: str | None = None) -> list:
         queued = []
         for request, index, reason in events:
             new_tokens = request.output_token_ids[index:] if reason != "error" else []
             event = TokenEvent(request.request_id, index, new_tokens, reason, error if reason == "error" else None)
             queued.append((request.spec.reply_to, event))
-        self.outbox.send(queued)
+        return queued
 
 
 def _shm_dir() -> str:

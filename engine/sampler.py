@@ -37,7 +37,7 @@ def sample_async(logits: torch.Tensor, params: list[SamplingParams], step_indice
     tokens = logits.argmax(dim=-1)  # [B]; greedy rows keep this
     random_rows = [b for b, p in enumerate(params) if p.temperature != 0]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
+        rows = _to_device(torch.tensor(random_rows), logits.device)
         chosen = _sample_rows(
             logits[rows], [params[b] for b in random_rows], [step_indices[b] for b in random_rows]
         )
@@ -48,14 +48,14 @@ def sample_async(logits: torch.Tensor, params: list[SamplingParams], step_indice
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:
     """logits [R, V] of non-greedy rows -> [R] int64 token ids."""
     device = logits.device
-    temperatures = torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params], device=device)
+    temperatures = _to_device(torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params]), device)
     probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
     # stable: among equal probabilities the lower token id comes first, as argmax does
     sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)  # [R, V]
     keep = _keep_mask(sorted_probs, params)
     sorted_probs = sorted_probs.masked_fill(~keep, 0.0).double()
     cdf = sorted_probs.cumsum(dim=-1)  # [R, V], unnormalised
-    uniforms = _uniforms(params, step_indices).to(device)  # [R] in [0, 1)
+    uniforms = _to_device(_uniforms(params, step_indices), device)  # [R] in [0, 1)
     thresholds = uniforms * cdf[:, -1]
     ranks = torch.searchsorted(cdf, thresholds[:, None], right=True)  # first rank with cdf > u * total
     ranks = ranks.clamp_(max=logits.shape[-1] - 1)
@@ -67,9 +67,9 @@ def _keep_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torc
     num_rows, vocab = sorted_probs.shape
     device = sorted_probs.device
     ranks = torch.arange(vocab, device=device)[None, :]  # [1, V]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_k = _to_device(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]), device)
     keep = ranks < top_k[:, None]
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=sorted_probs.dtype)
+    top_p = _to_device(torch.tensor([p.top_p for p in params], dtype=sorted_probs.dtype), device)
     # Renormalise over the top-k survivors first (top-k then top-p, as HF/vLLM do).
     kept_probs = sorted_probs.masked_fill(~keep, 0.0)
     kept_probs = kept_probs / kept_probs.sum(dim=-1, keepdim=True)
@@ -78,6 +78,14 @@ def _keep_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torc
     keep &= mass_before < top_p[:, None]
     keep[:, 0] = True  # always at least the most likely token
     return keep
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor onto ``device`` without making the host wait for the device
+    (a copy from pageable memory would: the decode loop launches the next step first)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _uniforms(params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:

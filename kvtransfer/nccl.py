@@ -22,20 +22,20 @@ a CPU pool), so a receive is only posted for a payload already announced (an
 idle NCCL receive would spin on an SM and trip the watchdog; a blocked gloo
 wait cannot be interrupted, so a worker could not exit cleanly):
     prefill <- decode  socket  {"kind": "kv_welcome", "v", "pair_id"}
-    prefill -> decode  socket  {"kind": "kv_chunk", "v", "seq", "dst_block_ids", "num_bytes"}
+    prefill -> decode  socket  {"kind": "kv_chunk", "v", "seq", "dst_block_ids", "handoff", "num_bytes"}
     prefill -> decode  group   gather_blocks(src_kv, src_block_ids) as bytes
     prefill <- decode  socket  {"kind": "kv_ack", "v", "seq", "error"}
     prefill -> decode  socket  {"kind": "kv_bye", "v"}
 
 Ownership: the destination blocks are the decode worker's throughout. The
-receive thread writes a chunk's blocks only once its whole payload arrived
-(on CUDA: once the scatter completed on the device), then acks; ``done()`` is
-true only after the ack, so PrefillDone("ok") follows every write to the
-request's blocks. A chunk whose sender died or gave up (a failed pair closes
-its control socket before the prefill worker reports the failure) is not
-applied. Left open: the narrow race where the close is still in flight while
-the scatter starts, and the decode worker's own handoff deadline; closing it
-needs the decode worker to wait for its receive threads before freeing.
+receive thread scatters a chunk only once its whole payload arrived, and acks
+once the scatter completed on the device; ``done()`` is true only after the
+ack, so PrefillDone("ok") follows every write to the request's blocks. A chunk
+naming a handoff is applied only while the decode worker's grant for that
+handoff covers its blocks; the worker revokes the grant before it frees them
+(``PoolServer.revoke`` waits for scatters already launched), so a chunk whose
+sender died, gave up or was re-dispatched never lands in blocks another
+request owns. A closed control socket also stops a landed chunk.
 
 Files: ``nccl_pair`` (wire constants, control frames, pair process groups),
 ``nccl_recv`` (the decode side's pool server), this module (the prefill side

@@ -28,6 +28,7 @@ TRACE_PATH = os.environ.get("TANDEM_KV_TRACE")  # diagnostics: per-chunk receive
 
 
 MAX_AHEAD = 4  # chunks whose payload receives are posted at once (their buffers are alive together)
+MAX_AHEAD_BYTES = 1 << 30  # ... and at most this many payload bytes (one chunk is always allowed)
 SPIN_S = 0.05  # while chunks are in flight, poll the device without sleeping this long after progress
 # (a sleep of 20 us took milliseconds on the Firecracker GPU machines: 6 ms per chunk, 22 GB/s)
 
@@ -41,6 +42,11 @@ class _Chunk:
     deadline: float
     applied: object = None  # CUDA event after the scatter (None: nothing on the device to wait for)
     handoff: str | None = None
+
+
+def _num_bytes(header: dict) -> int:
+    num_bytes = header.get("num_bytes")
+    return num_bytes if isinstance(num_bytes, int) else 0
 
 
 class PoolServer:
@@ -73,9 +79,9 @@ class PoolServer:
             "transport": "nccl", "backend": self._backend, "host": host, "store_port": self._store.port,
             "ctrl_port": self._listener.getsockname()[1], "instance": uuid.uuid4().hex, "layout": pool.layout(),
         }
+        self._trace: list[tuple] = []
         self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
         self._threads[0].start()
-        self._trace: list[tuple] = []
         LIVE.add(self)
 
     def _mark(self, chunk_or_header, what: str) -> None:
@@ -134,7 +140,7 @@ class PoolServer:
                     self._receive_loop(group, ctrl, conn)
         except Exception as exc:  # this pair is over (peer gone, broken frame); the pool is not
             log.info("kv pair closed", pair_id=pair_id, error=str(exc)[:300])
-            abort_later(group)
+        abort_later(group)  # the pair is over either way: free its communicator, end any posted receive
 
     def _receive_loop(self, group, ctrl: Frames, conn: socket.socket) -> None:
         """Receives run ahead of the scatters: while chunk i's payload lands and is
@@ -150,9 +156,13 @@ class PoolServer:
             for header in ctrl.received():
                 if header.get("kind") == "kv_bye":
                     return
+                if not busy:
+                    progressed_at = time.monotonic()  # a new burst: spin, do not sleep
                 headers.append(header)
                 self._mark(header, "header")
-            while headers and len(receiving) < MAX_AHEAD:
+            while headers and len(receiving) < MAX_AHEAD and (
+                not receiving or sum(c.payload.numel() for c in receiving) + _num_bytes(headers[0]) <= MAX_AHEAD_BYTES
+            ):
                 receiving.append(self._post(group, headers.popleft()))
                 self._mark(receiving[-1], "posted")
             progressed = False
@@ -201,6 +211,7 @@ class PoolServer:
             raise TransferError("the sender closed the pair before its chunk was applied")
         kv, header = self._kv, chunk.header
         dst_block_ids, handoff = header["dst_block_ids"], header.get("handoff")
+        index = torch.tensor(dst_block_ids, dtype=torch.long).to(kv.device)  # before the lock: may wait
         with self._lock:
             if handoff is not None and not self._grants.get(handoff, frozenset()).issuperset(dst_block_ids):
                 chunk.error = f"handoff {handoff} holds no grant for blocks {dst_block_ids}"
@@ -208,7 +219,7 @@ class PoolServer:
             if kv.is_cuda:
                 chunk.work.wait()  # this stream after the receive (it already ran)
             staging = chunk.payload.view(kv.dtype).view(kv.shape[0], 2, len(dst_block_ids), *kv.shape[3:])
-            ops.scatter_blocks(kv, torch.tensor(dst_block_ids, dtype=torch.long).to(kv.device), staging)
+            ops.scatter_blocks(kv, index, staging)
             if kv.is_cuda:
                 chunk.applied = torch.cuda.Event()
                 chunk.applied.record()
