@@ -85,6 +85,9 @@ class GenerateRequest:
     priority: int = 0
     arrival_time: float = 0.0
     reply_to: str = ""  # the output stream of the gateway that submitted it (keys.gateway_output)
+    # tokens already generated elsewhere: a request resumed after its decode worker was lost
+    # (its KV is recomputed over prompt + these but the last, and decoding goes on from there)
+    output_token_ids: list[int] = field(default_factory=list)
     kind: ClassVar[str]
 
 

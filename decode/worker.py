@@ -155,7 +155,7 @@ class DecodeWorker:
                 if msg.request_id in self.scheduler.requests:
                     log.error("duplicate request id ignored", request_id=msg.request_id)
                     continue
-                self.scheduler.add(DecodeRequest(spec=msg))
+                self.scheduler.add(DecodeRequest(spec=msg, output_token_ids=list(msg.output_token_ids)))
             elif isinstance(msg, PrefillDone):
                 self._on_prefill_done(msg)
             elif isinstance(msg, AbortRequest):

@@ -4,8 +4,17 @@ Statuses (``Generation.status``)::
 
     SUBMITTED --first event--> STREAMING --last event--> FINISHED
         |                          |--stop string matched--> FINISHED (worker aborted)
-        |                          |--worker error / worker lost / timeout--> FAILED
+        |                          |--worker error / timeout--> FAILED
+        |--------------------------+--decode worker lost--> (resubmitted) same status
         +--------------------------+--client gone (cancelled)--> ABORTED
+
+Failover: when the decode worker holding the request stops heartbeating, the
+request is admitted again on a live decode worker under a new wire id
+(``<request_id>.<n>``; late events of the old one are dropped with its queue)
+carrying the tokens the client already has; that worker recomputes their KV
+and goes on, so the client sees one uninterrupted stream (greedy and seeded
+sampling give the same tokens as without the loss). At most
+``MAX_FAILOVERS`` times per request.
 
 ``deltas()`` reads the request's events (routed to its queue by the
 gateway's ``OutputMux``), orders tokens by index, detokenizes incrementally
@@ -28,7 +37,7 @@ import structlog
 
 from cluster.messages import WorkerInfo
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import RequestTimeout, WorkerFailed, WorkerLost
+from gateway.errors import NoWorkerAvailable, RequestTimeout, WorkerFailed, WorkerLost
 from gateway.responses import Delta, Usage
 from gateway.stop import StopChecker
 from gateway.streams import TokenAssembler, read_queued_events
@@ -38,6 +47,8 @@ if TYPE_CHECKING:
     from gateway.service import GatewayService
 
 log = structlog.get_logger(__name__)
+
+MAX_FAILOVERS = 3
 
 
 class Status(enum.Enum):
@@ -56,7 +67,9 @@ class Generation:
                  arrived_at: float | None = None):
         """``arrived_at`` (monotonic): when the request reached the gateway; TTFT, E2E and the deadline count from it."""
         self.service = service
-        self.request_id = request_id
+        self.request_id = request_id  # what the client sees
+        self._wire_id = request_id  # what the workers see (changes on a failover)
+        self._failovers = 0
         self.input = inp
         self.worker_id = worker.worker_id
         self._worker_started_at = worker.started_at
@@ -77,6 +90,10 @@ class Generation:
         self._queue = service.mux.register(request_id)  # before submission: no event can be missed
 
     @property
+    def wire_id(self) -> str:
+        return self._wire_id
+
+    @property
     def usage(self) -> Usage:
         return Usage(len(self.input.prompt_token_ids), len(self.output_token_ids), self.num_cached_tokens)
 
@@ -87,29 +104,40 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas until the request ends; the last one carries ``finish_reason``."""
         assembler = TokenAssembler()
-        events = read_queued_events(self._queue, deadline=self._deadline, worker_alive=self._worker_alive)
         try:
-            async for event in events:
-                if self._first_token_at is None:
-                    self._on_first_event(event.num_cached_tokens)
-                new_token_ids = assembler.add(event)
-                if assembler.finish_reason == "error":
-                    self._worker_done = True
-                    raise WorkerFailed(f"the request failed on a worker: {assembler.error or 'unknown error'}")
-                delta = self._advance(new_token_ids, assembler.finish_reason)
-                if delta is not None:
-                    yield delta
-                if self.finish_reason is not None:
-                    return
+            while True:
+                events = read_queued_events(self._queue, deadline=self._deadline, worker_alive=self._worker_alive)
+                try:
+                    async for event in events:
+                        if self._first_token_at is None:
+                            self._on_first_event(event.num_cached_tokens)
+                        new_token_ids = assembler.add(event)
+                        if assembler.finish_reason == "error":
+                            self._worker_done = True
+                            raise WorkerFailed(f"the request failed on a worker: {assembler.error or 'unknown error'}")
+                        delta = self._advance(new_token_ids, assembler.finish_reason)
+                        if delta is not None:
+                            yield delta
+                        if self.finish_reason is not None:
+                            return
+                except WorkerLost:
+                    self._worker_done = True  # nobody left to abort, until a new worker takes it
+                    if self._failovers >= MAX_FAILOVERS:
+                        raise
+                    try:
+                        await self._fail_over(assembler)
+                    except NoWorkerAvailable:  # no decode worker left at all: the loss is the error
+                        raise WorkerLost("the decode worker serving this request stopped responding "
+                                         "and no other is alive") from None
+                    self._worker_done = False
+                finally:
+                    await events.aclose()
         except Exception as exc:
             self._failed = True
-            if isinstance(exc, WorkerLost):
-                self._worker_done = True  # nobody left to abort
             self._abort_reason = "timeout" if isinstance(exc, RequestTimeout) else "gateway error"
             raise
         finally:
             self.close()
-            await events.aclose()
 
     async def collect(self) -> tuple[str, list[int]]:
         """Run to the end; the whole text and output token ids."""
@@ -122,7 +150,7 @@ class Generation:
             return
         self._closed = True
         service = self.service
-        service.mux.unregister(self.request_id)
+        service.mux.unregister(self._wire_id)
         if self._failed:
             self.status = Status.FAILED
         elif self.finish_reason is not None:
@@ -130,7 +158,7 @@ class Generation:
         else:
             self.status = Status.ABORTED
         if not self._worker_done:
-            service.spawn(service.router.abort(self.worker_id, self.request_id, self._abort_reason))
+            service.spawn(service.router.abort(self.worker_id, self._wire_id, self._abort_reason))
         metrics = service.metrics
         metrics.running.dec()
         metrics.generation_tokens.inc(len(self.output_token_ids))
@@ -168,6 +196,25 @@ class Generation:
             if self._stop.stopped:  # the released tail held a stop string
                 self.finish_reason = "stop"
         return Delta(text, new_token_ids, self.finish_reason)
+
+    async def _fail_over(self, assembler: TokenAssembler) -> None:
+        """The decode worker holding the request is gone: resubmit it, with the tokens the
+        client already has, to a live one (raises as admission does when none can take it)."""
+        service, lost_worker, lost_id = self.service, self.worker_id, self._wire_id
+        self._failovers += 1
+        service.mux.unregister(lost_id)
+        service.spawn(service.router.release(lost_worker, lost_id))  # its room on the lost worker
+        self._wire_id = f"{self.request_id}.{self._failovers}"
+        self._queue = service.mux.register(self._wire_id)
+        assembler.forget_pending()  # only tokens already released count; the rest is regenerated
+        inp = self.input
+        worker = await service.admission.admit(self._wire_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority)
+        self.worker_id, self._worker_started_at = worker.worker_id, worker.started_at
+        await service.submit(worker, self._wire_id, inp, self.output_token_ids)
+        service.metrics.failovers.inc()
+        log.warning("decode worker lost: request resumed on another", lost_worker_id=lost_worker,
+                    worker_id=worker.worker_id, num_output_tokens=len(self.output_token_ids),
+                    failover=self._failovers)
 
     async def _worker_alive(self) -> bool:
         return await self.service.router.is_alive("decode", self.worker_id, self._worker_started_at)

@@ -39,6 +39,8 @@ class GatewayMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem_gateway_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.failovers = Counter("tandem_gateway_failovers", "Requests resumed on another decode worker after "
+                                 "theirs was lost", registry=r)
         self.running = Gauge("tandem_gateway_requests_running", "Generations in flight in this gateway",
                              registry=r)
         self.queued = Gauge("tandem_gateway_requests_queued", "Requests waiting for room on a decode worker",

@@ -22,7 +22,7 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from cluster.messages import GenerateRequest
+from cluster.messages import GenerateRequest, WorkerInfo
 from cluster.settings import Settings
 from gateway.admission import AdmissionQueue
 from gateway.generation import Generation
@@ -85,8 +85,22 @@ class GatewayService:
         arrived_at = time.monotonic()
         worker = await self.admission.admit(request_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority)
         generation = Generation(self, request_id, inp, worker, arrived_at)
+        try:
+            await self.submit(worker, request_id, inp)
+        except BaseException:
+            self.mux.unregister(request_id)
+            raise
+        self.metrics.running.inc()
+        self.metrics.prompt_tokens.inc(len(inp.prompt_token_ids))
+        log.info("request submitted", worker_id=worker.worker_id, num_prompt_tokens=len(inp.prompt_token_ids),
+                 max_tokens=inp.max_tokens)
+        return generation
+
+    async def submit(self, worker: WorkerInfo, wire_id: str, inp: GenerationInput,
+                     output_token_ids: list[int] | None = None) -> None:
+        """Send the request to the worker that reserved room for it; on failure give the room back."""
         request = GenerateRequest(
-            request_id=request_id,
+            request_id=wire_id,
             prompt_token_ids=inp.prompt_token_ids,
             sampling=inp.sampling,
             max_tokens=inp.max_tokens,
@@ -95,19 +109,14 @@ class GatewayService:
             priority=inp.priority,
             arrival_time=time.time(),
             reply_to=self.mux.stream,
+            output_token_ids=list(output_token_ids or []),
         )
         try:
             await self.router.submit(worker, request)
         except BaseException:
-            self.mux.unregister(request_id)
             # it never reached the worker: give its room back (if this fails too, the worker's reconcile does)
-            self.spawn(self.router.release(worker.worker_id, request_id))
+            self.spawn(self.router.release(worker.worker_id, wire_id))
             raise
-        self.metrics.running.inc()
-        self.metrics.prompt_tokens.inc(len(inp.prompt_token_ids))
-        log.info("request submitted", worker_id=worker.worker_id, num_prompt_tokens=len(inp.prompt_token_ids),
-                 max_tokens=inp.max_tokens)
-        return generation
 
     # ---- cluster state --------------------------------------------------------------
     async def health(self) -> tuple[bool, dict]:

@@ -83,6 +83,10 @@ class TokenAssembler:
                     return new_token_ids
         return new_token_ids
 
+    def forget_pending(self) -> None:
+        """Drop events past the released tokens (a lost worker's; they are generated again)."""
+        self._pending.clear()
+
 
 def _merge(old: TokenEvent | None, new: TokenEvent) -> TokenEvent:
     """Two events at one index: keep the longer, and any finish reason either carries."""

@@ -187,8 +187,11 @@ def test_worker_death_fails_the_request(serve, fake_worker, text_ids):
     assert response.headers["retry-after"] == "1"
 
 
-def test_worker_restarted_under_the_same_id_fails_the_request(serve, fake_worker):
-    worker = fake_worker(lambda req: [])  # takes the request and "crashes" holding it
+def test_worker_restarted_under_the_same_id_gets_the_request_again(serve, fake_worker, text_ids):
+    def script(req):  # the first incarnation takes the request and "crashes" holding it
+        return token_script(text_ids[:5], "length")(req) if req.request_id.endswith(".1") else []
+
+    worker = fake_worker(script)
 
     def restart():
         worker.started_at = 1.0
@@ -197,7 +200,33 @@ def test_worker_restarted_under_the_same_id_fails_the_request(serve, fake_worker
     server = serve()
     threading.Timer(0.3, restart).start()
     response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 5})
-    assert response.status_code == 503 and response.json()["error"]["code"] == "worker_lost"
+    assert response.status_code == 200, response.text
+    first, again = worker.requests
+    assert again.request_id == f"{first.request_id}.1" and again.output_token_ids == []
+    assert response.json()["id"] not in (again.request_id,)  # the client keeps its own id
+
+
+def test_stream_resumes_on_another_worker_when_its_worker_dies(serve, fake_worker, text_ids):
+    def resuming(delay_s):
+        def script(req):  # plays from the tokens the request already has, as a real worker does
+            done = len(req.output_token_ids)
+            return token_script(text_ids[:12], "length", delay_s=delay_s)(req)[done:]
+        return script
+
+    first = fake_worker(resuming(0.15), worker_id="decode-fake-0", ttl_s=0.5, num_free_blocks=64)
+    server = serve()
+    threading.Timer(0.8, first.die).start()
+    time.sleep(0.05)
+    second = fake_worker(resuming(0.0), worker_id="decode-fake-1", ttl_s=0.5, num_free_blocks=8)
+    events = parse_sse(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 12, "stream": True,
+                                                         "return_token_ids": True}).text)
+    assert events[-1] == "[DONE]"
+    token_ids = [t for e in events[:-1] for t in e["choices"][0].get("token_ids") or []]
+    assert token_ids == text_ids[:12]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    (resumed,) = second.requests
+    assert resumed.request_id == f"{first.requests[0].request_id}.1"
+    assert 0 < len(resumed.output_token_ids) < 12 and resumed.output_token_ids == text_ids[:len(resumed.output_token_ids)]
 
 
 def test_worker_death_mid_stream_ends_with_an_error_event(serve, fake_worker, text_ids):
