@@ -204,6 +204,8 @@ class Generation:
         self._failovers += 1
         service.mux.unregister(lost_id)
         service.spawn(service.router.release(lost_worker, lost_id))  # its room on the lost worker
+        # if it was only slow (missed heartbeats), it stops; a dead one never reads this
+        service.spawn(service.router.abort(lost_worker, lost_id, "worker lost"))
         self._wire_id = f"{self.request_id}.{self._failovers}"
         self._queue = service.mux.register(self._wire_id)
         assembler.forget_pending()  # only tokens already released count; the rest is regenerated
