@@ -155,6 +155,12 @@ class DecodeWorker:
                 if msg.request_id in self.scheduler.requests:
                     log.error("duplicate request id ignored", request_id=msg.request_id)
                     continue
+                done = len(msg.output_token_ids)
+                if done and (done >= msg.max_tokens or len(msg.prompt_token_ids) + done >= self.settings.max_seq_len):
+                    # a resumed request with nothing left to generate here: it ends at once
+                    self.outbox.send([(msg.reply_to, TokenEvent(msg.request_id, done, [], "length"))])
+                    self._ended_ids.append(msg.request_id)
+                    continue
                 self.scheduler.add(DecodeRequest(spec=msg, output_token_ids=list(msg.output_token_ids)))
             elif isinstance(msg, PrefillDone):
                 self._on_prefill_done(msg)

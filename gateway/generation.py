@@ -28,6 +28,7 @@ recorded.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections.abc import AsyncIterator
@@ -37,7 +38,7 @@ import structlog
 
 from cluster.messages import WorkerInfo
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import NoWorkerAvailable, RequestTimeout, WorkerFailed, WorkerLost
+from gateway.errors import NoWorkerAvailable, RequestTimeout, ServerBusy, WorkerFailed, WorkerLost
 from gateway.responses import Delta, Usage
 from gateway.stop import StopChecker
 from gateway.streams import TokenAssembler, read_queued_events
@@ -74,6 +75,7 @@ class Generation:
         self.worker_id = worker.worker_id
         self._worker_started_at = worker.started_at
         self.created = int(time.time())
+        self.arrival_time = time.time()  # wall clock, as the workers order their queues by it
         self.status = Status.SUBMITTED
         self.output_token_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -121,15 +123,10 @@ class Generation:
                         if self.finish_reason is not None:
                             return
                 except WorkerLost:
-                    self._worker_done = True  # nobody left to abort, until a new worker takes it
+                    self._let_go()  # the lost worker: its room back and, if it was only slow, an abort
                     if self._failovers >= MAX_FAILOVERS:
                         raise
-                    try:
-                        await self._fail_over(assembler)
-                    except NoWorkerAvailable:  # no decode worker left at all: the loss is the error
-                        raise WorkerLost("the decode worker serving this request stopped responding "
-                                         "and no other is alive") from None
-                    self._worker_done = False
+                    await self._fail_over(assembler)
                 finally:
                     await events.aclose()
         except Exception as exc:
@@ -197,22 +194,39 @@ class Generation:
                 self.finish_reason = "stop"
         return Delta(text, new_token_ids, self.finish_reason)
 
+    def _let_go(self) -> None:
+        """Stop counting on the current worker: release its reservation, send it an abort
+        (a dead worker never reads it; a slow one stops), drop its late events."""
+        service = self.service
+        self._worker_done = True
+        service.mux.unregister(self._wire_id)
+        service.spawn(service.router.release(self.worker_id, self._wire_id))
+        service.spawn(service.router.abort(self.worker_id, self._wire_id, "worker lost"))
+
     async def _fail_over(self, assembler: TokenAssembler) -> None:
         """The decode worker holding the request is gone: resubmit it, with the tokens the
-        client already has, to a live one (raises as admission does when none can take it)."""
-        service, lost_worker, lost_id = self.service, self.worker_id, self._wire_id
+        client already has, to a live one. It keeps its arrival time; the admission wait is
+        bounded by the request's deadline; no room or no worker reads as the loss it is."""
+        service, lost_worker = self.service, self.worker_id
         self._failovers += 1
-        service.mux.unregister(lost_id)
-        service.spawn(service.router.release(lost_worker, lost_id))  # its room on the lost worker
-        # if it was only slow (missed heartbeats), it stops; a dead one never reads this
-        service.spawn(service.router.abort(lost_worker, lost_id, "worker lost"))
         self._wire_id = f"{self.request_id}.{self._failovers}"
         self._queue = service.mux.register(self._wire_id)
         assembler.forget_pending()  # only tokens already released count; the rest is regenerated
-        inp = self.input
-        worker = await service.admission.admit(self._wire_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority)
-        self.worker_id, self._worker_started_at = worker.worker_id, worker.started_at
-        await service.submit(worker, self._wire_id, inp, self.output_token_ids)
+        inp, done = self.input, len(self.output_token_ids)
+        remaining_s = self._deadline - time.monotonic()
+        try:
+            # charged as the worker will hold it: prompt + the tokens it recomputes, then the rest
+            worker = await asyncio.wait_for(service.admission.admit(
+                self._wire_id, len(inp.prompt_token_ids) + done, max(inp.max_tokens - done, 1), inp.priority),
+                timeout=max(remaining_s, 0.001))
+        except asyncio.TimeoutError:
+            raise RequestTimeout("request timed out while moving to another decode worker") from None
+        except (NoWorkerAvailable, ServerBusy) as exc:
+            raise WorkerLost(f"the decode worker serving this request stopped responding and no other "
+                             f"could take it: {exc}") from None
+        # from here a client disconnect must abort the new worker (close() does it)
+        self.worker_id, self._worker_started_at, self._worker_done = worker.worker_id, worker.started_at, False
+        await service.submit(worker, self._wire_id, inp, self.output_token_ids, arrival_time=self.arrival_time)
         service.metrics.failovers.inc()
         log.warning("decode worker lost: request resumed on another", lost_worker_id=lost_worker,
                     worker_id=worker.worker_id, num_output_tokens=len(self.output_token_ids),

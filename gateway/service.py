@@ -86,7 +86,7 @@ class GatewayService:
         worker = await self.admission.admit(request_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority)
         generation = Generation(self, request_id, inp, worker, arrived_at)
         try:
-            await self.submit(worker, request_id, inp)
+            await self.submit(worker, request_id, inp, arrival_time=generation.arrival_time)
         except BaseException:
             self.mux.unregister(request_id)
             raise
@@ -97,7 +97,7 @@ class GatewayService:
         return generation
 
     async def submit(self, worker: WorkerInfo, wire_id: str, inp: GenerationInput,
-                     output_token_ids: list[int] | None = None) -> None:
+                     output_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
         """Send the request to the worker that reserved room for it; on failure give the room back."""
         request = GenerateRequest(
             request_id=wire_id,
@@ -107,7 +107,7 @@ class GatewayService:
             stop_token_ids=inp.stop_token_ids,
             ignore_eos=inp.ignore_eos,
             priority=inp.priority,
-            arrival_time=time.time(),
+            arrival_time=time.time() if arrival_time is None else arrival_time,
             reply_to=self.mux.stream,
             output_token_ids=list(output_token_ids or []),
         )

@@ -229,6 +229,56 @@ def test_stream_resumes_on_another_worker_when_its_worker_dies(serve, fake_worke
     assert 0 < len(resumed.output_token_ids) < 12 and resumed.output_token_ids == text_ids[:len(resumed.output_token_ids)]
 
 
+def test_failover_waits_for_room_no_longer_than_the_request_deadline(serve, fake_worker, text_ids, redis_url):
+    import redis as sync_redis
+
+    from cluster import keys
+
+    first = fake_worker(token_script(text_ids[:12], "length", delay_s=0.15), worker_id="decode-fake-0",
+                        ttl_s=0.5, num_free_blocks=64)
+    server = serve(request_timeout_s=2.0, queue_timeout_s=6.0)
+    threading.Timer(0.5, first.die).start()
+    time.sleep(0.05)
+    client = sync_redis.Redis.from_url(redis_url)
+    client.hset(keys.admitted("decode-fake-1"), "someone-else", 64 * 16)  # its whole pool is promised away
+    client.set(keys.reserved_tokens("decode-fake-1"), 64 * 16)
+    full = fake_worker(token_script(text_ids[:12], "length"), worker_id="decode-fake-1", ttl_s=0.5,
+                       num_free_blocks=0)  # alive, but never has room
+    started = time.time()
+    events = parse_sse(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 12, "stream": True}).text)
+    assert time.time() - started < 4
+    assert events[-1] == "[DONE]" and events[-2].get("error", {}).get("code") == "request_timeout", events[-2]
+    assert full.requests == []
+
+
+def test_resubmission_is_charged_as_the_new_worker_holds_it(serve, fake_worker, text_ids, redis_url):
+    import redis as sync_redis
+
+    from cluster import keys
+
+    def resuming(delay_s):
+        def script(req):
+            return token_script(text_ids[:12], "length", delay_s=delay_s)(req)[len(req.output_token_ids):]
+        return script
+
+    first = fake_worker(resuming(0.15), worker_id="decode-fake-0", ttl_s=0.5, num_free_blocks=64)
+    server = serve()
+    threading.Timer(0.8, first.die).start()
+    time.sleep(0.05)
+    holds = [(30.0, None)]  # takes the request and holds its reservation (released when it would end)
+    second = fake_worker(lambda req: holds, worker_id="decode-fake-1", ttl_s=0.5, num_free_blocks=8)
+    client = sync_redis.Redis.from_url(redis_url)
+    with httpx.Client(base_url=server.url, timeout=20) as http:
+        with http.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 12, "stream": True}):
+            assert wait_for(lambda: len(second.requests) == 1, timeout_s=10)
+            (resumed,) = second.requests
+            done = len(resumed.output_token_ids)
+            charged = int(client.hget(keys.admitted("decode-fake-1"), resumed.request_id))
+            # the worker's policy charge for prompt + tokens so far, then max_tokens - those
+            assert charged >= len(resumed.prompt_token_ids) + done
+            assert resumed.arrival_time == first.requests[0].arrival_time
+
+
 def test_worker_death_mid_stream_ends_with_an_error_event(serve, fake_worker, text_ids):
     worker = fake_worker(token_script(text_ids, "length", delay_s=0.2), ttl_s=0.5)
     server = serve()

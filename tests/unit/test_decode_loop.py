@@ -118,3 +118,20 @@ def test_the_last_tokens_go_out_before_the_loop_waits_on_its_inbox():
     assert worker.inbox.reads[-1] is None
     worker.step()
     assert worker.inbox.reads[-1] == 20  # idle now: the loop waits for work
+
+
+def test_a_resumed_request_with_nothing_left_ends_at_once():
+    worker = _worker()
+    worker.settings = types.SimpleNamespace(max_seq_len=64)
+    worker._ended_ids = []
+    spec = GenerateRequest(request_id="r9.1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(temperature=0.0),
+                           max_tokens=4, reply_to="gw", output_token_ids=[5, 6, 7, 8])
+    worker._handle_messages([spec])
+    assert "r9.1" not in worker.scheduler.requests and worker._ended_ids == ["r9.1"]
+    (event,) = worker.redis.events
+    assert (event.index, event.token_ids, event.finish_reason) == (4, [], "length")
+    resumed = GenerateRequest(request_id="r10.1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(temperature=0.0),
+                              max_tokens=8, reply_to="gw", output_token_ids=[5, 6])
+    worker._handle_messages([resumed])
+    request = worker.scheduler.requests["r10.1"]
+    assert request.output_token_ids == [5, 6] and request.is_resuming
