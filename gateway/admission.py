@@ -24,6 +24,7 @@ from gateway.errors import ServerBusy
 from gateway.router import Router
 
 POLL_S = 0.01
+RESUMED_FIRST = 1 << 60  # subtracted from a resumed request's arrival number: ahead of new ones, FIFO among themselves
 
 
 class AdmissionQueue:
@@ -39,17 +40,21 @@ class AdmissionQueue:
     def num_queued(self) -> int:
         return len(self._waiting)
 
-    async def admit(self, request_id: str, num_prompt_tokens: int, max_tokens: int, priority: int = 0) -> WorkerInfo:
-        """The worker that took the request (its reservation is made); waits in the queue if none can yet."""
+    async def admit(self, request_id: str, num_prompt_tokens: int, max_tokens: int, priority: int = 0,
+                    resumed: bool = False) -> WorkerInfo:
+        """The worker that took the request (its reservation is made); waits in the queue if none can yet.
+
+        ``resumed``: a request already streaming whose decode worker was lost; it goes ahead of
+        the new requests of its priority and is never refused for a full queue."""
         reserve = (request_id, num_prompt_tokens, max_tokens)
         if not self._waiting:
             worker = await self.router.reserve(*reserve)
             if worker is not None:
                 return worker
-        if len(self._waiting) >= self.max_queue_len:
+        if len(self._waiting) >= self.max_queue_len and not resumed:
             raise ServerBusy(f"all decode workers are full and {len(self._waiting)} requests are queued; "
                              "retry later", code="queue_full")
-        ticket = (priority, next(self._arrivals))
+        ticket = (priority, next(self._arrivals) - (RESUMED_FIRST if resumed else 0))
         bisect.insort(self._waiting, ticket)
         deadline = time.monotonic() + self.queue_timeout_s
         try:

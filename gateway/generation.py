@@ -217,7 +217,8 @@ class Generation:
         try:
             # charged as the worker will hold it: prompt + the tokens it recomputes, then the rest
             worker = await asyncio.wait_for(service.admission.admit(
-                self._wire_id, len(inp.prompt_token_ids) + done, max(inp.max_tokens - done, 1), inp.priority),
+                self._wire_id, len(inp.prompt_token_ids) + done, max(inp.max_tokens - done, 1), inp.priority,
+                resumed=True),
                 timeout=max(remaining_s, 0.001))
         except asyncio.TimeoutError:
             raise RequestTimeout("request timed out while moving to another decode worker") from None

@@ -109,6 +109,26 @@ def test_queue_admits_by_priority_then_arrival():
     assert asyncio.run(scenario()) == (["b", "d", "a", "c"], 0)
 
 
+def test_resumed_requests_go_ahead_of_new_ones_and_are_never_refused():
+    async def scenario():
+        router = FakeRouter()
+        queue = AdmissionQueue(router, max_queue_len=2, queue_timeout_s=5, poll_s=0.001)
+        tasks = []
+        for request_id, priority, resumed in [("a", 0, False), ("b", 0, False), ("r1", 0, True), ("r2", 0, True),
+                                              ("hi", -1, False)]:
+            tasks.append(asyncio.create_task(queue.admit(request_id, 1, 1, priority, resumed=resumed)))
+            await asyncio.sleep(0.005)
+        for _ in range(5):
+            router.room += 1
+            await asyncio.sleep(0.02)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return router.taken, [type(r).__name__ for r in results if isinstance(r, Exception)]
+
+    taken, errors = asyncio.run(scenario())
+    # "hi" came with a full queue (2 new + 2 resumed waiting) and is refused; resumed ones were not
+    assert taken == ["r1", "r2", "a", "b"] and errors == ["ServerBusy"]
+
+
 def test_cancelled_waiter_leaves_the_queue():
     async def scenario():
         queue = AdmissionQueue(FakeRouter(), max_queue_len=1, queue_timeout_s=5, poll_s=0.001)
