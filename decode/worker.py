@@ -93,6 +93,7 @@ class DecodeWorker:
         self._in_flight = None
         self._collected_at = time.perf_counter()
         self._handoff_seq = 0
+        self._held_aborts: list[str] = []  # aborts of requests whose step was on the device
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
@@ -100,22 +101,26 @@ class DecodeWorker:
         tokens and does its Redis work: the step is launched before that work, and its
         tokens are read at the start of the next turn.
 
-        Order matters for block ownership: the tokens of the step in flight are read
-        (so no kernel still writes its requests' blocks) before messages are handled,
-        since an abort frees blocks; everything after the launch leaves running
-        requests' blocks alone (finishing requests were freed before it).
+        Block ownership: only the turn's start (collect, then the aborts held back, then
+        schedule, where pauses happen) frees blocks of running requests, and it runs while
+        no step is on the device. Everything after the launch, inbox messages included,
+        leaves them alone: an abort for a request of the step in flight is held back to
+        the next turn (finished requests were freed at collect).
         """
         events = self._collect()
         # recorded tokens go to the outbox now, sent after the launch: a Redis error
         # anywhere in this turn must not lose them (the scheduler already has them)
         self.outbox.keep(self._token_events(events))
-        idle = not self._busy() and not events
-        self._handle_messages(self.inbox.read(block_ms=20 if idle else None))
+        held, self._held_aborts = self._held_aborts, []
+        for request_id in held:
+            self._abort(request_id)
         self.scheduler.set_policy(self.policies.refresh().capacity_scheduler_policy)
         batch = self.scheduler.schedule_decode()
         if batch:
             self._launch(batch)
         self.outbox.flush()  # in order: what an outage kept back, then this step's tokens
+        idle = not batch and not events and not self._busy()
+        self._handle_messages(self.inbox.read(block_ms=20 if idle else None))
         self._refresh_peers()
         self._dispatch_prefills()
         self._check_handoffs()
@@ -165,7 +170,10 @@ class DecodeWorker:
             elif isinstance(msg, PrefillDone):
                 self._on_prefill_done(msg)
             elif isinstance(msg, AbortRequest):
-                self._abort(msg.request_id)
+                if self._in_flight is not None and any(r.request_id == msg.request_id for r in self._in_flight[0]):
+                    self._held_aborts.append(msg.request_id)  # its step is on the device: next turn
+                else:
+                    self._abort(msg.request_id)
             else:
                 log.error("unexpected message", kind=msg.kind)
 

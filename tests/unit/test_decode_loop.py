@@ -68,6 +68,7 @@ def _worker():
         refresh=lambda: types.SimpleNamespace(capacity_scheduler_policy=worker.scheduler.policy.name))
     worker.stats = StepStats("decode", 1e9)
     worker._in_flight, worker._collected_at, worker._handoff_seq = None, time.perf_counter(), 0
+    worker._held_aborts = []
     for name in ("_refresh_peers", "_dispatch_prefills", "_check_handoffs", "_release_admissions"):
         setattr(worker, name, lambda: None)
     return worker
@@ -135,3 +136,25 @@ def test_a_resumed_request_with_nothing_left_ends_at_once():
     worker._handle_messages([resumed])
     request = worker.scheduler.requests["r10.1"]
     assert request.output_token_ids == [5, 6] and request.is_resuming
+
+
+def test_an_abort_for_the_step_on_the_device_frees_blocks_only_after_it():
+    from cluster.messages import AbortRequest
+
+    worker = _worker()
+    request = _running(worker, "r1", max_tokens=50)
+    worker.step()  # launches step 1
+    free_before = worker.allocator.num_free
+    worker.inbox.read = lambda block_ms=None: [AbortRequest("r1")]
+    worker._collect = lambda: []  # the step stays on the device through this turn's inbox read
+    worker.inbox.fail = False
+    in_flight = worker._in_flight = ([request], torch.tensor([7]), None, time.perf_counter())
+    worker._handle_messages(worker.inbox.read())
+    assert worker._held_aborts == ["r1"] and worker.allocator.num_free == free_before  # blocks kept
+    assert not request.abort_requested
+    del worker._collect  # the next turn reads the step's tokens, then applies the held abort
+    worker._in_flight = in_flight
+    worker.inbox.read = lambda block_ms=None: []
+    worker.step()
+    assert "r1" not in worker.scheduler.requests and worker._held_aborts == []
+    assert worker.allocator.num_free == worker.allocator.num_total
