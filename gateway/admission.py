@@ -20,7 +20,7 @@ import itertools
 import time
 
 from cluster.messages import WorkerInfo
-from gateway.errors import ServerBusy
+from gateway.errors import RequestTimeout, ServerBusy
 from gateway.router import Router
 
 POLL_S = 0.01
@@ -41,11 +41,13 @@ class AdmissionQueue:
         return len(self._waiting)
 
     async def admit(self, request_id: str, num_prompt_tokens: int, max_tokens: int, priority: int = 0,
-                    resumed: bool = False) -> WorkerInfo:
+                    resumed: bool = False, deadline: float | None = None) -> WorkerInfo:
         """The worker that took the request (its reservation is made); waits in the queue if none can yet.
 
         ``resumed``: a request already streaming whose decode worker was lost; it goes ahead of
-        the new requests of its priority and is never refused for a full queue."""
+        the new requests of its priority and is never refused for a full queue. ``deadline``
+        (monotonic): the request's own; reaching it raises RequestTimeout. (A deadline, not
+        ``asyncio.wait_for``: a cancellation landing inside a redis-py call can be lost.)"""
         reserve = (request_id, num_prompt_tokens, max_tokens)
         if not self._waiting:
             worker = await self.router.reserve(*reserve)
@@ -56,15 +58,19 @@ class AdmissionQueue:
                              "retry later", code="queue_full")
         ticket = (priority, next(self._arrivals) - (RESUMED_FIRST if resumed else 0))
         bisect.insort(self._waiting, ticket)
-        deadline = time.monotonic() + self.queue_timeout_s
+        queue_deadline = time.monotonic() + self.queue_timeout_s
+        request_deadline = float("inf") if deadline is None else deadline
         try:
             while True:
                 if self._waiting[0] == ticket:
                     worker = await self.router.reserve(*reserve)
                     if worker is not None:
                         return worker
-                remaining_s = deadline - time.monotonic()
-                if remaining_s <= 0:
+                now = time.monotonic()
+                if now >= request_deadline:
+                    raise RequestTimeout("request timed out waiting for room on a decode worker")
+                remaining_s = min(queue_deadline, request_deadline) - now
+                if queue_deadline <= now:
                     raise ServerBusy(f"no decode worker had room within {self.queue_timeout_s:g} s; retry later",
                                      code="queue_timeout")
                 await asyncio.sleep(min(self.poll_s, remaining_s))

@@ -28,7 +28,6 @@ recorded.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from collections.abc import AsyncIterator
@@ -213,15 +212,11 @@ class Generation:
         self._queue = service.mux.register(self._wire_id)
         assembler.forget_pending()  # only tokens already released count; the rest is regenerated
         inp, done = self.input, len(self.output_token_ids)
-        remaining_s = self._deadline - time.monotonic()
         try:
             # charged as the worker will hold it: prompt + the tokens it recomputes, then the rest
-            worker = await asyncio.wait_for(service.admission.admit(
+            worker = await service.admission.admit(
                 self._wire_id, len(inp.prompt_token_ids) + done, max(inp.max_tokens - done, 1), inp.priority,
-                resumed=True),
-                timeout=max(remaining_s, 0.001))
-        except asyncio.TimeoutError:
-            raise RequestTimeout("request timed out while moving to another decode worker") from None
+                resumed=True, deadline=self._deadline)
         except (NoWorkerAvailable, ServerBusy) as exc:
             raise WorkerLost(f"the decode worker serving this request stopped responding and no other "
                              f"could take it: {exc}") from None
