@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from typing import NamedTuple
 
 import redis
 import torch
@@ -38,6 +39,15 @@ from engine.sampler import sample_async
 from kvtransfer import KVPoll, KVReceiver, get_transport
 
 log = structlog.get_logger(__name__)
+
+
+class _InFlight(NamedTuple):
+    """The decode step on the device."""
+
+    batch: list[DecodeRequest]
+    tokens: torch.Tensor  # on the host once ``ready`` has completed
+    ready: "torch.cuda.Event | None"  # None: the tokens are there already (CPU)
+    launched_at: float
 
 PEER_CHECK_INTERVAL_S = 0.5
 RECONCILE_INTERVAL_S = 5.0  # how often admission entries of requests never seen are looked for
@@ -89,8 +99,7 @@ class DecodeWorker:
         self._peers_checked_at = 0.0
         self._round_robin = 0
         self.stats = StepStats(self.role)
-        # the step on the device: (batch, its tokens (on the host once ``ready``), ready event, launch time)
-        self._in_flight = None
+        self._in_flight: _InFlight | None = None
         self._collected_at = time.perf_counter()
         self._handoff_seq = 0
         self._held_aborts: list[str] = []  # aborts of requests whose step was on the device
@@ -170,7 +179,7 @@ class DecodeWorker:
             elif isinstance(msg, PrefillDone):
                 self._on_prefill_done(msg)
             elif isinstance(msg, AbortRequest):
-                if self._in_flight is not None and any(r.request_id == msg.request_id for r in self._in_flight[0]):
+                if self._in_flight is not None and any(r.request_id == msg.request_id for r in self._in_flight.batch):
                     self._held_aborts.append(msg.request_id)  # its step is on the device: next turn
                 else:
                     self._abort(msg.request_id)
@@ -319,7 +328,7 @@ class DecodeWorker:
                 ready = torch.cuda.Event()
                 ready.record()
                 tokens = host
-            self._in_flight = (batch, tokens, ready, launched)
+            self._in_flight = _InFlight(batch, tokens, ready, launched)
         except Exception as exc:
             self._engine_failed(exc)
 
@@ -328,18 +337,18 @@ class DecodeWorker:
         if self._in_flight is None:
             self._collected_at = time.perf_counter()  # an idle turn is not a step's time
             return []
-        (batch, tokens, ready, launched), self._in_flight = self._in_flight, None
+        step, self._in_flight = self._in_flight, None
         try:
-            if ready is not None:
-                ready.synchronize()
-            token_ids = tokens.tolist()
+            if step.ready is not None:
+                step.ready.synchronize()
+            token_ids = step.tokens.tolist()
         except Exception as exc:
             self._engine_failed(exc)
             return []
         now = time.perf_counter()
-        self.stats.record(len(batch), now - launched, now - self._collected_at)
+        self.stats.record(len(step.batch), now - step.launched_at, now - self._collected_at)
         self._collected_at = now
-        return self.scheduler.on_step(batch, token_ids)
+        return self.scheduler.on_step(step.batch, token_ids)
 
     def _engine_failed(self, exc: Exception) -> None:
         """On an engine error every running request fails (and frees its blocks)."""

@@ -107,33 +107,40 @@ class Generation:
         assembler = TokenAssembler()
         try:
             while True:
-                events = read_queued_events(self._queue, deadline=self._deadline, worker_alive=self._worker_alive)
                 try:
-                    async for event in events:
-                        if self._first_token_at is None:
-                            self._on_first_event(event.num_cached_tokens)
-                        new_token_ids = assembler.add(event)
-                        if assembler.finish_reason == "error":
-                            self._worker_done = True
-                            raise WorkerFailed(f"the request failed on a worker: {assembler.error or 'unknown error'}")
-                        delta = self._advance(new_token_ids, assembler.finish_reason)
-                        if delta is not None:
-                            yield delta
-                        if self.finish_reason is not None:
-                            return
+                    async for delta in self._deltas_from_worker(assembler):
+                        yield delta
+                    return
                 except WorkerLost:
                     self._let_go()  # the lost worker: its room back and, if it was only slow, an abort
                     if self._failovers >= MAX_FAILOVERS:
                         raise
                     await self._fail_over(assembler)
-                finally:
-                    await events.aclose()
         except Exception as exc:
             self._failed = True
             self._abort_reason = "timeout" if isinstance(exc, RequestTimeout) else "gateway error"
             raise
         finally:
             self.close()
+
+    async def _deltas_from_worker(self, assembler: TokenAssembler) -> AsyncIterator[Delta]:
+        """Deltas from the current worker's events until the request ends; raises WorkerLost."""
+        events = read_queued_events(self._queue, deadline=self._deadline, worker_alive=self._worker_alive)
+        try:
+            async for event in events:
+                if self._first_token_at is None:
+                    self._on_first_event(event.num_cached_tokens)
+                new_token_ids = assembler.add(event)
+                if assembler.finish_reason == "error":
+                    self._worker_done = True
+                    raise WorkerFailed(f"the request failed on a worker: {assembler.error or 'unknown error'}")
+                delta = self._advance(new_token_ids, assembler.finish_reason)
+                if delta is not None:
+                    yield delta
+                if self.finish_reason is not None:
+                    return
+        finally:
+            await events.aclose()
 
     async def collect(self) -> tuple[str, list[int]]:
         """Run to the end; the whole text and output token ids."""

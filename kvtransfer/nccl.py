@@ -68,13 +68,13 @@ log = structlog.get_logger(__name__)
 
 class NcclTransfer(Transfer):
     def __init__(self, pair: "_SendPair", seq: int, dst_block_ids: list[int], payload: torch.Tensor,
-                 deadline: float):
+                 deadline: float, handoff_id: str | None):
         self.status = ChunkStatus.QUEUED
         self.error: str | None = None
         self.seq, self.dst_block_ids = seq, dst_block_ids
         self.payload = payload  # the gathered [L, 2, n, bs, H, D] as bytes; alive until acked
         self.work = None
-        self.handoff_id: str | None = None
+        self.handoff_id = handoff_id  # the grant the receiving side checks
         self._pair, self._deadline = pair, deadline
 
     def done(self) -> bool:
@@ -137,8 +137,8 @@ class _SendPair:
 
     def add(self, dst_block_ids: list[int], payload: torch.Tensor, handoff_id: str | None) -> NcclTransfer:
         self._next_seq += 1
-        transfer = NcclTransfer(self, self._next_seq, dst_block_ids, payload, time.monotonic() + self.timeout_s)
-        transfer.handoff_id = handoff_id
+        transfer = NcclTransfer(self, self._next_seq, dst_block_ids, payload, time.monotonic() + self.timeout_s,
+                                handoff_id)
         self._queued.append(transfer)
         self.pump()
         return transfer

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 import redis
 import uvicorn
@@ -120,6 +121,14 @@ class ServerThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+TEXT = "Hello world! How are you today?"
+
+
+@pytest.fixture
+def text_ids(tokenizer):
+    return tokenizer.encode(TEXT, add_special_tokens=False)
 
 
 @pytest.fixture
@@ -280,6 +289,10 @@ def fake_worker(redis_url):
     yield start
     for worker in workers:
         worker.stop()
+
+
+def post(server, path, body, **kwargs):
+    return httpx.post(server.url + path, json=body, timeout=kwargs.pop("timeout", 20), **kwargs)
 
 
 def parse_sse(body: str) -> list:

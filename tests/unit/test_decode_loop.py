@@ -148,7 +148,9 @@ def test_an_abort_for_the_step_on_the_device_frees_blocks_only_after_it():
     worker.inbox.read = lambda block_ms=None: [AbortRequest("r1")]
     worker._collect = lambda: []  # the step stays on the device through this turn's inbox read
     worker.inbox.fail = False
-    in_flight = worker._in_flight = ([request], torch.tensor([7]), None, time.perf_counter())
+    from decode.worker import _InFlight
+
+    in_flight = worker._in_flight = _InFlight([request], torch.tensor([7]), None, time.perf_counter())
     worker._handle_messages(worker.inbox.read())
     assert worker._held_aborts == ["r1"] and worker.allocator.num_free == free_before  # blocks kept
     assert not request.abort_requested
