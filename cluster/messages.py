@@ -200,4 +200,5 @@ class WorkerInfo:
     capacity_scheduler_policy: str = ""  # decode: the policy it admits under now
     max_batch_size: int = 0  # decode: most requests it holds admitted (0: no limit)
     num_preemptions: int = 0  # decode: requests paused since it started (monotonic)
+    device: str = ""  # what it computes on, the same string for the same GPU in any process ("" unknown)
     kind: ClassVar[str]

@@ -49,6 +49,7 @@ class Settings:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
     transfer_timeout_s: float = 300.0
+    decode_batch_wait_ms: float = 200.0  # decode sharing its GPU with prefill: longest hold for joiners
     request_timeout_s: float = 600.0
     max_queue_len: int = 1024  # gateway: requests waiting for room on a decode worker, then 429
     queue_timeout_s: float = 60.0  # gateway: longest wait for room, then 429
@@ -88,6 +89,7 @@ class Settings:
             _check(self.max_tokens_in_paged_kv_cache >= self.max_seq_len,
                    f"--max-tokens-in-paged-kv-cache {self.max_tokens_in_paged_kv_cache} cannot hold one "
                    f"sequence of --max-seq-len {self.max_seq_len}")
+        _check(self.decode_batch_wait_ms >= 0, f"--decode-batch-wait-ms must be >= 0, got {self.decode_batch_wait_ms}")
         _check(self.max_queue_len >= 0, f"--max-queue-len must be >= 0, got {self.max_queue_len}")
         _check(self.queue_timeout_s >= 0, f"--queue-timeout-s must be >= 0, got {self.queue_timeout_s}")
         _check(self.capacity_scheduler_policy in CAPACITY_POLICIES,
@@ -152,6 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     a("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
     a("--heartbeat-ttl-s", type=float, default=d.heartbeat_ttl_s)
     a("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
+    a("--decode-batch-wait-ms", type=float, default=d.decode_batch_wait_ms,
+      help="a decode worker sharing its GPU with a prefill worker holds a step up to this long while "
+           "requests in prefill would grow its batch by a quarter or more (0: never hold)")
     a("--log-level", default=d.log_level)
     if serving:
         a("--host", default=d.host)

@@ -29,11 +29,12 @@ from cluster.registry import Heartbeat, live_workers
 from cluster.request_state import RequestStatus
 from cluster.settings import Settings
 from cluster.step_stats import StepStats
+from decode.batch_wait import BatchWait, shares_gpu
 from decode.request import DecodeRequest
 from decode.scheduler import DecodeScheduler
 from engine.attention import SeqChunk
 from engine.block_allocator import BlockAllocator
-from engine.placement import build_runner, resolve_device, resolve_transport
+from engine.placement import build_runner, device_identity, resolve_device, resolve_transport
 from engine.prefix_cache import block_hashes, num_reusable_blocks
 from engine.sampler import sample_async
 from kvtransfer import KVPoll, KVReceiver, get_transport
@@ -50,6 +51,7 @@ class _InFlight(NamedTuple):
     launched_at: float
 
 PEER_CHECK_INTERVAL_S = 0.5
+HOLD_POLL_MS = 2  # inbox wait per turn while a step is held (decode.batch_wait)
 RECONCILE_INTERVAL_S = 5.0  # how often admission entries of requests never seen are looked for
 
 
@@ -95,6 +97,8 @@ class DecodeWorker:
             settings.redis_url, self.info, settings.heartbeat_interval_s, settings.heartbeat_ttl_s
         )
         self._started_at = time.time()
+        self._device_identity = device_identity(self.runner.device)
+        self.batch_wait = BatchWait(settings.decode_batch_wait_ms / 1000.0, settings.max_batch_size)
         self._prefill_workers: list[WorkerInfo] = []
         self._peers_checked_at = 0.0
         self._round_robin = 0
@@ -124,18 +128,21 @@ class DecodeWorker:
         for request_id in held:
             self._abort(request_id)
         self.scheduler.set_policy(self.policies.refresh().capacity_scheduler_policy)
-        batch = self.scheduler.schedule_decode()
+        held = self.batch_wait.hold(self.scheduler.num_running, len(self.scheduler.prefilling), time.monotonic())
+        batch = [] if held else self.scheduler.schedule_decode()
         if batch:
             self._launch(batch)
         self.outbox.flush()  # in order: what an outage kept back, then this step's tokens
         idle = not batch and not events and not self._busy()
-        self._handle_messages(self.inbox.read(block_ms=20 if idle else None))
+        # holding: wait on the inbox a little (a PrefillDone ends the wait early) instead of spinning
+        self._handle_messages(self.inbox.read(block_ms=20 if idle else HOLD_POLL_MS if held else None))
         self._refresh_peers()
         self._dispatch_prefills()
         self._check_handoffs()
         self._release_admissions()
         self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
-                             waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free)
+                             waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free,
+                             holds=self.batch_wait.num_holds)
 
     def serve(self, stop) -> None:
         self.heartbeat.start()
@@ -157,6 +164,7 @@ class DecodeWorker:
             capacity_scheduler_policy=self.scheduler.policy.name,
             max_batch_size=self.settings.max_batch_size,
             num_preemptions=self.scheduler.num_preemptions,
+            device=self._device_identity,
         )
 
     # ---- helpers --------------------------------------------------------------------
@@ -212,6 +220,7 @@ class DecodeWorker:
             return
         self._peers_checked_at = now
         self._prefill_workers = live_workers(self.redis, "prefill")
+        self.batch_wait.shared = shares_gpu(self._device_identity, self._prefill_workers)
         alive = {w.worker_id for w in self._prefill_workers}
         for request in list(self.scheduler.prefilling.values()):
             lost = request.prefill_worker_id

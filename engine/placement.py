@@ -21,6 +21,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def device_identity(device: torch.device) -> str:
+    """The same string for the same device in any process of this host, whatever
+    CUDA_VISIBLE_DEVICES each has: the GPU's UUID, or "cpu"."""
+    if device.type != "cuda":
+        return "cpu"
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"cuda-{uuid}" if uuid is not None else ""
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -29,7 +29,7 @@ from cluster.step_stats import StepStats
 from engine.attention import SeqChunk
 from engine.block_allocator import BlockAllocator
 from engine.warmup import warm_up_prefill
-from engine.placement import build_runner, resolve_transport
+from engine.placement import build_runner, device_identity, resolve_transport
 from engine.prefix_cache import PrefixCache
 from engine.sampler import sample
 from kvtransfer import KVPoll, KVSender, get_transport
@@ -82,6 +82,7 @@ class PrefillWorker:
         )
         self._connections: dict[str, object] = {}  # decode endpoint path -> Connection
         self._started_at = time.time()
+        self._device_identity = device_identity(self.runner.device)
         self.stats = StepStats(self.role)
 
     # ---- the loop -------------------------------------------------------------------
@@ -121,6 +122,7 @@ class PrefillWorker:
             num_free_blocks=self.prefix_cache.num_available,  # cached blocks nobody holds count as free
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
+            device=self._device_identity,
         )
 
     # ---- helpers --------------------------------------------------------------------

@@ -12,6 +12,7 @@ from cluster.messages import FIELD, GenerateRequest, decode
 from cluster.outputs import Outbox
 from cluster.sampling import SamplingParams
 from cluster.step_stats import StepStats
+from decode.batch_wait import BatchWait
 from decode.request import DecodeRequest
 from decode.scheduler import DecodeScheduler
 from decode.worker import DecodeWorker
@@ -69,6 +70,7 @@ def _worker():
     worker.stats = StepStats("decode", 1e9)
     worker._in_flight, worker._collected_at, worker._handoff_seq = None, time.perf_counter(), 0
     worker._held_aborts = []
+    worker.batch_wait = BatchWait(0.2, 4)
     for name in ("_refresh_peers", "_dispatch_prefills", "_check_handoffs", "_release_admissions"):
         setattr(worker, name, lambda: None)
     return worker
@@ -160,3 +162,28 @@ def test_an_abort_for_the_step_on_the_device_frees_blocks_only_after_it():
     worker.step()
     assert "r1" not in worker.scheduler.requests and worker._held_aborts == []
     assert worker.allocator.num_free == worker.allocator.num_total
+
+
+def test_a_step_sharing_the_gpu_waits_for_requests_in_prefill_but_not_past_the_limit():
+    from decode.worker import HOLD_POLL_MS
+
+    worker = _worker()
+    worker.batch_wait = BatchWait(0.05, 4)
+    worker.batch_wait.shared = True  # a prefill worker computes on the same GPU
+    request = _running(worker, "r1", max_tokens=50)
+    joining = DecodeRequest(spec=GenerateRequest(
+        request_id="r2", prompt_token_ids=[1, 2], sampling=SamplingParams(temperature=0.0), max_tokens=8, reply_to="gw"))
+    worker.scheduler.add(joining)
+    worker.scheduler.waiting.remove(joining)
+    worker.scheduler.reserve(joining)  # its prefill is under way
+    worker.step()
+    assert worker._in_flight is None and worker.inbox.reads[-1] == HOLD_POLL_MS  # held: waits on the inbox
+    assert len(request.output_token_ids) == 1
+    time.sleep(0.06)
+    worker.step()  # held long enough: the step goes without the joiner
+    assert worker._in_flight is not None and [r.request_id for r in worker._in_flight.batch] == ["r1"]
+    worker.step()  # collects it; held again
+    assert len(request.output_token_ids) == 2 and worker._in_flight is None
+    worker.scheduler.on_prefill_done(joining, 5, None)  # the joiner arrives: nothing left to wait for
+    worker.step()
+    assert [r.request_id for r in worker._in_flight.batch] == ["r1", "r2"]

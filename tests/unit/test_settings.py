@@ -29,6 +29,7 @@ def model_dir(tmp_path_factory):
         (dict(tokens_per_block=16, max_num_tokens=8), "max-num-tokens"),
         (dict(max_seq_len=256, max_tokens_in_paged_kv_cache=128), "max-tokens-in-paged-kv-cache"),
         (dict(max_batch_size=0), "max-batch-size"),
+        (dict(decode_batch_wait_ms=-5), "decode-batch-wait-ms"),
     ],
 )
 def test_inconsistent_limits_are_rejected_with_the_flag_named(model_dir, overrides, message):

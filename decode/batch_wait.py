@@ -1,0 +1,60 @@
+"""When a decode step waits for the requests in prefill to join its batch.
+
+Where the decode worker shares its GPU with a prefill worker, the two
+processes' kernels do not run at once: the GPU gives them turns. A decode step
+taken during a prefill forward delays that forward (and the first token of
+every request in it) by about its own length, while it advances only the few
+requests already decoding; the same step a little later carries the requests
+now in prefill too, for about the same cost (a decode step reads all the
+weights whatever its batch). So while the batch would grow by at least
+``min_growth`` of itself from requests already in prefill, the step is held,
+for at most ``max_wait_s`` at a time: a running stream's gap between tokens
+grows by at most that much, and the prefill runs alone on the GPU meanwhile.
+
+With a GPU of its own (nccl between GPUs), or on the CPU, where the processes
+run on different cores, a held step would only delay: the worker does not
+hold (``shared`` is False).
+"""
+
+from __future__ import annotations
+
+import os
+
+MIN_GROWTH = 0.25  # hold while the requests in prefill would grow the batch by >= this fraction
+
+
+class BatchWait:
+    def __init__(self, max_wait_s: float, max_batch_size: int, min_growth: float = MIN_GROWTH):
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
+        self.max_wait_s = max_wait_s
+        self.max_batch_size = max_batch_size
+        self.min_growth = min_growth
+        self.shared = False  # the GPU is shared with a prefill worker (the worker keeps this current)
+        self._since: float | None = None  # when the current hold began
+        self.num_holds = 0  # holds begun since the start (monotonic; for stats)
+
+    def hold(self, num_running: int, num_prefilling: int, now: float) -> bool:
+        """True: skip the step this turn. ``num_prefilling``: requests whose prefill is under way."""
+        joining = min(num_prefilling, self.max_batch_size - num_running)
+        if not self.shared or self.max_wait_s == 0 or num_running == 0 or joining < self.min_growth * num_running:
+            self._since = None
+            return False
+        if self._since is None:
+            self._since = now
+            self.num_holds += 1
+        if now - self._since >= self.max_wait_s:
+            self._since = None  # this step goes; the next one may be held again
+            return False
+        return True
+
+    @property
+    def holding(self) -> bool:
+        return self._since is not None
+
+
+def shares_gpu(device: str, prefill_workers) -> bool:
+    """Whether one of ``prefill_workers`` computes on this host's GPU ``device``
+    (``engine.placement.device_identity`` strings)."""
+    host = os.uname().nodename
+    return device.startswith("cuda") and any(w.host == host and w.device == device for w in prefill_workers)
