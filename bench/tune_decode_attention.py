@@ -20,14 +20,17 @@ import torch
 
 from bench.timing import ceilings, median_ms
 from kernels import reference
+from kernels import decode_attention
 from kernels.decode_attention import _launch_decode_attention
 
 SHAPES = {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}  # q heads, kv heads (head_dim 128)
-CASES = [(1, 256), (1, 2048), (64, 256), (128, 416)]
-GRID = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)))
+# (batch, context, scattered): scattered block tables are a long-running pool's; in order, a fresh one's
+CASES = [(1, 256, True), (1, 2048, True), (64, 256, True), (128, 416, True), (128, 416, False)]
+# (BLOCK_N, num_warps, num_stages, num_splits, heads_first); first the rule, in both grid orders
+GRID = list(itertools.product((32, 64), (4,), (2, 3, 4), (1, 2, 4), (True, False)))
 
 
-def run_case(name, batch, context, copy_bw):
+def run_case(name, batch, context, scattered, copy_bw):
     hq, hkv = SHAPES[name]
     block_size, d = 16, 128
     blocks_per_seq = -(-context // block_size)
@@ -35,7 +38,8 @@ def run_case(name, batch, context, copy_bw):
     k = torch.randn(num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-    perm = torch.randperm(num_blocks - 8, device="cuda")[: batch * blocks_per_seq].to(torch.int32)
+    perm = torch.randperm(num_blocks - 8, device="cuda") if scattered else torch.arange(num_blocks - 8, device="cuda")
+    perm = perm[: batch * blocks_per_seq].to(torch.int32)
     tables = perm.view(batch, blocks_per_seq).contiguous()
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     scale = d**-0.5
@@ -43,9 +47,13 @@ def run_case(name, batch, context, copy_bw):
     out = torch.empty_like(q)
     kv_bytes = 2 * batch * context * hkv * d * 2
     rows = []
-    for config in [None] + GRID:
+    for config in [None, "rule-seqs-first"] + GRID:
         try:
-            fn = lambda: _launch_decode_attention(q, k, v, tables, lens, out, scale, None, None, config)  # noqa: E731
+            launch_config = config
+            if config == "rule-seqs-first":  # the shape rule's tiles, sequences as the fastest grid axis
+                launch_config = decode_attention._tile_config(d, q.dtype) + (
+                    decode_attention.num_kv_splits(batch, hkv, blocks_per_seq * block_size, q.device), False)
+            fn = lambda: _launch_decode_attention(q, k, v, tables, lens, out, scale, None, None, launch_config)  # noqa: E731
             out.fill_(float("nan"))
             fn()
             if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
@@ -55,8 +63,9 @@ def run_case(name, batch, context, copy_bw):
             continue
         rows.append({"config": config, "us": ms * 1e3, "bw_fraction": kv_bytes / (ms / 1e3) / copy_bw})
     rule = next(r for r in rows if r["config"] is None)
+    seqs_first = next((r for r in rows if r["config"] == "rule-seqs-first"), None)
     best = min(rows, key=lambda r: r["us"])
-    return {"model": name, "batch": batch, "context": context, "rule": rule, "best": best,
+    return {"model": name, "batch": batch, "context": context, "scattered": scattered, "rule": rule, "rule_seqs_first": seqs_first, "best": best,
             "top5": sorted(rows, key=lambda r: r["us"])[:5]}
 
 
@@ -67,11 +76,12 @@ def main() -> int:
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
     results = []
     for name in SHAPES:
-        for batch, context in CASES:
-            r = run_case(name, batch, context, copy_bw)
+        for batch, context, scattered in CASES:
+            r = run_case(name, batch, context, scattered, copy_bw)
             results.append(r)
-            print(f"{name:10s} b{batch:<4d} ctx{context:<5d} rule {r['rule']['us']:8.1f} us "
-                  f"({r['rule']['bw_fraction']:.2f})  best {r['best']['us']:8.1f} us "
+            print(f"{name:10s} b{batch:<4d} ctx{context:<5d} {'scattered' if scattered else 'in-order '} rule {r['rule']['us']:8.1f} us "
+                  f"({r['rule']['bw_fraction']:.2f})  seqs-first {r['rule_seqs_first']['us']:8.1f} us "
+                  f"({r['rule_seqs_first']['bw_fraction']:.2f})  best {r['best']['us']:8.1f} us "
                   f"({r['best']['bw_fraction']:.2f}) {r['best']['config']}", flush=True)
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

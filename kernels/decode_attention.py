@@ -1,12 +1,14 @@
 """Paged decode attention: split-KV (flash-decoding) with GQA grouping.
 
-Phase 1, grid (num_seqs, num_kv_heads, num_splits): one program takes all
+Phase 1, grid (num_kv_heads, num_seqs, num_splits): one program takes all
 GROUP query heads that share one KV head, so each key/value is read once per
 group, and attends them to an equal share of the sequence's visible keys
 (its last sliding_window keys, or all of them). It writes a partial result
 per split: the normalized output and log2-sum-exp. Phase 2, grid (num_seqs,
 num_q_heads), merges the splits. With one split, phase 1 writes the output
-directly and phase 2 is skipped.
+directly and phase 2 is skipped. The KV head is the grid's fastest axis, so
+the programs running at one time read the heads of the same tokens: the
+cache's [block, slot, head, dim] layout puts them side by side in memory.
 
 CUDA-graph safe: the number of splits comes from shapes only (batch size,
 heads, block_tables.shape[1] * block_size), each sequence's share is computed
@@ -30,6 +32,7 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128  # below this the merge costs more than it saves
 PROGRAMS_PER_SM = 3  # splits are added until the grid is about this many waves (tuned on an H200)
+HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention compares both)
 
 
 @triton.jit
@@ -44,6 +47,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -51,8 +55,12 @@ def _decode_partial_kernel(
         partial_out[h, j] = sum_p 2^(s_p - m) v[p] / sum_p 2^(s_p - m)
         partial_lse[h, j] = m + log2(sum_p 2^(s_p - m))       (-inf if P_j is empty)
     """
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # programs launched together read neighbouring heads of the same tokens
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1).to(tl.int64)
+    else:
+        seq = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     if HAS_WINDOW:
@@ -178,8 +186,9 @@ def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
-                             config: tuple[int, int, int, int] | None = None):
-    """``config``: (BLOCK_N, num_warps, num_stages, num_splits) instead of the shape rules (tuning only)."""
+                             config: tuple | None = None):
+    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first]) instead of the
+    shape rules (tuning only)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2 >= 16"
@@ -199,8 +208,10 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         max_context_len = min(max_context_len, sliding_window)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
     block_n, num_warps, num_stages = _tile_config(head_dim, q.dtype)
+    heads_first = HEADS_FIRST
     if config is not None:
-        block_n, num_warps, num_stages, num_splits = config
+        block_n, num_warps, num_stages, num_splits, *rest = config
+        heads_first = rest[0] if rest else heads_first
     direct = num_splits == 1
     if direct:
         partial_out = partial_lse = out  # unused
@@ -214,7 +225,8 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         assert partial_out.device == q.device and partial_out.dtype == partial_lse.dtype == torch.float32
         po_strides = partial_out.stride()[:3]
         pl_strides = partial_lse.stride()[:2]
-    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
+    _decode_partial_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, out,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -224,7 +236,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=upcast_bf16_dot(q.dtype),
+        DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
