@@ -78,10 +78,10 @@ def hf_continuous_batching(name: str) -> float:
         torch.cuda.empty_cache()
 
 
-def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int) -> dict:
+def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, serve_args: list[str]) -> dict:
     serve_cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model_path, "--port", str(port),
                  "--max-batch-size", "128", "--max-num-tokens", "8192", "--max-seq-len", "1024",
-                 "--max-input-len", "768", "--log-level", "info"]
+                 "--max-input-len", "768", "--log-level", "info", *serve_args]
     log = open(os.path.join(out_dir, "cluster.log"), "w")
     cluster = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
                                env={**os.environ, "TANDEM_STATS_INTERVAL_S": "1"})
@@ -114,13 +114,14 @@ def main() -> int:
     parser.add_argument("--checkpoint", default="/tmp/tandem-bench-ckpt")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--serve-args", default="", help="more `tandem serve` flags, e.g. '--decode-batch-wait-ms 0'")
     parser.add_argument("--label", default="mixed_128req", help="workload name in the rows (say, for a two-GPU run)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cluster_mixed.json"))
     args = parser.parse_args()
     name = args.model_shape
     path = write_checkpoint(name, args.checkpoint)
     torch.cuda.empty_cache()
-    result = serve_and_load(path, os.path.dirname(os.path.abspath(args.out)), args.port, args.num_prompts)
+    result = serve_and_load(path, os.path.dirname(os.path.abspath(args.out)), args.port, args.num_prompts, args.serve_args.split())
     metrics = result.get("metrics", result)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, indent=1))
     tok_s = metrics.get("output_throughput")
