@@ -2,7 +2,7 @@
 
 The registry (``tandem:worker:<role>:*``, one key per live worker, TTL =
 heartbeat) is read at most every ``CACHE_TTL_S`` per role and shared by all
-requests; concurrent readers wait for one refresh. The snapshot stays as the
+requests; concurrent readers share one read and wake together. The snapshot stays as the
 workers reported it (metrics republish it).
 
 A request goes to a decode worker only with an admission reservation on it
@@ -16,6 +16,7 @@ reservation back when the request leaves it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import redis.asyncio as aioredis
@@ -62,7 +63,7 @@ class Router:
         self._client = client
         self._cache_ttl_s = cache_ttl_s
         self._cache: dict[str, tuple[float, list[WorkerInfo]]] = {}
-        self._locks = {role: asyncio.Lock() for role in ROLES}
+        self._refreshing: dict[str, asyncio.Future] = {}  # role -> the registry read in flight
         self._reserve = client.register_script(RESERVE_LUA)
         self._release = client.register_script(RELEASE_LUA)
 
@@ -71,10 +72,26 @@ class Router:
         max_age_s = self._cache_ttl_s if max_age_s is None else max_age_s
         if self._is_fresh(role, max_age_s):
             return self._cache[role][1]
-        async with self._locks[role]:
-            if not self._is_fresh(role, max_age_s):  # someone else may have refreshed meanwhile
-                self._cache[role] = (time.monotonic(), await live_workers(self._client, role))
-        return self._cache[role][1]
+        refresh = self._refreshing.get(role)
+        if refresh is None:
+            refresh = asyncio.ensure_future(self._refresh(role))
+            self._refreshing[role] = refresh
+            refresh.add_done_callback(functools.partial(self._refreshed, role))
+        # every caller awaits the same read and all wake together (a lock would hand the fresh
+        # snapshot from waiter to waiter, one event-loop turn each, while later arrivals overtake
+        # them); shielded: a caller that goes away does not cancel the others' read
+        return await asyncio.shield(refresh)
+
+    async def _refresh(self, role: str) -> list[WorkerInfo]:
+        started = time.monotonic()
+        workers = await live_workers(self._client, role)
+        self._cache[role] = (started, workers)
+        return workers
+
+    def _refreshed(self, role: str, refresh: asyncio.Future) -> None:
+        self._refreshing.pop(role, None)
+        if not refresh.cancelled():
+            refresh.exception()  # marked retrieved: each waiter raises it too
 
     def cached(self, role: str) -> list[WorkerInfo]:
         """The last snapshot, whatever its age (for metrics)."""
