@@ -33,6 +33,7 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         service.mux.start()
+        await service.prepare()
         yield
         await service.close()
 

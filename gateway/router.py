@@ -117,6 +117,13 @@ class Router:
         index = int(await self._reserve(keys=script_keys, args=args))
         return workers[index] if index >= 0 else None
 
+    async def load_scripts(self) -> None:
+        """Put the admission scripts in Redis's script cache. Without this the first burst of
+        requests each get NOSCRIPT and load them again: extra round trips that put the first
+        arrivals behind later ones."""
+        for script in (self._reserve, self._release):
+            await self._client.script_load(script.script)
+
     async def release(self, worker_id: str, request_id: str) -> None:
         """Give a reservation back (a submission that failed); a no-op if there is none."""
         await self._release(keys=[keys.admitted(worker_id), keys.reserved_tokens(worker_id)], args=[request_id])

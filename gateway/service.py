@@ -118,6 +118,14 @@ class GatewayService:
             self.spawn(self.router.release(worker.worker_id, wire_id))
             raise
 
+    async def prepare(self) -> None:
+        """At startup: Redis's side of admission ready before the first request (if Redis is
+        down the gateway starts anyway; redis-py loads the scripts on first use then)."""
+        try:
+            await self.router.load_scripts()
+        except Exception as exc:  # any Redis failure: health reports it
+            log.warning("could not load the admission scripts at startup", error=str(exc))
+
     # ---- cluster state --------------------------------------------------------------
     async def health(self) -> tuple[bool, dict]:
         """(healthy, report): Redis answers and at least one decode and one prefill worker is alive."""
