@@ -6,6 +6,7 @@ body, sending it and timing its chunks into a :class:`RequestResult`, and the
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import math
 import time
@@ -77,62 +78,24 @@ def build_payload(cfg: BenchConfig, spec: RequestSpec) -> dict[str, Any]:
 async def _stream_request(
     client: httpx.AsyncClient, cfg: BenchConfig, spec: RequestSpec, res: RequestResult
 ) -> None:
-    """Send one streaming request, filling ``res`` as chunks arrive."""
+    """Send one streaming request and fill ``res``.
+
+    While the stream runs, each network read is only stored with its arrival time;
+    the events are decoded after the stream ends, each timed by the read that
+    completed it. A client that parsed JSON per chunk fell behind a server streaming
+    ~10k chunks/s and measured its own lag."""
     payload = build_payload(cfg, spec)
     t0 = time.perf_counter()
-    last = t0
-    text: list[str] = []
+    reads: list[tuple[float, bytes]] = []
     async with client.stream("POST", cfg.url, json=payload, headers=cfg.headers()) as resp:
         if resp.status_code != 200:
             res.error = http_error_text(resp.status_code, await resp.aread())
             res.latency = time.perf_counter() - t0
             return
-        decoder = SSEDecoder()
-        done = False
-
-        def handle(data: str) -> bool:
-            """Returns True at the end of the stream."""
-            nonlocal last
-            now = time.perf_counter()
-            if data.strip() == DONE:
-                return True
-            for obj in decode_payload(data):
-                if not isinstance(obj, dict):
-                    continue
-                msg = error_message(obj)
-                if msg is not None:
-                    raise _StreamError(msg)
-                content = chunk_content(obj, cfg.chat)
-                if content:
-                    if res.ttft is None:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    res.content_chunks += 1
-                    if cfg.keep_text:
-                        text.append(content)
-                for choice in obj.get("choices") or ():
-                    if isinstance(choice, dict) and choice.get("finish_reason"):
-                        res.finish_reason = str(choice["finish_reason"])
-                usage = obj.get("usage")
-                if isinstance(usage, dict):
-                    if usage.get("completion_tokens") is not None:
-                        res.usage_output_tokens = int(usage["completion_tokens"])
-                    if usage.get("prompt_tokens") is not None:
-                        res.usage_prompt_tokens = int(usage["prompt_tokens"])
-            return False
-
-        async for line in resp.aiter_lines():
-            for data in decoder.feed(line):
-                done = handle(data) or done
-            if done:
-                break
-        if not done:
-            for data in decoder.flush():
-                handle(data)
+        async for raw in resp.aiter_bytes():
+            reads.append((time.perf_counter(), raw))
     res.latency = time.perf_counter() - t0
-    res.generated_text = "".join(text)
+    _replay(cfg, reads, t0, res)
     res.output_tokens = (
         res.usage_output_tokens if res.usage_output_tokens is not None else res.content_chunks
     )
@@ -140,6 +103,65 @@ async def _stream_request(
         res.error = "stream ended without any generated content"
         return
     res.success = True
+
+
+def _replay(cfg: BenchConfig, reads: list[tuple[float, bytes]], t0: float, res: RequestResult) -> None:
+    """Decode the stream's events from its reads into ``res`` (chunk times from the reads)."""
+    text: list[str] = []
+    decoder = SSEDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    last = t0
+    pending = ""
+
+    def handle(data: str, now: float) -> bool:
+        """Returns True at the end of the stream."""
+        nonlocal last
+        if data.strip() == DONE:
+            return True
+        for obj in decode_payload(data):
+            if not isinstance(obj, dict):
+                continue
+            msg = error_message(obj)
+            if msg is not None:
+                raise _StreamError(msg)
+            content = chunk_content(obj, cfg.chat)
+            if content:
+                if res.ttft is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+                res.content_chunks += 1
+                if cfg.keep_text:
+                    text.append(content)
+            for choice in obj.get("choices") or ():
+                if isinstance(choice, dict) and choice.get("finish_reason"):
+                    res.finish_reason = str(choice["finish_reason"])
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                if usage.get("completion_tokens") is not None:
+                    res.usage_output_tokens = int(usage["completion_tokens"])
+                if usage.get("prompt_tokens") is not None:
+                    res.usage_prompt_tokens = int(usage["prompt_tokens"])
+        return False
+
+    try:
+        for now, raw in reads:
+            pending += utf8.decode(raw)
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                for data in decoder.feed(line):
+                    if handle(data, now):
+                        return
+        now = reads[-1][0] if reads else t0
+        for line in (pending + utf8.decode(b"", final=True)).split("\n"):
+            for data in decoder.feed(line):
+                if handle(data, now):
+                    return
+        for data in decoder.flush():
+            handle(data, now)
+    finally:
+        res.generated_text = "".join(text)
 
 
 class _StreamError(Exception):

@@ -62,3 +62,26 @@ def test_chunk_content_and_errors():
     assert sse.http_error_text(400, b'{"error": {"message": "too long"}}') == "HTTP 400: too long"
     assert sse.http_error_text(502, b"Bad Gateway") == "HTTP 502: Bad Gateway"
     assert sse.http_error_text(500, b"") == "HTTP 500: (empty body)"
+
+
+def test_replayed_reads_time_each_event_by_the_read_that_completed_it():
+    """The client stores raw reads while streaming and decodes them afterwards: events split
+    across reads (even inside a multi-byte character) count when their last byte arrived."""
+    import json
+
+    from bench.serve_metrics import RequestResult
+    from bench.serve_request import BenchConfig, _replay
+
+    def event(obj):
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+    first = event({"choices": [{"text": "héllo"}]})
+    second = event({"choices": [{"text": " wörld", "finish_reason": "length"}]})
+    usage = event({"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 3}})
+    cut = first.index("é".encode()) + 1  # inside the two bytes of é
+    reads = [(10.0, first[:cut]), (10.5, first[cut:] + second[:7]), (11.25, second[7:] + usage + b"data: [DONE]\n\n")]
+    res = RequestResult(0, 3, 2)
+    _replay(BenchConfig(base_url="http://x", keep_text=True), reads, 9.0, res)
+    assert res.ttft == 1.5 and res.itl == [0.75]
+    assert res.generated_text == "héllo wörld" and res.content_chunks == 2
+    assert res.finish_reason == "length" and res.usage_output_tokens == 2 and res.usage_prompt_tokens == 3
