@@ -31,8 +31,6 @@ CASES = [(64, 256, True), (128, 416, True), (128, 416, False)]
 INNER = 10  # launches back to back per timing: the GPU time, not the Python launch, is measured
 # (BLOCK_N, num_warps, num_stages, num_splits, heads_first); first the rule, in both grid orders
 GRID = list(itertools.product((32, 64), (4,), (2, 3), (1, 2), (True,)))
-# models without GQA also try the MHA kernel: ("mha", heads per program, BLOCK_N, warps, stages, splits)
-MHA_GRID = [("mha",) + c for c in itertools.product((1, 2, 4), (16, 32, 64), (4, 8), (2, 3), (1,))]
 
 
 def run_case(name, batch, context, scattered, copy_bw):
@@ -52,7 +50,7 @@ def run_case(name, batch, context, scattered, copy_bw):
     out = torch.empty_like(q)
     kv_bytes = 2 * batch * context * hkv * d * 2
     rows = []
-    for config in [None, "rule-seqs-first"] + GRID + (MHA_GRID if hq == hkv else []):
+    for config in [None, "rule-seqs-first"] + GRID:
         try:
             launch_config = config
             if config == "rule-seqs-first":  # the shape rule's tiles, sequences as the fastest grid axis
@@ -70,10 +68,7 @@ def run_case(name, batch, context, scattered, copy_bw):
     rule = next(r for r in rows if r["config"] is None)
     seqs_first = next((r for r in rows if r["config"] == "rule-seqs-first"), None)
     best = min(rows, key=lambda r: r["us"])
-    mha = [r for r in rows if isinstance(r["config"], tuple) and r["config"][0] == "mha"]
-    best_mha = min(mha, key=lambda r: r["us"]) if mha else None
     return {"model": name, "batch": batch, "context": context, "scattered": scattered, "rule": rule, "rule_seqs_first": seqs_first, "best": best,
-            "best_mha": best_mha,
             "top5": sorted(rows, key=lambda r: r["us"])[:5]}
 
 
@@ -90,9 +85,7 @@ def main() -> int:
             print(f"{name:10s} b{batch:<4d} ctx{context:<5d} {'scattered' if scattered else 'in-order '} rule {r['rule']['us']:8.1f} us "
                   f"({r['rule']['bw_fraction']:.2f})  seqs-first {r['rule_seqs_first']['us']:8.1f} us "
                   f"({r['rule_seqs_first']['bw_fraction']:.2f})  best {r['best']['us']:8.1f} us "
-                  f"({r['best']['bw_fraction']:.2f}) {r['best']['config']}"
-                  + (f"  best mha {r['best_mha']['us']:8.1f} us ({r['best_mha']['bw_fraction']:.2f}) "
-                     f"{r['best_mha']['config']}" if r["best_mha"] else ""), flush=True)
+                  f"({r['best']['bw_fraction']:.2f}) {r['best']['config']}", flush=True)
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
     return 0

@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention_mha import heads_per_program, launch_split_phase_mha
 from kernels.dot import dot, upcast_bf16_dot
 
 LOG2E = 1.4426950408889634
@@ -34,7 +33,6 @@ MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128  # below this the merge costs more than it saves
 PROGRAMS_PER_SM = 3  # splits are added until the grid is about this many waves (tuned on an H200)
 HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention compares both)
-MHA_TILES = None  # GROUP == 1: (heads per program, BLOCK_N, num_warps, num_stages) of the MHA kernel; None: the dot kernel
 
 
 @triton.jit
@@ -189,9 +187,8 @@ def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
 
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
                              config: tuple | None = None):
-    """``config`` instead of the shape rules (tuning only): (BLOCK_N, num_warps, num_stages,
-    num_splits[, heads_first]), or ("mha", heads per program, BLOCK_N, num_warps, num_stages,
-    num_splits) for the MHA kernel."""
+    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first]) instead of the
+    shape rules (tuning only)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2 >= 16"
@@ -210,12 +207,11 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     if sliding_window is not None:
         max_context_len = min(max_context_len, sliding_window)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
-    tiles = _tile_config(head_dim, q.dtype) + (HEADS_FIRST,)
-    mha = MHA_TILES if group == 1 else None  # (heads per program, BLOCK_N, num_warps, num_stages)
-    if config is not None and config[0] == "mha":
-        mha, num_splits = config[1:5], config[5]
-    elif config is not None:
-        tiles, num_splits, mha = config[:3] + (config[4] if len(config) > 4 else HEADS_FIRST,), config[3], None
+    block_n, num_warps, num_stages = _tile_config(head_dim, q.dtype)
+    heads_first = HEADS_FIRST
+    if config is not None:
+        block_n, num_warps, num_stages, num_splits, *rest = config
+        heads_first = rest[0] if rest else heads_first
     direct = num_splits == 1
     if direct:
         partial_out = partial_lse = out  # unused
@@ -229,27 +225,20 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         assert partial_out.device == q.device and partial_out.dtype == partial_lse.dtype == torch.float32
         po_strides = partial_out.stride()[:3]
         pl_strides = partial_lse.stride()[:2]
-    buffers = (q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, out)
-    if mha is not None:
-        heads, block_n, num_warps, num_stages = mha
-        launch_split_phase_mha(*buffers, po_strides, pl_strides, scale * LOG2E, sliding_window, num_splits,
-                               direct, heads_per_program(num_kv_heads, heads), block_n, num_warps, num_stages)
-    else:
-        block_n, num_warps, num_stages, heads_first = tiles
-        grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
-        _decode_partial_kernel[grid](
-            *buffers,
-            q.stride(0), q.stride(1), block_tables.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            *po_strides, *pl_strides, out.stride(0), out.stride(1),
-            scale * LOG2E, sliding_window or 0, block_size, num_splits,
-            GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
-            DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first,
-            num_warps=num_warps, num_stages=num_stages,
-        )
+    grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
+    _decode_partial_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, out,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *po_strides, *pl_strides, out.stride(0), out.stride(1),
+        scale * LOG2E, sliding_window or 0, block_size, num_splits,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
+        DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first,
+        num_warps=num_warps, num_stages=num_stages,
+    )
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             partial_out, partial_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),

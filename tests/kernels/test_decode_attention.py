@@ -60,27 +60,6 @@ def test_nan_in_the_cache_is_not_hidden(monkeypatch, num_splits):
     assert not out[0].isnan().any() and out[1].isnan().all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [1, 2, 4])
-@pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_mha_kernel_matches_reference(monkeypatch, dtype, heads, window, num_splits):
-    """The kernel for models without GQA, HEADS neighbouring heads per program."""
-    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "MHA_TILES", (heads, 16, 4, 2))
-    seq_lens = [1, 70, 33, 0, 130]
-    inputs = _inputs(seq_lens, 4, 4, 64, 8, dtype)
-    out = decode_attention(*inputs, 64**-0.5, window)
-    assert_close(out, _expected(*inputs, 64**-0.5, window), dtype, ATTN_SCALE[dtype])
-
-
-def test_mha_heads_per_program_divide_the_heads():
-    from kernels.decode_attention_mha import heads_per_program
-
-    assert [heads_per_program(32, w) for w in (1, 2, 3, 4, 8)] == [1, 2, 2, 4, 8]
-    assert heads_per_program(6, 4) == 2 and heads_per_program(5, 4) == 1
-
-
 def test_num_splits_depends_on_shapes_only():
     cpu = torch.device("cpu")
     assert decode_module.num_kv_splits(1, 8, 100, cpu) == 1  # short context: one split
@@ -93,9 +72,7 @@ def test_num_splits_depends_on_shapes_only():
 @pytest.mark.parametrize("num_kv_heads", [8, 32])
 @pytest.mark.parametrize("window", [None, 1024])
 @pytest.mark.parametrize("num_seqs", [1, 7, 64])
-@pytest.mark.parametrize("mha_tiles", [None, (2, 32, 4, 2)])
-def test_gpu_real_shapes_bf16(monkeypatch, num_kv_heads, window, num_seqs, mha_tiles):
-    monkeypatch.setattr(decode_module, "MHA_TILES", mha_tiles)  # used by the 32-KV-head (MHA) shape
+def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs):
     torch.manual_seed(num_seqs)
     seq_lens = torch.randint(1, 8193, (num_seqs,)).tolist()
     seq_lens[0] = 8192
