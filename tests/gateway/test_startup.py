@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from conftest import ServerThread, make_settings
+import httpx
+from conftest import ServerThread, free_port, make_settings
 
 from cluster.admission import RELEASE_LUA, RESERVE_LUA
 from gateway.app import create_app
@@ -18,10 +19,6 @@ def test_the_admission_scripts_are_in_redis_before_the_first_request(model_dir, 
 
 
 def test_the_gateway_starts_without_redis_and_says_so_on_health(model_dir, tokenizer):
-    import httpx
-
-    from conftest import free_port
-
     settings = make_settings(model_dir, f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     with ServerThread(create_app(settings, tokenizer=tokenizer)) as server:
         response = httpx.get(server.url + "/health", timeout=10)
