@@ -78,7 +78,8 @@ def hf_continuous_batching(name: str) -> float:
         torch.cuda.empty_cache()
 
 
-def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, serve_args: list[str]) -> dict:
+def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, serve_args: list[str],
+                   client_processes: int = 1) -> dict:
     serve_cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model_path, "--port", str(port),
                  "--max-batch-size", "128", "--max-num-tokens", "8192", "--max-seq-len", "1024",
                  "--max-input-len", "768", "--log-level", "info", *serve_args]
@@ -95,7 +96,7 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, s
         load_cmd = [sys.executable, "-m", "bench.serve", "--base-url", f"http://127.0.0.1:{port}",
                     "--num-prompts", str(num_prompts), "--input-len-range", "64:511", "--output-len", "256",
                     "--request-rate", "inf", "--seed", "0", "--min-token-id", "3", "--max-token-id", "499",
-                    "--result-json", result_json, "--no-progress"]
+                    "--result-json", result_json, "--no-progress", "--num-processes", str(client_processes)]
         subprocess.run(load_cmd, check=True, timeout=600)
         with open(result_json) as f:
             return json.load(f)
@@ -115,13 +116,16 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--serve-args", default="", help="more `tandem serve` flags, e.g. '--decode-batch-wait-ms 0'")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="bench.serve --num-processes (one Python client can lag behind ~10k chunks/s)")
     parser.add_argument("--label", default="mixed_128req", help="workload name in the rows (say, for a two-GPU run)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cluster_mixed.json"))
     args = parser.parse_args()
     name = args.model_shape
     path = write_checkpoint(name, args.checkpoint)
     torch.cuda.empty_cache()
-    result = serve_and_load(path, os.path.dirname(os.path.abspath(args.out)), args.port, args.num_prompts, args.serve_args.split())
+    result = serve_and_load(path, os.path.dirname(os.path.abspath(args.out)), args.port, args.num_prompts, args.serve_args.split(),
+                            args.client_processes)
     metrics = result.get("metrics", result)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, indent=1))
     tok_s = metrics.get("output_throughput")

@@ -43,6 +43,7 @@ from bench.datasets import RequestSpec, arrival_offsets, parse_range, synthetic_
 from bench.serve_metrics import RequestResult, compute_metrics, parse_goodput, parse_percentiles
 from bench.serve_report import format_report, json_safe, request_row
 from bench.serve_request import ENDPOINT_PATHS, BenchConfig, api_root, fetch_model, send_request
+from bench.serve_shards import run_in_processes
 
 __all__ = [
     "BenchConfig", "BenchState", "add_arguments", "build_parser", "compute_metrics",
@@ -74,14 +75,19 @@ async def run_benchmark(
     specs: Sequence[RequestSpec],
     state: BenchState | None = None,
     stop: asyncio.Event | None = None,
+    offsets: Sequence[float] | None = None,
+    start_at: float | None = None,
 ) -> BenchState:
     """Send ``specs`` at ``cfg.request_rate`` (gamma arrivals) with at most
     ``cfg.max_concurrency`` in flight. Setting ``stop`` (Ctrl-C does, when this
     runs in the main thread) stops sending, cancels what is in flight and returns
-    the partial state with ``interrupted`` set."""
+    the partial state with ``interrupted`` set. ``offsets`` (arrival times from the
+    start) and ``start_at`` (a ``time.perf_counter()`` value, the same clock in every
+    process of the host) let several processes share one schedule."""
     state = state if state is not None else BenchState()
     stop = stop if stop is not None else asyncio.Event()
-    offsets = arrival_offsets(len(specs), cfg.request_rate, cfg.burstiness, cfg.seed)
+    if offsets is None:
+        offsets = arrival_offsets(len(specs), cfg.request_rate, cfg.burstiness, cfg.seed)
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.request_timeout)
@@ -135,8 +141,10 @@ async def run_benchmark(
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
+        if start_at is not None:
+            await asyncio.sleep(max(start_at - time.perf_counter(), 0.0))
         progress_task = asyncio.create_task(_progress(state, len(specs))) if cfg.progress else None
-        state.start = time.perf_counter()
+        state.start = start_at if start_at is not None else time.perf_counter()
         run_task = asyncio.create_task(dispatch())
         stop_task = asyncio.create_task(stop.wait())
         try:
@@ -230,6 +238,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="at most this many requests in flight")
     g.add_argument("--request-timeout", type=_positive_float, default=600.0,
                    help="seconds allowed for one whole request (default 600)")
+    g.add_argument("--num-processes", type=_positive_int, default=1,
+                   help="client processes sharing the schedule, for servers that stream more chunks "
+                        "than one Python process reads (--max-concurrency is split between them; "
+                        "Ctrl-C discards the results)")
 
     g = parser.add_argument_group("synthetic prompts")
     x = g.add_mutually_exclusive_group()
@@ -339,7 +351,10 @@ def main(args: argparse.Namespace) -> int:
 
     state = BenchState()
     try:
-        _run(run_benchmark(cfg, specs, state))
+        if args.num_processes > 1:
+            state = run_in_processes(cfg, specs, args.num_processes)
+        else:
+            _run(run_benchmark(cfg, specs, state))
     except KeyboardInterrupt:
         # No signal handler could be installed (or a second Ctrl-C): report what we have.
         state.interrupted = True

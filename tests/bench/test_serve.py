@@ -310,3 +310,22 @@ def test_ctrl_c_prints_partial_results(server, tmp_path):
     assert m["interrupted"] is True and m["completed"] >= 2
     assert m["incomplete"] >= 1 and m["completed"] + m["failed"] + m["incomplete"] == 40
     assert sum(r["finished"] for r in doc["requests"]) == m["completed"] + m["failed"]
+
+
+def test_several_client_processes_share_one_schedule(server, tmp_path):
+    url, state = server
+    out = tmp_path / "r.json"
+    n, rate, seed = 12, 40.0, 3
+    rc = _run(["--base-url", url, "--num-prompts", str(n), "--num-processes", "3", "--request-rate", str(rate),
+               "--seed", str(seed), "--input-len", "8", "--output-len", "4", "--result-json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    m, rows = doc["metrics"], doc["requests"]
+    assert (m["completed"], m["failed"]) == (n, 0) and len(state["bodies"]) == n
+    assert sorted(r["index"] for r in rows) == list(range(n))  # every request once, merged in order
+    assert all(r["output_tokens"] == 4 and len(r["itl_ms"]) == 3 for r in rows)
+    # each request left no earlier than its arrival time on the shared clock
+    offsets = arrival_offsets(n, rate, 1.0, seed)
+    assert all(r["start_s"] >= o - 0.005 for r, o in zip(rows, offsets))
+    assert m["duration_s"] >= offsets[-1] + TTFT_S
+    assert TTFT_S * 0.9 <= m["ttft_ms"]["median"] / 1e3 <= TTFT_S + 0.25
