@@ -39,6 +39,7 @@ log = structlog.get_logger(__name__)
 MAX_REDIS_CONNECTIONS = 4096
 REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_POOL_WAIT_S = 30.0
+STARTUP_WAIT_S = REDIS_CONNECT_TIMEOUT_S  # longest startup waits for the admission scripts to load
 
 
 def make_redis(url: str) -> aioredis.Redis:
@@ -120,7 +121,17 @@ class GatewayService:
 
     async def prepare(self) -> None:
         """At startup: Redis's side of admission ready before the first request (if Redis is
-        down the gateway starts anyway; redis-py loads the scripts on first use then)."""
+        down the gateway starts anyway; redis-py loads the scripts on first use then).
+
+        Waits at most STARTUP_WAIT_S: a Redis that accepts connections but does not answer
+        would hold the load for the read timeout and its retry (over 20 s). The load goes on
+        in the background then; it is not cancelled (redis-py may swallow a cancellation)."""
+        loading = self.spawn(self._load_scripts())
+        await asyncio.wait({loading}, timeout=STARTUP_WAIT_S)
+        if not loading.done():
+            log.warning("admission scripts not loaded yet, starting anyway", wait_s=STARTUP_WAIT_S)
+
+    async def _load_scripts(self) -> None:
         try:
             await self.router.load_scripts()
         except Exception as exc:  # any Redis failure: health reports it
@@ -159,11 +170,12 @@ class GatewayService:
         }
 
     # ---- plumbing -------------------------------------------------------------------
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run ``coro`` to completion even if the request that started it is cancelled."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._on_background_done)
+        return task
 
     def _on_background_done(self, task: asyncio.Task) -> None:
         self._background.discard(task)
