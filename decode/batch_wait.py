@@ -10,6 +10,8 @@ weights whatever its batch). So while the batch would grow by at least
 ``min_growth`` of itself from requests already in prefill, the step is held,
 for at most ``max_wait_s`` at a time: a running stream's gap between tokens
 grows by at most that much, and the prefill runs alone on the GPU meanwhile.
+Only prefills dispatched in the last JOIN_HORIZON_S and not aborted count as
+joining: one stuck until its transfer timeout must not slow the batch for long.
 
 With a GPU of its own (nccl between GPUs), or on the CPU, where the processes
 run on different cores, a held step would only delay: the worker does not
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 
 MIN_GROWTH = 0.25  # hold while the requests in prefill would grow the batch by >= this fraction
+JOIN_HORIZON_S = 2.0  # a prefill dispatched longer ago than this (stuck, or deep in a queue) is not waited for
 
 
 class BatchWait:
@@ -47,6 +50,14 @@ class BatchWait:
             self._since = None  # this step goes; the next one may be held again
             return False
         return True
+
+    @staticmethod
+    def num_joining(prefilling, now: float) -> int:
+        """Requests in prefill that may join soon: dispatched within JOIN_HORIZON_S and not aborted
+        (an aborted one only waits for its PrefillDone; a handoff stuck until its timeout is not
+        worth a slowed batch)."""
+        return sum(1 for r in prefilling if not r.abort_requested and r.dispatched_at is not None
+                   and now - r.dispatched_at < JOIN_HORIZON_S)
 
     @property
     def holding(self) -> bool:

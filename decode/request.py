@@ -20,6 +20,7 @@ class DecodeRequest:
     prefill_worker_id: str | None = None
     receiver: object | None = None  # kvtransfer.KVReceiver while PREFILLING
     handoff_id: str | None = None  # the current dispatch's grant on our pool while PREFILLING
+    dispatched_at: float | None = None  # time.monotonic() of the current dispatch to a prefill worker
     abort_requested: bool = False
     finish_reason: str | None = None
     admitted_seq: int | None = None  # order of first admission (later = preempted first)

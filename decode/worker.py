@@ -128,7 +128,9 @@ class DecodeWorker:
         for request_id in held:
             self._abort(request_id)
         self.scheduler.set_policy(self.policies.refresh().capacity_scheduler_policy)
-        held = self.batch_wait.hold(self.scheduler.num_running, len(self.scheduler.prefilling), time.monotonic())
+        now = time.monotonic()
+        joining = self.batch_wait.num_joining(self.scheduler.prefilling.values(), now)
+        held = self.batch_wait.hold(self.scheduler.num_running, joining, now)
         batch = [] if held else self.scheduler.schedule_decode()
         if batch:
             self._launch(batch)
@@ -252,6 +254,7 @@ class DecodeWorker:
         self._end_handoff(request)  # a re-dispatch: the earlier worker's late chunks are refused
         self._handoff_seq += 1  # per worker: a reused request id never meets an old grant
         request.handoff_id = f"{request.request_id}#{self._handoff_seq}"
+        request.dispatched_at = time.monotonic()
         self.transport.grant(request.handoff_id, request.block_ids)
         if not workers:
             request.receiver.fail("no prefill worker alive")

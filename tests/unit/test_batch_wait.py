@@ -1,11 +1,12 @@
 """decode.batch_wait: when a decode step sharing its GPU with prefill waits for joiners."""
 
+import os
+import types
+
 import pytest
 
-import os
-
 from cluster.messages import WorkerInfo
-from decode.batch_wait import BatchWait, shares_gpu
+from decode.batch_wait import JOIN_HORIZON_S, BatchWait, shares_gpu
 
 
 def _shared(max_wait_s=0.2, max_batch_size=128):
@@ -62,3 +63,17 @@ def test_the_gpu_is_shared_only_with_a_prefill_worker_on_the_same_gpu_of_this_ho
     assert not shares_gpu(gpu, [_prefill(here, "")])  # a worker that does not say
     assert not shares_gpu("cpu", [_prefill(here, "cpu")])  # CPU processes run on different cores
     assert not shares_gpu("", [_prefill(here, "")])
+
+
+def test_only_recent_live_prefills_count_as_joining():
+    def request(dispatched_at, abort_requested=False):
+        return types.SimpleNamespace(dispatched_at=dispatched_at, abort_requested=abort_requested)
+
+    now = 100.0
+    prefilling = [
+        request(now - 0.5),  # under way: joins soon
+        request(now - 0.1, abort_requested=True),  # aborted: only waits for its PrefillDone
+        request(now - JOIN_HORIZON_S - 0.1),  # stuck (or deep in a queue): not waited for
+        request(None),  # not handed to a prefill worker (none alive)
+    ]
+    assert BatchWait.num_joining(prefilling, now) == 1

@@ -176,6 +176,7 @@ def test_a_step_sharing_the_gpu_waits_for_requests_in_prefill_but_not_past_the_l
     worker.scheduler.add(joining)
     worker.scheduler.waiting.remove(joining)
     worker.scheduler.reserve(joining)  # its prefill is under way
+    joining.dispatched_at = time.monotonic()
     worker.step()
     assert worker._in_flight is None and worker.inbox.reads[-1] == HOLD_POLL_MS  # held: waits on the inbox
     assert len(request.output_token_ids) == 1
