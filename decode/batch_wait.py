@@ -20,8 +20,6 @@ hold (``shared`` is False).
 
 from __future__ import annotations
 
-import os
-
 MIN_GROWTH = 0.25  # hold while the requests in prefill would grow the batch by >= this fraction
 JOIN_HORIZON_S = 2.0  # a prefill dispatched longer ago than this (stuck, or deep in a queue) is not waited for
 
@@ -65,7 +63,7 @@ class BatchWait:
 
 
 def shares_gpu(device: str, prefill_workers) -> bool:
-    """Whether one of ``prefill_workers`` computes on this host's GPU ``device``
-    (``engine.placement.device_identity`` strings)."""
-    host = os.uname().nodename
-    return device.startswith("cuda") and any(w.host == host and w.device == device for w in prefill_workers)
+    """Whether one of ``prefill_workers`` computes on the GPU ``device``
+    (``engine.placement.device_identity`` strings: GPU UUIDs, unique across hosts, so
+    containers sharing a GPU under different host names match too)."""
+    return device.startswith("cuda") and any(w.device == device for w in prefill_workers)

@@ -55,11 +55,11 @@ def _prefill(host, device):
                       heartbeat_at=0.0, num_total_blocks=1, num_free_blocks=1, device=device)
 
 
-def test_the_gpu_is_shared_only_with_a_prefill_worker_on_the_same_gpu_of_this_host():
+def test_the_gpu_is_shared_only_with_a_prefill_worker_on_the_same_gpu():
     here, gpu = os.uname().nodename, "cuda-GPU-1234"
     assert shares_gpu(gpu, [_prefill("elsewhere", "cuda-GPU-9"), _prefill(here, gpu)])
     assert not shares_gpu(gpu, [_prefill(here, "cuda-GPU-9")])  # another GPU (nccl)
-    assert not shares_gpu(gpu, [_prefill("elsewhere", gpu)])  # another host
+    assert shares_gpu(gpu, [_prefill("prefill-container", gpu)])  # a container on the same GPU
     assert not shares_gpu(gpu, [_prefill(here, "")])  # a worker that does not say
     assert not shares_gpu("cpu", [_prefill(here, "cpu")])  # CPU processes run on different cores
     assert not shares_gpu("", [_prefill(here, "")])
