@@ -87,10 +87,11 @@ def service_argv(role: str, settings: Settings, worker_id: str | None = None) ->
     return argv
 
 
-def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float,
+                 stop: threading.Event | None = None) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
+        if any(p.poll() is not None for p in procs) or (stop is not None and stop.is_set()):
             return False
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
@@ -102,7 +103,8 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> b
     return False
 
 
-def wait_registered(redis_url: str, role: str, count: int, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+def wait_registered(redis_url: str, role: str, count: int, procs: list[subprocess.Popen], timeout_s: float,
+                    stop: threading.Event | None = None) -> bool:
     import redis
 
     from cluster.registry import live_workers
@@ -110,7 +112,7 @@ def wait_registered(redis_url: str, role: str, count: int, procs: list[subproces
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
+        if any(p.poll() is not None for p in procs) or (stop is not None and stop.is_set()):
             return False
         if len(live_workers(client, role)) >= count:
             return True
@@ -155,13 +157,17 @@ def serve(args: argparse.Namespace) -> int:
                 argv = service_argv(role, worker_settings, f"{role}-{place.index}")
                 procs.append(subprocess.Popen(argv, env={**os.environ, **place.env}))
             if role == "prefill" and not wait_registered(
-                settings.redis_url, "prefill", args.num_prefill_workers, procs, READY_TIMEOUT_S
+                settings.redis_url, "prefill", args.num_prefill_workers, procs, READY_TIMEOUT_S, stop
             ):
+                if stop.is_set():
+                    return 0  # told to stop while starting
                 print("tandem: the prefill workers did not start; stopping", file=sys.stderr)
                 return 1
         procs.append(subprocess.Popen(service_argv("gateway", settings)))
         base = f"http://{settings.host}:{settings.port}"
-        if not wait_healthy(f"{base}/health", procs, READY_TIMEOUT_S):
+        if not wait_healthy(f"{base}/health", procs, READY_TIMEOUT_S, stop):
+            if stop.is_set():
+                return 0
             print("tandem: the cluster did not become healthy; stopping", file=sys.stderr)
             return 1
         print(f"tandem: serving {settings.model_name} at {base}/v1 (redis {settings.redis_url})", flush=True)

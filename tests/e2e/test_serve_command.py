@@ -45,3 +45,32 @@ def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_p
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_while_starting_stops_at_once(tiny_llama, tmp_path):
+    """A stop asked for during start-up (say `docker stop` while the model loads) does not wait
+    for the cluster to become ready first."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", tiny_llama, "--port", str(port),
+         "--tokens-per-block", "4", "--max-seq-len", "256"],
+        stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "wb"), text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:  # redis and a prefill worker
+            time.sleep(0.05)
+        children = _children(proc.pid)
+        assert len(children) >= 2
+        proc.send_signal(signal.SIGTERM)  # the launcher alone, as a service manager does
+        started = time.monotonic()
+        assert proc.wait(30) == 0
+        assert time.monotonic() - started < 15
+        assert "serving" not in proc.stdout.read()
+        time.sleep(0.5)
+        leftovers = [c for c in children if os.path.exists(f"/proc/{c}")
+                     and open(f"/proc/{c}/stat").read().split()[2] != "Z"]
+        assert not leftovers, f"children still running: {leftovers}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
