@@ -43,7 +43,7 @@ from bench.datasets import RequestSpec, arrival_offsets, parse_range, synthetic_
 from bench.serve_metrics import RequestResult, compute_metrics, parse_goodput, parse_percentiles
 from bench.serve_report import format_report, json_safe, request_row
 from bench.serve_request import ENDPOINT_PATHS, BenchConfig, api_root, fetch_model, send_request
-from bench.serve_shards import run_in_processes
+from bench.serve_shards import run_in_processes, run_loop
 
 __all__ = [
     "BenchConfig", "BenchState", "add_arguments", "build_parser", "compute_metrics",
@@ -303,15 +303,6 @@ def _config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[float
     return cfg, parse_percentiles(args.percentiles), parse_goodput(args.goodput)
 
 
-def _run(coro):
-    """The benchmark's event loop: uvloop where installed (less client overhead per chunk)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; print the report, write
     ``--result-json``; return the exit status (see the module docstring)."""
@@ -354,7 +345,7 @@ def main(args: argparse.Namespace) -> int:
         if args.num_processes > 1:
             state = run_in_processes(cfg, specs, args.num_processes)
         else:
-            _run(run_benchmark(cfg, specs, state))
+            run_loop(run_benchmark(cfg, specs, state))
     except KeyboardInterrupt:
         # No signal handler could be installed (or a second Ctrl-C): report what we have.
         state.interrupted = True

@@ -129,7 +129,9 @@ class DecodeWorker:
             self._abort(request_id)
         self.scheduler.set_policy(self.policies.refresh().capacity_scheduler_policy)
         now = time.monotonic()
-        joining = self.batch_wait.num_joining(self.scheduler.prefilling.values(), now)
+        joining = 0  # counted only where a hold can happen: a GPU shared with a prefill worker
+        if self.batch_wait.shared:
+            joining = self.batch_wait.num_joining(self.scheduler.prefilling.values(), now)
         held = self.batch_wait.hold(self.scheduler.num_running, joining, now)
         batch = [] if held else self.scheduler.schedule_decode()
         if batch:

@@ -19,13 +19,28 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_path):
-    port = free_port()
-    proc = subprocess.Popen(
+def _start_serve(tiny_llama: str, port: int, tmp_path) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", tiny_llama, "--port", str(port),
          "--tokens-per-block", "4", "--max-seq-len", "256"],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "wb"), text=True,
     )
+
+
+def _running(pids: list[int], wait_s: float) -> list[int]:
+    """Those of ``pids`` still running (not zombies) after up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        running = [p for p in pids
+                   if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.1)
+
+
+def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_path):
+    port = free_port()
+    proc = _start_serve(tiny_llama, port, tmp_path)
     try:
         line = proc.stdout.readline()  # printed once /health answers 200
         assert f"http://127.0.0.1:{port}/v1" in line, line
@@ -36,11 +51,7 @@ def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_p
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{c}") for c in children):
-            time.sleep(0.1)
-        leftovers = [c for c in children if os.path.exists(f"/proc/{c}")
-                     and open(f"/proc/{c}/stat").read().split()[2] != "Z"]
+        leftovers = _running(children, wait_s=10)
         assert not leftovers, f"children still running: {leftovers}"
     finally:
         if proc.poll() is None:
@@ -51,11 +62,7 @@ def test_sigterm_while_starting_stops_at_once(tiny_llama, tmp_path):
     """A stop asked for during start-up (say `docker stop` while the model loads) does not wait
     for the cluster to become ready first."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", tiny_llama, "--port", str(port),
-         "--tokens-per-block", "4", "--max-seq-len", "256"],
-        stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "wb"), text=True,
-    )
+    proc = _start_serve(tiny_llama, port, tmp_path)
     try:
         deadline = time.monotonic() + 60
         while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:  # redis and a prefill worker
@@ -67,9 +74,7 @@ def test_sigterm_while_starting_stops_at_once(tiny_llama, tmp_path):
         assert proc.wait(30) == 0
         assert time.monotonic() - started < 15
         assert "serving" not in proc.stdout.read()
-        time.sleep(0.5)
-        leftovers = [c for c in children if os.path.exists(f"/proc/{c}")
-                     and open(f"/proc/{c}/stat").read().split()[2] != "Z"]
+        leftovers = _running(children, wait_s=0.5)
         assert not leftovers, f"children still running: {leftovers}"
     finally:
         if proc.poll() is None:
