@@ -17,6 +17,7 @@ from pathlib import Path
 
 CAPACITY_POLICIES = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH")
 CHUNKING_POLICIES = ("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS")
+RUN_AHEAD_MODES = ("auto", "on", "off")
 CPU_DEFAULT_KV_TOKENS = 16384
 
 
@@ -50,6 +51,7 @@ class Settings:
     heartbeat_ttl_s: float = 5.0
     transfer_timeout_s: float = 300.0
     decode_batch_wait_ms: float = 200.0  # decode sharing its GPU with prefill: longest hold for joiners
+    decode_run_ahead: str = "auto"  # launch step N+1 before step N's tokens are read: auto (CUDA), on, off
     request_timeout_s: float = 600.0
     max_queue_len: int = 1024  # gateway: requests waiting for room on a decode worker, then 429
     queue_timeout_s: float = 60.0  # gateway: longest wait for room, then 429
@@ -90,6 +92,8 @@ class Settings:
                    f"--max-tokens-in-paged-kv-cache {self.max_tokens_in_paged_kv_cache} cannot hold one "
                    f"sequence of --max-seq-len {self.max_seq_len}")
         _check(self.decode_batch_wait_ms >= 0, f"--decode-batch-wait-ms must be >= 0, got {self.decode_batch_wait_ms}")
+        _check(self.decode_run_ahead in RUN_AHEAD_MODES,
+               f"--decode-run-ahead must be one of {RUN_AHEAD_MODES}, got {self.decode_run_ahead!r}")
         _check(self.max_queue_len >= 0, f"--max-queue-len must be >= 0, got {self.max_queue_len}")
         _check(self.queue_timeout_s >= 0, f"--queue-timeout-s must be >= 0, got {self.queue_timeout_s}")
         _check(self.capacity_scheduler_policy in CAPACITY_POLICIES,
@@ -157,6 +161,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     a("--decode-batch-wait-ms", type=float, default=d.decode_batch_wait_ms,
       help="a decode worker sharing its GPU with a prefill worker holds a step up to this long while "
            "requests in prefill would grow its batch by a quarter or more (0: never hold)")
+    a("--decode-run-ahead", default=d.decode_run_ahead, choices=RUN_AHEAD_MODES,
+      help="launch each decode step before the previous step's tokens reach the host, feeding them on "
+           "the device (auto: on CUDA; never with a sliding-window model)")
     a("--log-level", default=d.log_level)
     if serving:
         a("--host", default=d.host)

@@ -17,6 +17,7 @@ class DecodeRequest:
     num_released_blocks: int = 0
     spare_block_ids: list[int] = field(default_factory=list)  # released blocks kept for later positions
     output_token_ids: list[int] = field(default_factory=list)
+    num_pending: int = 0  # tokens sampled by the step on the device, not yet in output_token_ids
     prefill_worker_id: str | None = None
     receiver: object | None = None  # kvtransfer.KVReceiver while PREFILLING
     handoff_id: str | None = None  # the current dispatch's grant on our pool while PREFILLING
@@ -37,6 +38,11 @@ class DecodeRequest:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens including those still on the device: the next step writes position this - 1."""
+        return self.num_tokens + self.num_pending
 
     @property
     def is_resuming(self) -> bool:

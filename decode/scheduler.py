@@ -143,26 +143,43 @@ class DecodeScheduler:
 
         Every member gets a block for the token it writes, in ``keep_key`` order;
         when none is free, requests are paused from the other end of that order.
+        The step may be scheduled while the previous one is still on the device
+        (``num_pending``): a request whose pending token ends it by length is left
+        out; one that may stop on its pending token runs, and that row is dropped.
         """
         block_size = self.allocator.block_size
         # only a request that crosses into a new block needs one (about 1 in block_size per step)
-        needy = [r for r in self.running if blocks_for(r.num_tokens, block_size) > len(r.block_ids)]
+        needy = [r for r in self.running if blocks_for(r.num_scheduled_tokens, block_size) > len(r.block_ids)]
         for request in sorted(needy, key=lambda r: r.keep_key):
             if request.status is RequestStatus.DECODING and self._make_room(request):
                 self.grow(request)
-        return self.running[: self.max_batch_size]
+        batch = [r for r in self.running if not (r.num_pending and self._ends_by_length(r))]
+        return batch[: self.max_batch_size]
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step can be scheduled before the one on the device is read:
+        every running request's next block is free now. Otherwise someone would be
+        paused, and its blocks would only come back once the step on the device is read."""
+        return self.num_growth_blocks() <= self.allocator.num_free
+
+    def _ends_by_length(self, request: DecodeRequest) -> bool:
+        """Whether the request's pending tokens bring it to max_tokens or max_seq_len."""
+        num_outputs = len(request.output_token_ids) + request.num_pending
+        return (num_outputs >= request.spec.max_tokens
+                or request.num_scheduled_tokens >= self.max_seq_len)
 
     def can_grow(self, request: DecodeRequest) -> bool:
-        return self.allocator.can_append(request.block_ids, request.num_tokens)
+        return self.allocator.can_append(request.block_ids, request.num_scheduled_tokens)
 
     def grow(self, request: DecodeRequest) -> None:
-        self.allocator.append(request.block_ids, request.num_tokens)
+        self.allocator.append(request.block_ids, request.num_scheduled_tokens)
 
     def pause(self, request: DecodeRequest) -> None:
         """Preempt a running request: its blocks go back; its KV is recomputed when it resumes."""
         self.running.remove(request)
         self._free_blocks(request)
         request.status = RequestStatus.PAUSED
+        request.num_pending = 0  # a token still on the device is dropped: the resume recomputes it
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
@@ -179,13 +196,23 @@ class DecodeScheduler:
     def num_growth_blocks(self) -> int:
         """Blocks the running requests still need for their next step."""
         block_size = self.allocator.block_size
-        return sum(max(blocks_for(r.num_tokens, block_size) - len(r.block_ids), 0) for r in self.running)
+        return sum(max(blocks_for(r.num_scheduled_tokens, block_size) - len(r.block_ids), 0) for r in self.running)
 
-    def on_step(self, batch: list[DecodeRequest], token_ids: list[int]) -> list[tuple[DecodeRequest, int, str | None]]:
-        """Record one step's tokens. Returns (request, output index, finish reason) per request."""
+    def on_step(
+        self, batch: list[DecodeRequest], token_ids: list[int], indices: list[int] | None = None
+    ) -> list[tuple[DecodeRequest, int, str | None]]:
+        """Record one step's tokens. Returns (request, output index, finish reason) per request kept.
+
+        ``indices``: the output index each row sampled, as launched. A row whose request
+        ended or was paused since, or expects another index, is dropped (its step was
+        scheduled before the request's previous token was known).
+        """
         events = []
-        for request, token_id in zip(batch, token_ids):
+        for row, (request, token_id) in enumerate(zip(batch, token_ids)):
             index = len(request.output_token_ids)
+            if indices is not None and (request.status is not RequestStatus.DECODING or indices[row] != index):
+                continue
+            request.num_pending = max(request.num_pending - 1, 0)
             reason = self._append(request, token_id)
             events.append((request, index, reason))
             if reason is not None:

@@ -37,17 +37,19 @@ from engine.block_allocator import BlockAllocator
 from engine.placement import build_runner, device_identity, resolve_device, resolve_transport
 from engine.prefix_cache import block_hashes, num_reusable_blocks
 from engine.sampler import sample_async
+from engine.step_tokens import StepTokens, TokenFeed
 from kvtransfer import KVPoll, KVReceiver, get_transport
 
 log = structlog.get_logger(__name__)
 
 
 class _InFlight(NamedTuple):
-    """The decode step on the device."""
+    """A decode step on the device."""
 
+    step_id: int
     batch: list[DecodeRequest]
-    tokens: torch.Tensor  # on the host once ``ready`` has completed
-    ready: "torch.cuda.Event | None"  # None: the tokens are there already (CPU)
+    indices: list[int]  # the output index each row samples
+    tokens: StepTokens
     launched_at: float
 
 PEER_CHECK_INTERVAL_S = 0.5
@@ -104,38 +106,41 @@ class DecodeWorker:
         self._round_robin = 0
         self.stats = StepStats(self.role)
         self._in_flight: _InFlight | None = None
+        self._step_seq = 0
         self._collected_at = time.perf_counter()
         self._handoff_seq = 0
-        self._held_aborts: list[str] = []  # aborts of requests whose step was on the device
+        self.run_ahead = run_ahead(settings.decode_run_ahead, self.runner.device, self.scheduler)
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
         """One loop turn. The GPU runs step N+1 while this process publishes step N's
-        tokens and does its Redis work: the step is launched before that work, and its
-        tokens are read at the start of the next turn.
+        tokens and does its Redis work. With ``run_ahead`` (CUDA), step N+1 is launched
+        before step N's tokens reach the host, its input tokens taken from step N's on the
+        device (``engine.step_tokens``): the GPU never waits for this turn's host work.
+        Otherwise, or when step N+1 would need to pause a request for room, step N is read
+        first, then step N+1 launched.
 
-        Block ownership: only the turn's start (collect, then the aborts held back, then
-        schedule, where pauses happen) frees blocks of running requests, and it runs while
-        no step is on the device. Everything after the launch, inbox messages included,
-        leaves them alone: an abort for a request of the step in flight is held back to
-        the next turn (finished requests were freed at collect).
+        Block ownership: blocks freed while a step is on the device (a request that
+        ended, was aborted or paused) are held by the allocator until that step is read
+        back, so nothing another process writes can land in a block a step still uses.
         """
-        events = self._collect()
-        # recorded tokens go to the outbox now, sent after the launch: a Redis error
-        # anywhere in this turn must not lose them (the scheduler already has them)
+        policy = self.policies.refresh().capacity_scheduler_policy  # Redis first: an error here loses nothing
+        previous = self._in_flight
+        if self.run_ahead and previous is not None and self.scheduler.can_schedule_ahead():
+            self.scheduler.set_policy(policy)
+            batch, held = self._schedule()
+            if batch:
+                self._launch(batch, previous)
+            events = self._collect(previous)
+        else:
+            events = self._collect(previous)
+            self.scheduler.set_policy(policy)
+            batch, held = self._schedule()
+            if batch:
+                self._launch(batch, None)
+        # recorded tokens go to the outbox now: a Redis error anywhere in this turn
+        # must not lose them (the scheduler already has them)
         self.outbox.keep(self._token_events(events))
-        held, self._held_aborts = self._held_aborts, []
-        for request_id in held:
-            self._abort(request_id)
-        self.scheduler.set_policy(self.policies.refresh().capacity_scheduler_policy)
-        now = time.monotonic()
-        joining = 0  # counted only where a hold can happen: a GPU shared with a prefill worker
-        if self.batch_wait.shared:
-            joining = self.batch_wait.num_joining(self.scheduler.prefilling.values(), now)
-        held = self.batch_wait.hold(self.scheduler.num_running, joining, now)
-        batch = [] if held else self.scheduler.schedule_decode()
-        if batch:
-            self._launch(batch)
         self.outbox.flush()  # in order: what an outage kept back, then this step's tokens
         idle = not batch and not events and not self._busy()
         # holding: wait on the inbox a little (a PrefillDone ends the wait early) instead of spinning
@@ -148,9 +153,19 @@ class DecodeWorker:
                              waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free,
                              holds=self.batch_wait.num_holds)
 
+    def _schedule(self) -> tuple[list[DecodeRequest], bool]:
+        """-> (the next step's batch, whether the step is held for requests in prefill)."""
+        now = time.monotonic()
+        joining = 0  # counted only where a hold can happen: a GPU shared with a prefill worker
+        if self.batch_wait.shared:
+            joining = self.batch_wait.num_joining(self.scheduler.prefilling.values(), now)
+        held = self.batch_wait.hold(self.scheduler.num_running, joining, now)
+        return ([] if held else self.scheduler.schedule_decode()), held
+
     def serve(self, stop) -> None:
         self.heartbeat.start()
-        log.info("decode worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total)
+        log.info("decode worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total,
+                 run_ahead=self.run_ahead)
         try:
             run_steps(self.step, stop)
         finally:
@@ -191,10 +206,7 @@ class DecodeWorker:
             elif isinstance(msg, PrefillDone):
                 self._on_prefill_done(msg)
             elif isinstance(msg, AbortRequest):
-                if self._in_flight is not None and any(r.request_id == msg.request_id for r in self._in_flight.batch):
-                    self._held_aborts.append(msg.request_id)  # its step is on the device: next turn
-                else:
-                    self._abort(msg.request_id)
+                self._abort(msg.request_id)  # blocks a step on the device uses are held until it is read
             else:
                 log.error("unexpected message", kind=msg.kind)
 
@@ -328,41 +340,55 @@ class DecodeWorker:
             if leaked:
                 log.warning("released admissions of requests never received", request_ids=leaked)
 
-    def _launch(self, batch: list[DecodeRequest]) -> None:
-        """Start one decode step on the device; its tokens are read by ``_collect``."""
+    def _launch(self, batch: list[DecodeRequest], previous: _InFlight | None) -> None:
+        """Start one decode step on the device; its tokens are read by ``_collect``.
+
+        A request with a token pending in ``previous`` (still on the device) gets it fed
+        from there; the others feed their last known token.
+        """
         launched = time.perf_counter()
-        chunks = [SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids) for r in batch]
+        rows = {id(r): i for i, r in enumerate(previous.batch)} if previous is not None else {}
+        chunks, feed_rows = [], []
+        for r in batch:
+            if r.num_pending:
+                chunks.append(SeqChunk([0], r.num_tokens, r.block_ids))
+                feed_rows.append(rows[id(r)])
+            else:
+                chunks.append(SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids))
+                feed_rows.append(-1)
+        indices = [len(r.output_token_ids) + r.num_pending for r in batch]
         try:
-            logits = self.runner.forward(chunks)
-            tokens = sample_async(logits, [r.spec.sampling for r in batch], [len(r.output_token_ids) for r in batch])
-            ready = None
-            if tokens.is_cuda:  # copied to pinned memory behind the step; the host reads them next turn
-                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                host.copy_(tokens, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-                tokens = host
-            self._in_flight = _InFlight(batch, tokens, ready, launched)
+            feed = None
+            if previous is not None and any(src >= 0 for src in feed_rows):
+                feed = TokenFeed(previous.tokens.device_tokens, feed_rows)
+            logits = self.runner.forward(chunks, feed)
+            tokens = StepTokens(sample_async(logits, [r.spec.sampling for r in batch], indices))
         except Exception as exc:
             self._engine_failed(exc)
+            return
+        self._step_seq += 1
+        self.allocator.step_launched(self._step_seq)
+        for r in batch:
+            r.num_pending += 1
+        self._in_flight = _InFlight(self._step_seq, batch, indices, tokens, launched)
 
-    def _collect(self) -> list[tuple[DecodeRequest, int, str | None]]:
-        """Tokens of the step in flight (waits for it) -> its events; [] when none is."""
-        if self._in_flight is None:
+    def _collect(self, step: _InFlight | None) -> list[tuple[DecodeRequest, int, str | None]]:
+        """Tokens of ``step`` (waits for it) -> its events; [] when there is none."""
+        if step is None:
             self._collected_at = time.perf_counter()  # an idle turn is not a step's time
             return []
-        step, self._in_flight = self._in_flight, None
+        if self._in_flight is step:
+            self._in_flight = None
         try:
-            if step.ready is not None:
-                step.ready.synchronize()
-            token_ids = step.tokens.tolist()
+            token_ids = step.tokens.wait()
         except Exception as exc:
             self._engine_failed(exc)
             return []
+        self.allocator.step_done(step.step_id)
         now = time.perf_counter()
         self.stats.record(len(step.batch), now - step.launched_at, now - self._collected_at)
         self._collected_at = now
-        return self.scheduler.on_step(step.batch, token_ids)
+        return self.scheduler.on_step(step.batch, token_ids, step.indices)
 
     def _engine_failed(self, exc: Exception) -> None:
         """On an engine error every running request fails (and frees its blocks)."""
@@ -373,6 +399,7 @@ class DecodeWorker:
                 torch.cuda.synchronize(self.runner.device)
             except Exception:  # a sticky device error: nothing runs any more either
                 log.exception("device sync after a failed step")
+        self.allocator.step_done(self._step_seq)  # no step runs any more
         failed = self.scheduler.fail_running(str(exc))
         self._publish([(r, len(r.output_token_ids), "error") for r in failed], error=str(exc))
 
@@ -388,6 +415,16 @@ class DecodeWorker:
             event = TokenEvent(request.request_id, index, new_tokens, reason, error if reason == "error" else None)
             queued.append((request.spec.reply_to, event))
         return queued
+
+
+def run_ahead(mode: str, device: torch.device, scheduler: DecodeScheduler) -> bool:
+    """Whether steps are launched before the previous step's tokens are read ("auto": on CUDA).
+
+    Not with a sliding window: its block recycling follows the tokens known on the host.
+    """
+    if scheduler.window is not None:
+        return False
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def _shm_dir() -> str:

@@ -5,6 +5,12 @@ block can be shared (prefix caching): ``allocate`` hands out blocks with count
 1, ``share`` adds a holder, ``free`` drops one and returns a block to the free
 list when its count reaches zero. Predicates pair with actions:
 ``can_allocate`` / ``allocate``, ``can_append`` / ``append``.
+
+Device steps run behind the host: a block freed while a launched step may still
+read or write it must not be handed out yet (a prefill worker, another process,
+would write it at once). ``step_launched(s)`` marks step ``s`` as on the device;
+blocks freed from then on are held, not free, until ``step_done(s)`` (or a later
+step's) says it finished.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class BlockAllocator:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._held: list[tuple[int, list[int]]] = []  # (step, blocks freed while it was on the device)
+        self._busy_step: int | None = None  # the newest step launched and not known done
 
     @property
     def num_free(self) -> int:
@@ -78,10 +86,37 @@ class BlockAllocator:
             self._ref_counts[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
+        released = []
         for block_id in block_ids:
             count = self._ref_counts[block_id]
             if count <= 0:
                 raise ValueError(f"double free of block {block_id}")
             self._ref_counts[block_id] = count - 1
             if count == 1:
-                self._free.append(block_id)
+                released.append(block_id)
+        if self._busy_step is not None and released:
+            self._held.append((self._busy_step, released))
+        else:
+            self._free.extend(released)
+
+    # ---- device steps in flight -----------------------------------------------------
+    def step_launched(self, step: int) -> None:
+        """Step ``step`` (increasing ids) is on the device: blocks freed from now on wait for it."""
+        self._busy_step = step
+
+    def step_done(self, step: int) -> None:
+        """Step ``step`` and every one before it finished: the blocks they held back are free."""
+        keep = []
+        for tag, block_ids in self._held:
+            if tag <= step:
+                self._free.extend(block_ids)
+            else:
+                keep.append((tag, block_ids))
+        self._held = keep
+        if self._busy_step is not None and self._busy_step <= step:
+            self._busy_step = None
+
+    @property
+    def num_held(self) -> int:
+        """Blocks freed but waiting for a step on the device."""
+        return sum(len(block_ids) for _, block_ids in self._held)

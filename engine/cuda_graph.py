@@ -11,6 +11,9 @@ eagerly. All graphs share one memory pool, captured largest first.
 Block-table rows are written into pinned host memory through a numpy view and
 copied in one strided copy covering only the columns this batch uses: stale
 entries beyond a row's length are never read (the kernels stop at seq_len).
+The pinned staging is double-buffered: steps run back to back (``TokenFeed``),
+so the host fills one buffer while the previous step's copies may still be
+queued from the other; an event guards each buffer's reuse.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, SeqChunk
+from engine.step_tokens import TokenFeed, gather_fed
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -43,13 +47,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
-        # pinned host staging: rows 0-2 = input ids, positions, slots (int64); seq_lens separately
-        self._host_vec = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)
-        self._host_seq_lens = torch.ones(n, dtype=torch.int32, pin_memory=True)
-        self._host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=True)
-        self._vec_np = self._host_vec.numpy()
-        self._seq_lens_np = self._host_seq_lens.numpy()
-        self._tables_np = self._host_tables.numpy()
+        self.feed_src = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self._staging = [_Staging(n, self.max_blocks), _Staging(n, self.max_blocks)]
+        self._turn = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._capture_all()
@@ -60,12 +60,15 @@ class DecodeGraphs:
             and all(len(c.token_ids) == 1 and len(c.block_ids) <= self.max_blocks for c in chunks)
         )
 
-    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """-> [B, vocab] fp32 logits; writes each sequence's new K/V."""
+    def forward(self, chunks: list[SeqChunk], feed: TokenFeed | None = None) -> torch.Tensor:
+        """-> [B, vocab] fp32 logits; writes each sequence's new K/V. ``feed``: see ``ModelRunner.forward``."""
         num_seqs = len(chunks)
         bucket = next(b for b in self.buckets if b >= num_seqs)
         block_size = self.runner.block_size
-        vec, lens, tables = self._vec_np, self._seq_lens_np, self._tables_np
+        stage = self._staging[self._turn]
+        self._turn ^= 1
+        stage.reusable()
+        vec, lens, tables = stage.vec_np, stage.seq_lens_np, stage.tables_np
         width = 1
         for i, chunk in enumerate(chunks):
             pos = chunk.num_computed
@@ -81,11 +84,18 @@ class DecodeGraphs:
         vec[2, num_seqs:bucket] = -1
         lens[num_seqs:bucket] = 1
         tables[num_seqs:bucket, :width] = 0
-        self.input_ids[:bucket].copy_(self._host_vec[0, :bucket], non_blocking=True)
-        self.positions[:bucket].copy_(self._host_vec[1, :bucket], non_blocking=True)
-        self.slot_mapping[:bucket].copy_(self._host_vec[2, :bucket], non_blocking=True)
-        self.seq_lens[:bucket].copy_(self._host_seq_lens[:bucket], non_blocking=True)
-        self.block_tables[:bucket, :width].copy_(self._host_tables[:bucket, :width], non_blocking=True)
+        host_vec = stage.vec
+        self.input_ids[:bucket].copy_(host_vec[0, :bucket], non_blocking=True)
+        self.positions[:bucket].copy_(host_vec[1, :bucket], non_blocking=True)
+        self.slot_mapping[:bucket].copy_(host_vec[2, :bucket], non_blocking=True)
+        self.seq_lens[:bucket].copy_(stage.seq_lens[:bucket], non_blocking=True)
+        self.block_tables[:bucket, :width].copy_(stage.tables[:bucket, :width], non_blocking=True)
+        if feed is not None:
+            vec[3, :num_seqs] = feed.rows
+            vec[3, num_seqs:bucket] = -1
+            self.feed_src[:bucket].copy_(host_vec[3, :bucket], non_blocking=True)
+            gather_fed(self.input_ids[:bucket], self.feed_src[:bucket], feed.tokens)
+        stage.copied()
         self._graphs[bucket].replay()
         # a copy: the static buffer is overwritten by the next replay
         return self._logits[bucket][:num_seqs].clone()
@@ -124,3 +134,24 @@ class DecodeGraphs:
                 self._logits[bucket] = self._step(bucket)
             self._graphs[bucket] = graph
         torch.cuda.synchronize()
+
+
+class _Staging:
+    """Pinned host inputs of one step: rows 0-3 of ``vec`` = input ids, positions, slots,
+    feed sources (int64); seq_lens and block tables apart (int32)."""
+
+    def __init__(self, n: int, max_blocks: int):
+        self.vec = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, pin_memory=True)
+        self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, pin_memory=True)
+        self.vec_np, self.seq_lens_np, self.tables_np = self.vec.numpy(), self.seq_lens.numpy(), self.tables.numpy()
+        self._copied: torch.cuda.Event | None = None
+
+    def reusable(self) -> None:
+        """Wait until the copies that last read this buffer have run (at once in steady state)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def copied(self) -> None:
+        self._copied = torch.cuda.Event()
+        self._copied.record()

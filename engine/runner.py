@@ -14,6 +14,7 @@ import torch
 from engine.attention import SeqChunk, build_input_ids, build_metadata
 from engine.kv_cache import KVCachePool
 from engine.loader import load_model
+from engine.step_tokens import TokenFeed, gather_fed
 
 
 class ModelRunner:
@@ -64,15 +65,28 @@ class ModelRunner:
         return self.cos_sin_cache.shape[0]
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """-> [B, vocab] fp32 logits of each chunk's last new token; writes the chunks' K/V."""
+    def forward(self, chunks: list[SeqChunk], feed: TokenFeed | None = None) -> torch.Tensor:
+        """-> [B, vocab] fp32 logits of each chunk's last new token; writes the chunks' K/V.
+
+        ``feed`` (decode steps, one token per chunk): rows whose input token is one the
+        previous step sampled on the device; their chunks' own token ids are ignored.
+        """
+        if feed is not None:
+            feed.check(len(chunks))
+            if any(len(chunk.token_ids) != 1 for chunk in chunks):
+                raise ValueError("a token feed needs one new token per chunk (a decode step)")
+            if feed.tokens.device.type != self.device.type:
+                raise ValueError(f"fed tokens are on {feed.tokens.device}, the model on {self.device}")
         if self.graphs is not None and self.graphs.can_run(chunks):
-            return self.graphs.forward(chunks)
+            return self.graphs.forward(chunks, feed)
         meta = build_metadata(chunks, self.block_size, self.device)  # validates the chunks
         longest = max(chunk.seq_len for chunk in chunks)
         if longest > self.max_position:
             raise ValueError(f"a sequence reaches {longest} tokens, beyond the rotary table's {self.max_position}")
         input_ids = build_input_ids(chunks, self.device)
+        if feed is not None:
+            src = torch.tensor(feed.rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            gather_fed(input_ids, src, feed.tokens)
         hidden = self.model(input_ids, meta.positions, self.kv_pool, meta)  # [T, hidden]
         return self.model.compute_logits(hidden[meta.logits_indices])  # [B, vocab]
 

@@ -12,9 +12,10 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
-    # small blocks and a small prefill budget so prompts span several chunks and blocks
+    # small blocks and a small prefill budget so prompts span several chunks and blocks;
+    # decode steps run ahead (each launched before the previous one is read), as on a GPU
     c = LocalCluster(tiny_llama, str(tmp_path_factory.mktemp("logs")), tokens_per_block=4,
-                     max_num_tokens=16, max_seq_len=256, max_input_len=200).start()
+                     max_num_tokens=16, max_seq_len=256, max_input_len=200, decode_run_ahead="on").start()
     yield c
     c.stop()
 

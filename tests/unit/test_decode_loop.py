@@ -22,7 +22,14 @@ from engine.block_allocator import BlockAllocator
 class _Runner:
     device = torch.device("cpu")
 
-    def forward(self, chunks):
+    def __init__(self):
+        self.calls = []  # (positions, input tokens) per step, fed tokens resolved
+
+    def forward(self, chunks, feed=None):
+        tokens = [c.token_ids[0] for c in chunks]
+        if feed is not None:
+            tokens = [t if src < 0 else int(feed.tokens[src]) for t, src in zip(tokens, feed.rows)]
+        self.calls.append(([c.num_computed for c in chunks], tokens))
         return torch.zeros(len(chunks), 10).index_fill_(1, torch.tensor([7]), 1.0)  # always token 7
 
 
@@ -58,8 +65,9 @@ class _Redis:
         return Pipe()
 
 
-def _worker():
+def _worker(run_ahead=False):
     worker = object.__new__(DecodeWorker)
+    worker.run_ahead = run_ahead
     worker.allocator = BlockAllocator(64, 4)
     worker.scheduler = DecodeScheduler(worker.allocator, max_batch_size=4, max_seq_len=64, eos_token_ids=[2])
     worker.runner, worker.inbox = _Runner(), _Inbox()
@@ -68,16 +76,15 @@ def _worker():
     worker.policies = types.SimpleNamespace(
         refresh=lambda: types.SimpleNamespace(capacity_scheduler_policy=worker.scheduler.policy.name))
     worker.stats = StepStats("decode", 1e9)
-    worker._in_flight, worker._collected_at, worker._handoff_seq = None, time.perf_counter(), 0
-    worker._held_aborts = []
+    worker._in_flight, worker._collected_at, worker._handoff_seq, worker._step_seq = None, time.perf_counter(), 0, 0
     worker.batch_wait = BatchWait(0.2, 4)
     for name in ("_refresh_peers", "_dispatch_prefills", "_check_handoffs", "_release_admissions"):
         setattr(worker, name, lambda: None)
     return worker
 
 
-def _running(worker, request_id, max_tokens):
-    spec = GenerateRequest(request_id=request_id, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(temperature=0.0),
+def _running(worker, request_id, max_tokens, prompt=(1, 2, 3)):
+    spec = GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt), sampling=SamplingParams(temperature=0.0),
                            max_tokens=max_tokens, reply_to="gw")
     request = DecodeRequest(spec=spec)
     worker.scheduler.add(request)
@@ -146,22 +153,14 @@ def test_an_abort_for_the_step_on_the_device_frees_blocks_only_after_it():
     worker = _worker()
     request = _running(worker, "r1", max_tokens=50)
     worker.step()  # launches step 1
-    free_before = worker.allocator.num_free
-    worker.inbox.read = lambda block_ms=None: [AbortRequest("r1")]
-    worker._collect = lambda: []  # the step stays on the device through this turn's inbox read
-    worker.inbox.fail = False
-    from decode.worker import _InFlight
-
-    in_flight = worker._in_flight = _InFlight([request], torch.tensor([7]), None, time.perf_counter())
-    worker._handle_messages(worker.inbox.read())
-    assert worker._held_aborts == ["r1"] and worker.allocator.num_free == free_before  # blocks kept
-    assert not request.abort_requested
-    del worker._collect  # the next turn reads the step's tokens, then applies the held abort
-    worker._in_flight = in_flight
-    worker.inbox.read = lambda block_ms=None: []
-    worker.step()
-    assert "r1" not in worker.scheduler.requests and worker._held_aborts == []
-    assert worker.allocator.num_free == worker.allocator.num_total
+    assert worker._in_flight is not None
+    worker._handle_messages([AbortRequest("r1")])
+    assert "r1" not in worker.scheduler.requests  # ended at once
+    assert worker.allocator.num_free < worker.allocator.num_total  # but its blocks wait for the step
+    assert worker.allocator.num_held == worker.allocator.num_total - worker.allocator.num_free
+    worker.step()  # reads the step back: its row is dropped, the blocks go free
+    assert request.output_token_ids == [5]
+    assert worker.allocator.num_free == worker.allocator.num_total and worker.allocator.num_held == 0
 
 
 def test_a_step_sharing_the_gpu_waits_for_requests_in_prefill_but_not_past_the_limit():

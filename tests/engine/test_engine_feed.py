@@ -1,0 +1,69 @@
+"""Decode steps fed from the previous step's tokens on the device (``TokenFeed``):
+the same logits as the steps run with every token known on the host; bad feeds
+are refused before anything runs. The CUDA-graph path is checked on the GPU in
+``tests/engine/test_engine_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import SeqChunk
+from engine.runner import ModelRunner
+from engine.step_tokens import StepTokens, TokenFeed
+
+BLOCK = 4
+
+
+def _prompts(vocab):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 9, 3)]
+
+
+def _decode(runner, prompts, blocks, steps, fed):
+    """Greedy decode; with ``fed`` each step takes its tokens from the previous step's on the
+    device, rows in reverse order, the first sequence's token always given on the host."""
+    logits = runner.forward([SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)])
+    tokens = logits.argmax(-1)
+    order = [0, 1, 2]  # row i of the previous step holds sequence order[i]
+    lengths = [len(p) for p in prompts]
+    rows = []
+    for _ in range(steps):
+        new_order = [2, 1, 0] if fed else [0, 1, 2]
+        chunks, feed_rows = [], []
+        for seq in new_order:
+            src = order.index(seq)
+            host = int(tokens[src]) if not fed or seq == 0 else 0  # fed rows carry a dummy token
+            chunks.append(SeqChunk([host], lengths[seq], blocks[seq]))
+            feed_rows.append(-1 if not fed or seq == 0 else src)
+        feed = TokenFeed(StepTokens(tokens).device_tokens, feed_rows) if fed else None
+        logits = runner.forward(chunks, feed)
+        rows.append({seq: logits[i].clone() for i, seq in enumerate(new_order)})
+        tokens, order = logits.argmax(-1), new_order
+        lengths = [n + 1 for n in lengths]
+    return rows
+
+
+def test_fed_steps_give_the_logits_of_steps_with_every_token_on_the_host(tiny_checkpoints):
+    runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=64, block_size=BLOCK)
+    vocab = runner.config.vocab_size
+    prompts = _prompts(vocab)
+    plain = _decode(runner, prompts, [list(range(i * 8, i * 8 + 8)) for i in range(3)], 6, fed=False)
+    fed = _decode(runner, prompts, [list(range(24 + i * 8, 32 + i * 8)) for i in range(3)], 6, fed=True)
+    for a, b in zip(plain, fed):
+        for seq in range(3):
+            torch.testing.assert_close(a[seq], b[seq], rtol=0, atol=1e-5)
+
+
+def test_a_bad_feed_is_refused_before_anything_runs(tiny_checkpoints):
+    runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=16, block_size=BLOCK)
+    before = runner.kv_pool.kv.clone()
+    chunks = [SeqChunk([5], 3, [0]), SeqChunk([6], 2, [1])]
+    previous = torch.tensor([9, 10])
+    with pytest.raises(ValueError, match="rows"):
+        runner.forward(chunks, TokenFeed(previous, [0]))
+    with pytest.raises(ValueError, match="outside"):
+        runner.forward(chunks, TokenFeed(previous, [0, 2]))
+    with pytest.raises(ValueError, match="one new token"):
+        runner.forward([SeqChunk([5, 6], 0, [0])], TokenFeed(previous, [0]))
+    assert torch.equal(runner.kv_pool.kv, before)
