@@ -5,7 +5,8 @@
 
 Measures the ceilings (HBM copy, bf16 matmul), then for each model shape with
 random bf16 weights: decode at batch 1, 8, 64 (prompt 128, 256 new tokens,
-CUDA graphs, greedy sampling with one host sync per step), prefill of one
+CUDA graphs, greedy sampling; each step launched before the previous one's
+tokens are read, as the decode worker runs it), prefill of one
 2048-token prompt, and the KV handoff of that prompt (the cuda_ipc copy path);
 then the HF transformers anchors. Writes JSON rows
 {workload, model, metric, value, anchor, anchor_value, ratio} and prints a table.
@@ -53,27 +54,35 @@ def weight_bytes(runner) -> int:
 
 
 def decode_workload(runner, allocator, batch: int, prompt_len: int = 128, new_tokens: int = 256) -> dict:
+    """Greedy decode as the decode worker runs it: each step launched before the previous
+    step's tokens are read on the host, its input tokens fed from them on the device."""
     from cluster.sampling import SamplingParams
     from engine.attention import SeqChunk
-    from engine.sampler import sample
+    from engine.sampler import sample_async
+    from engine.step_tokens import StepTokens, TokenFeed
 
     vocab = runner.config.vocab_size
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     blocks = [allocator.allocate(prompt_len + new_tokens) for _ in range(batch)]
     greedy = [SamplingParams(temperature=0.0)] * batch
+    rows = list(range(batch))
     try:
         logits = runner.forward([SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)])
-        tokens = sample(logits, greedy, [0] * batch)
-        lengths = [prompt_len + 1] * batch
+        previous = StepTokens(sample_async(logits, greedy, [0] * batch))
+        positions = [prompt_len] * batch  # where each sequence's next input token goes
         warmup = 8
         for step in range(new_tokens - 1):
             if step == warmup:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-            chunks = [SeqChunk([t], n - 1, b) for t, n, b in zip(tokens, lengths, blocks)]
-            tokens = sample(runner.forward(chunks), greedy, [step + 1] * batch)  # one host sync
-            lengths = [n + 1 for n in lengths]
+            chunks = [SeqChunk([0], n, b) for n, b in zip(positions, blocks)]
+            logits = runner.forward(chunks, TokenFeed(previous.device_tokens, rows))
+            current = StepTokens(sample_async(logits, greedy, [step + 1] * batch))
+            previous.wait()  # the host reads step s-1's tokens while the device runs step s
+            previous = current
+            positions = [n + 1 for n in positions]
+        previous.wait()
         ms = (time.perf_counter() - t0) / (new_tokens - 1 - warmup) * 1e3
     finally:
         for b in blocks:

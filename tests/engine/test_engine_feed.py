@@ -67,3 +67,18 @@ def test_a_bad_feed_is_refused_before_anything_runs(tiny_checkpoints):
     with pytest.raises(ValueError, match="one new token"):
         runner.forward([SeqChunk([5, 6], 0, [0])], TokenFeed(previous, [0]))
     assert torch.equal(runner.kv_pool.kv, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fed_graph_steps_back_to_back_match_steps_read_one_by_one(tiny_checkpoints):
+    runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=64, block_size=BLOCK, device="cuda")
+    runner.enable_cuda_graphs(max_batch_size=4, max_seq_len=64)
+    prompts = _prompts(runner.config.vocab_size)
+    assert runner.graphs.can_run([SeqChunk([1], 5, list(range(8)))] * 3)
+    plain = _decode(runner, prompts, [list(range(i * 8, i * 8 + 8)) for i in range(3)], 12, fed=False)
+    fed = _decode(runner, prompts, [list(range(24 + i * 8, 32 + i * 8)) for i in range(3)], 12, fed=True)
+    torch.cuda.synchronize()
+    for a, b in zip(plain, fed):
+        for seq in range(3):
+            torch.testing.assert_close(a[seq], b[seq], rtol=0, atol=1e-4)
