@@ -12,7 +12,6 @@ sequence's tokens sit and where their K/V go is in ``AttentionMetadata``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata
@@ -54,12 +53,12 @@ class DecoderLayer(nn.Module):
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_layernorm, self.eps)
         hidden = self._attention(hidden, positions, cos_sin_cache, kv_pool, meta)
         hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps)
-        gate_up = self.gate_up_proj(hidden)  # [T, 2 * intermediate]
-        return self.down_proj(ops.silu_mul(gate_up)), residual
+        act = ops.gate_up_silu_mul(hidden, self.gate_up_proj.weight)  # [T, intermediate]
+        return ops.linear(act, self.down_proj.weight), residual
 
     def _attention(self, hidden, positions, cos_sin_cache, kv_pool: KVCachePool, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
+        qkv = ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_q_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -75,7 +74,7 @@ class DecoderLayer(nn.Module):
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 self.scale, self.sliding_window,
             )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)  # [T, hidden]
 
 
 class LlamaFamilyModel(nn.Module):
@@ -116,4 +115,4 @@ class LlamaFamilyModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 (sampling wants fp32 whatever the model dtype)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return ops.linear(hidden, self.lm_head_weight).float()

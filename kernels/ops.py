@@ -18,6 +18,8 @@ from kernels import reference
 _TRITON_MODULES = {
     "fused_add_rms_norm": "kernels.rms_norm",
     "silu_mul": "kernels.activation",
+    "gemv": "kernels.gemv",
+    "gemv_silu_mul": "kernels.gemv",
     "rotary_kv_write": "kernels.rotary",
     "prefill_attention": "kernels.prefill_attention",
     "decode_attention": "kernels.decode_attention",
@@ -50,6 +52,24 @@ def fused_add_rms_norm(x, residual, weight, eps):
 
 def silu_mul(x):
     return _pick("silu_mul", x)(x)
+
+
+def linear(x, weight, bias=None):
+    """x: [T, K] -> [T, N]. One token on CUDA: the Triton GEMV; otherwise cuBLAS / torch."""
+    if x.shape[0] == 1 and _use_gemv(x):
+        return _pick("gemv", x)(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def gate_up_silu_mul(x, weight):
+    """x: [T, K], weight [2I, K] = [gate; up] -> silu(gate) * up: [T, I], one kernel for one token on CUDA."""
+    if x.shape[0] == 1 and _use_gemv(x):
+        return _pick("gemv_silu_mul", x)(x, weight)
+    return silu_mul(torch.nn.functional.linear(x, weight))
+
+
+def _use_gemv(x) -> bool:
+    return x.is_cuda and _triton_impl("gemv") is not None and os.environ.get("TANDEM_GEMV", "1") != "0"
 
 
 def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):

@@ -33,6 +33,18 @@ def fused_add_rms_norm(
     return (normed * weight.float()).to(x.dtype), h
 
 
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [1, K] or [K]; weight: [N, K] -> x @ weight.T (+ bias). Math in fp32."""
+    y = x.float() @ weight.float().T
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [1, K] or [K]; weight: [2I, K] = [gate; up] -> silu(x @ gate.T) * (x @ up.T). Math in fp32."""
+    gate, up = (x.float() @ weight.float().T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * inter] (gate | up) -> silu(gate) * up: [num_tokens, inter]."""
     gate, up = x.chunk(2, dim=-1)

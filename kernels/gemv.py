@@ -1,0 +1,99 @@
+"""Matrix-vector products for one token (decode at batch 1), Triton.
+
+    linear:        y[n] = sum_k x[k] * W[n, k] (+ b[n])
+    silu-mul:      W = [gate; up] (2I rows): y[i] = silu(g_i) * u_i,  g = W[:I] x,  u = W[I:] x
+
+At one token a projection is a pure weight read: each program streams BLOCK_N
+whole rows of W (contiguous along K, so every load is a full line) and keeps
+BLOCK_N x BLOCK_K fp32 partial products in registers, summed once at the end.
+The silu-mul form computes the gate and up rows of the same outputs in one
+program and writes only the activation: the SiLU kernel and the [2I] round trip
+through memory are gone.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, num_out, K, stride_wn, up_offset,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+):
+    """y[n] = sum_k x[k] W[n, k] (+ b[n]) for n in this program's BLOCK_N rows, fp32 accumulation;
+    SILU_MUL: y[n] = silu(sum_k x[k] W[n, k]) * sum_k x[k] W[up_offset + n, k]."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_out
+    rows = tl.where(row_mask, rows, 0).to(tl.int64)  # masked rows read row 0, never stored
+    cols = tl.arange(0, BLOCK_K)
+    gate_ptrs = w_ptr + rows[:, None] * stride_wn + cols[None, :]
+    up_ptrs = gate_ptrs + up_offset * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptr + k0 + cols).to(tl.float32)
+            w = tl.load(gate_ptrs + k0)
+        else:
+            kmask = k0 + cols < K
+            x = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0).to(tl.float32)
+            w = tl.load(gate_ptrs + k0, mask=kmask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        if SILU_MUL:
+            if EVEN_K:
+                u = tl.load(up_ptrs + k0)
+            else:
+                u = tl.load(up_ptrs + k0, mask=kmask[None, :], other=0.0)
+            acc_up += u.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    if SILU_MUL:
+        y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+def tile_config(num_out: int, K: int, silu_mul: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes only (bench/tune_gemv.py sweeps them)."""
+    block_k = min(512, triton.next_power_of_2(K))
+    block_n = 4 if silu_mul else 8
+    return block_n, block_k, 4, 3
+
+
+def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                 silu_mul: bool, config: tuple | None = None) -> None:
+    """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of the shape rule (tuning only)."""
+    rows_w, K = weight.shape
+    assert x.shape == (K,) and x.stride(0) == 1, "x must be one contiguous [K] row"
+    assert weight.stride(1) == 1, "weight rows must be contiguous"
+    assert x.dtype == weight.dtype, "x and the weight must share a dtype"
+    num_out = rows_w // 2 if silu_mul else rows_w
+    assert not silu_mul or rows_w % 2 == 0, "a [gate; up] weight has an even number of rows"
+    assert y.shape == (num_out,) and y.stride(0) == 1
+    assert bias is None or (not silu_mul and bias.shape == (rows_w,) and bias.stride(0) == 1)
+    if num_out == 0:
+        return
+    block_n, block_k, num_warps, num_stages = config or tile_config(num_out, K, silu_mul)
+    _gemv_kernel[(triton.cdiv(num_out, block_n),)](
+        x, weight, bias if bias is not None else y, y, num_out, K, weight.stride(0), num_out,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [1, K] or [K]; weight: [N, K] -> x @ weight.T (+ bias) with x's leading shape."""
+    y = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch_gemv(x.reshape(-1).contiguous(), weight, bias, y.view(-1), silu_mul=False)
+    return y
+
+
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [1, K] or [K]; weight: [2I, K] = [gate; up] -> silu(x @ gate.T) * (x @ up.T): [..., I]."""
+    y = torch.empty((*x.shape[:-1], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+    _launch_gemv(x.reshape(-1).contiguous(), weight, None, y.view(-1), silu_mul=True)
+    return y
