@@ -9,13 +9,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
 
 @triton.jit
 def _silu_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, inter,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """out[r, c] = g / (1 + exp(-g)) * u   with g = x[r, c], u = x[r, inter + c], in fp32."""
+    if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -36,7 +41,8 @@ def _launch_silu_mul(x2d: torch.Tensor, out2d: torch.Tensor) -> None:
     num_warps = max(1, min(8, block // 256))
     grid = (num_rows, triton.cdiv(inter, block))
     _silu_mul_kernel[grid](
-        x2d, out2d, x2d.stride(0), out2d.stride(0), inter, BLOCK=block, num_warps=num_warps
+        x2d, out2d, x2d.stride(0), out2d.stride(0), inter, BLOCK=block, num_warps=num_warps,
+        **launch_options(x2d),
     )
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.dot import dot, upcast_bf16_dot
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -47,7 +48,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -55,6 +56,9 @@ def _decode_partial_kernel(
         partial_out[h, j] = sum_p 2^(s_p - m) v[p] / sum_p 2^(s_p - m)
         partial_lse[h, j] = m + log2(sum_p 2^(s_p - m))       (-inf if P_j is empty)
     """
+    if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     if HEADS_FIRST:  # programs launched together read neighbouring heads of the same tokens
         kv_head = tl.program_id(0)
         seq = tl.program_id(1).to(tl.int64)
@@ -120,10 +124,13 @@ def _decode_partial_kernel(
 def _decode_reduce_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr,
     stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_o_s, stride_o_h,
-    num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """out[s, h] = sum_j 2^(lse_j - M) partial_out[s, h, j] / sum_j 2^(lse_j - M),  M = max_j lse_j
     (0 when no split saw a key, e.g. a padded sequence with seq_len 0)."""
+    if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     offs_j = tl.arange(0, SPLITS_PAD)
@@ -237,13 +244,13 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             partial_out, partial_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
             num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4 if head_dim * num_splits >= 2048 else 2,
+            num_warps=4 if head_dim * num_splits >= 2048 else 2, **launch_options(q),
         )
 
 

@@ -17,24 +17,40 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, num_out, K, stride_wn, up_offset,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """y[n] = sum_k x[k] W[n, k] (+ b[n]) for n in this program's BLOCK_N rows, fp32 accumulation;
-    SILU_MUL: y[n] = silu(sum_k x[k] W[n, k]) * sum_k x[k] W[up_offset + n, k]."""
+    SILU_MUL: y[n] = silu(sum_k x[k] W[n, k]) * sum_k x[k] W[up_offset + n, k].
+
+    The first weight tile is loaded before waiting for the previous kernel (kernels.pdl):
+    weights are constant, only x comes from it.
+    """
+    if USE_PDL:
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < num_out
     rows = tl.where(row_mask, rows, 0).to(tl.int64)  # masked rows read row 0, never stored
     cols = tl.arange(0, BLOCK_K)
     gate_ptrs = w_ptr + rows[:, None] * stride_wn + cols[None, :]
     up_ptrs = gate_ptrs + up_offset * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    first = cols < K
+    w = tl.load(gate_ptrs, mask=first[None, :], other=0.0)
+    u = w
+    if SILU_MUL:
+        u = tl.load(up_ptrs, mask=first[None, :], other=0.0)
+    if USE_PDL:
+        gdc_wait()
+    x = tl.load(x_ptr + cols, mask=first, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
+    acc_up = u.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptr + k0 + cols).to(tl.float32)
             w = tl.load(gate_ptrs + k0)
@@ -88,6 +104,7 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x, weight, bias if bias is not None else y, y, num_out, K, weight.stride(0), num_out,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=num_warps, num_stages=num_stages,
+        **launch_options(x),
     )
 
 

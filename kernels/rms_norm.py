@@ -13,19 +13,24 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
 
 @triton.jit
 def _fused_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     stride_x, stride_residual, stride_out, stride_new_residual,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Row r:  h = x[r] + residual[r];  out[r] = h * rsqrt(sum(h^2) / hidden + eps) * weight.
 
     h is rounded to the input dtype before the norm (it is also the new
     residual); the statistic and the product are computed in fp32.
     """
+    if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -65,7 +70,7 @@ def _launch_fused_add_rms_norm(x2d, residual2d, weight, out, new_residual, eps):
         out.stride(0),
         new_residual.stride(0) if has_residual else 0,
         hidden, eps,
-        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=_num_warps(block),
+        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=_num_warps(block), **launch_options(x2d),
     )
 
 

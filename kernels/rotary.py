@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
 
 @triton.jit
 def _rotate_heads(
@@ -44,13 +46,16 @@ def _rotary_kv_write_kernel(
     stride_kc_block, stride_kc_slot, stride_kc_h,
     stride_vc_block, stride_vc_slot, stride_vc_h,
     num_q_heads, num_kv_heads, block_size,
-    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Token t at position p, with c = cos_sin[p, :HALF], s = cos_sin[p, HALF:]:
         rot(x) = [x1 * c - x2 * s, x2 * c + x1 * s]   (x = [x1 | x2], fp32 math)
         q_out[t] = rot(q[t]);  k_out[t] = rot(k[t])
         if slot[t] >= 0:  k_cache[slot // bs, slot % bs] = k_out[t];  v_cache[...] = v[t]
     """
+    if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     cols = tl.arange(0, HALF)[None, :]
@@ -104,7 +109,7 @@ def _launch_rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_q_heads, num_kv_heads, k_cache.shape[1],
-        HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, num_warps=num_warps,
+        HALF=half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, num_warps=num_warps, **launch_options(q),
     )
 
 
