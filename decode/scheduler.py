@@ -149,12 +149,16 @@ class DecodeScheduler:
         """
         block_size = self.allocator.block_size
         # only a request that crosses into a new block needs one (about 1 in block_size per step)
-        needy = [r for r in self.running if blocks_for(r.num_scheduled_tokens, block_size) > len(r.block_ids)]
+        batch = [r for r in self.running if self._runs_next(r)]
+        needy = [r for r in batch if blocks_for(r.num_scheduled_tokens, block_size) > len(r.block_ids)]
         for request in sorted(needy, key=lambda r: r.keep_key):
             if request.status is RequestStatus.DECODING and self._make_room(request):
                 self.grow(request)
-        batch = [r for r in self.running if not (r.num_pending and self._ends_by_length(r))]
-        return batch[: self.max_batch_size]
+        return [r for r in batch if r.status is RequestStatus.DECODING][: self.max_batch_size]
+
+    def _runs_next(self, request: DecodeRequest) -> bool:
+        """Not when its pending token already ends it by length."""
+        return not (request.num_pending and self._ends_by_length(request))
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step can be scheduled before the one on the device is read:
@@ -196,7 +200,8 @@ class DecodeScheduler:
     def num_growth_blocks(self) -> int:
         """Blocks the running requests still need for their next step."""
         block_size = self.allocator.block_size
-        return sum(max(blocks_for(r.num_scheduled_tokens, block_size) - len(r.block_ids), 0) for r in self.running)
+        return sum(max(blocks_for(r.num_scheduled_tokens, block_size) - len(r.block_ids), 0)
+                   for r in self.running if self._runs_next(r))
 
     def on_step(
         self, batch: list[DecodeRequest], token_ids: list[int], indices: list[int] | None = None
@@ -211,6 +216,8 @@ class DecodeScheduler:
         for row, (request, token_id) in enumerate(zip(batch, token_ids)):
             index = len(request.output_token_ids)
             if indices is not None and (request.status is not RequestStatus.DECODING or indices[row] != index):
+                if request.status is RequestStatus.DECODING:
+                    request.num_pending = 0  # out of step with the device: feed its last known token next
                 continue
             request.num_pending = max(request.num_pending - 1, 0)
             reason = self._append(request, token_id)

@@ -126,22 +126,26 @@ class DecodeWorker:
         """
         policy = self.policies.refresh().capacity_scheduler_policy  # Redis first: an error here loses nothing
         previous = self._in_flight
+        failure = None
+        # recorded tokens go to the outbox as soon as they are read: a Redis error anywhere
+        # in this turn must not lose them (the scheduler already has them)
         if self.run_ahead and previous is not None and self.scheduler.can_schedule_ahead():
             self.scheduler.set_policy(policy)
             batch, held = self._schedule()
             if batch:
-                self._launch(batch, previous)
-            events = self._collect(previous)
+                failure = self._launch(batch, previous)
+            events = self._collect(previous)  # read even if the launch failed: its tokens are good
+            self.outbox.keep(self._token_events(events))
         else:
             events = self._collect(previous)
+            self.outbox.keep(self._token_events(events))
             self.scheduler.set_policy(policy)
             batch, held = self._schedule()
             if batch:
-                self._launch(batch, None)
-        # recorded tokens go to the outbox now: a Redis error anywhere in this turn
-        # must not lose them (the scheduler already has them)
-        self.outbox.keep(self._token_events(events))
-        self.outbox.flush()  # in order: what an outage kept back, then this step's tokens
+                failure = self._launch(batch, None)
+        if failure is not None:
+            self._engine_failed(failure)  # its error events queue behind this step's tokens
+        self.outbox.flush()  # in order: what an outage kept back, then this turn's events
         idle = not batch and not events and not self._busy()
         # holding: wait on the inbox a little (a PrefillDone ends the wait early) instead of spinning
         self._handle_messages(self.inbox.read(block_ms=20 if idle else HOLD_POLL_MS if held else None))
@@ -340,37 +344,38 @@ class DecodeWorker:
             if leaked:
                 log.warning("released admissions of requests never received", request_ids=leaked)
 
-    def _launch(self, batch: list[DecodeRequest], previous: _InFlight | None) -> None:
+    def _launch(self, batch: list[DecodeRequest], previous: _InFlight | None) -> Exception | None:
         """Start one decode step on the device; its tokens are read by ``_collect``.
 
         A request with a token pending in ``previous`` (still on the device) gets it fed
-        from there; the others feed their last known token.
+        from there; the others feed their last known token. Returns the engine's error,
+        if any: the caller reads ``previous`` before failing the running requests.
         """
         launched = time.perf_counter()
-        rows = {id(r): i for i, r in enumerate(previous.batch)} if previous is not None else {}
-        chunks, feed_rows = [], []
-        for r in batch:
-            if r.num_pending:
-                chunks.append(SeqChunk([0], r.num_tokens, r.block_ids))
-                feed_rows.append(rows[id(r)])
-            else:
-                chunks.append(SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids))
-                feed_rows.append(-1)
         indices = [len(r.output_token_ids) + r.num_pending for r in batch]
         try:
+            rows = {id(r): i for i, r in enumerate(previous.batch)} if previous is not None else {}
+            chunks, feed_rows = [], []
+            for r in batch:
+                if r.num_pending:
+                    chunks.append(SeqChunk([0], r.num_tokens, r.block_ids))
+                    feed_rows.append(rows[id(r)])  # KeyError: a pending token outside ``previous``
+                else:
+                    chunks.append(SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids))
+                    feed_rows.append(-1)
             feed = None
             if previous is not None and any(src >= 0 for src in feed_rows):
                 feed = TokenFeed(previous.tokens.device_tokens, feed_rows)
             logits = self.runner.forward(chunks, feed)
             tokens = StepTokens(sample_async(logits, [r.spec.sampling for r in batch], indices))
         except Exception as exc:
-            self._engine_failed(exc)
-            return
+            return exc
         self._step_seq += 1
         self.allocator.step_launched(self._step_seq)
         for r in batch:
             r.num_pending += 1
         self._in_flight = _InFlight(self._step_seq, batch, indices, tokens, launched)
+        return None
 
     def _collect(self, step: _InFlight | None) -> list[tuple[DecodeRequest, int, str | None]]:
         """Tokens of ``step`` (waits for it) -> its events; [] when there is none."""

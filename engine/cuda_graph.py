@@ -48,7 +48,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self.feed_src = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self._staging = [_Staging(n, self.max_blocks), _Staging(n, self.max_blocks)]
+        self._staging = [_Staging(n, self.max_blocks, device), _Staging(n, self.max_blocks, device)]
         self._turn = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -140,7 +140,8 @@ class _Staging:
     """Pinned host inputs of one step: rows 0-3 of ``vec`` = input ids, positions, slots,
     feed sources (int64); seq_lens and block tables apart (int32)."""
 
-    def __init__(self, n: int, max_blocks: int):
+    def __init__(self, n: int, max_blocks: int, device: torch.device):
+        self.device = device
         self.vec = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
         self.seq_lens = torch.ones(n, dtype=torch.int32, pin_memory=True)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, pin_memory=True)
@@ -154,4 +155,4 @@ class _Staging:
 
     def copied(self) -> None:
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))

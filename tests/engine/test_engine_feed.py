@@ -20,36 +20,49 @@ def _prompts(vocab):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 9, 3)]
 
 
-def _decode(runner, prompts, blocks, steps, fed):
-    """Greedy decode; with ``fed`` each step takes its tokens from the previous step's on the
-    device, rows in reverse order, the first sequence's token always given on the host."""
+def _decode(runner, prompts, blocks, steps, fed, first_seq_inputs=None):
+    """Greedy decode -> (logits per step and sequence, the first sequence's input tokens).
+
+    With ``fed`` each step takes its tokens from the previous step's on the device, rows in
+    reverse order, except the first sequence's, given on the host from ``first_seq_inputs``
+    (the plain run's): nothing waits for the device, so on a GPU the steps queue back to back.
+    """
     logits = runner.forward([SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)])
     tokens = logits.argmax(-1)
     order = [0, 1, 2]  # row i of the previous step holds sequence order[i]
     lengths = [len(p) for p in prompts]
-    rows = []
-    for _ in range(steps):
+    rows, inputs = [], []
+    for step in range(steps):
         new_order = [2, 1, 0] if fed else [0, 1, 2]
         chunks, feed_rows = [], []
         for seq in new_order:
             src = order.index(seq)
-            host = int(tokens[src]) if not fed or seq == 0 else 0  # fed rows carry a dummy token
+            if not fed:
+                host, row = int(tokens[src]), -1
+            elif seq == 0:
+                host, row = first_seq_inputs[step], -1
+            else:
+                host, row = 0, src  # fed rows carry a dummy token
+            if seq == 0:
+                inputs.append(host)
             chunks.append(SeqChunk([host], lengths[seq], blocks[seq]))
-            feed_rows.append(-1 if not fed or seq == 0 else src)
+            feed_rows.append(row)
+        if fed and tokens.is_cuda:
+            torch.cuda._sleep(2_000_000)  # the device lags the host: staging copies queue behind earlier steps
         feed = TokenFeed(StepTokens(tokens).device_tokens, feed_rows) if fed else None
         logits = runner.forward(chunks, feed)
         rows.append({seq: logits[i].clone() for i, seq in enumerate(new_order)})
         tokens, order = logits.argmax(-1), new_order
         lengths = [n + 1 for n in lengths]
-    return rows
+    return rows, inputs
 
 
 def test_fed_steps_give_the_logits_of_steps_with_every_token_on_the_host(tiny_checkpoints):
     runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=64, block_size=BLOCK)
     vocab = runner.config.vocab_size
     prompts = _prompts(vocab)
-    plain = _decode(runner, prompts, [list(range(i * 8, i * 8 + 8)) for i in range(3)], 6, fed=False)
-    fed = _decode(runner, prompts, [list(range(24 + i * 8, 32 + i * 8)) for i in range(3)], 6, fed=True)
+    plain, inputs = _decode(runner, prompts, [list(range(i * 8, i * 8 + 8)) for i in range(3)], 6, fed=False)
+    fed, _ = _decode(runner, prompts, [list(range(24 + i * 8, 32 + i * 8)) for i in range(3)], 6, True, inputs)
     for a, b in zip(plain, fed):
         for seq in range(3):
             torch.testing.assert_close(a[seq], b[seq], rtol=0, atol=1e-5)
@@ -76,8 +89,8 @@ def test_fed_graph_steps_back_to_back_match_steps_read_one_by_one(tiny_checkpoin
     runner.enable_cuda_graphs(max_batch_size=4, max_seq_len=64)
     prompts = _prompts(runner.config.vocab_size)
     assert runner.graphs.can_run([SeqChunk([1], 5, list(range(8)))] * 3)
-    plain = _decode(runner, prompts, [list(range(i * 8, i * 8 + 8)) for i in range(3)], 12, fed=False)
-    fed = _decode(runner, prompts, [list(range(24 + i * 8, 32 + i * 8)) for i in range(3)], 12, fed=True)
+    plain, inputs = _decode(runner, prompts, [list(range(i * 8, i * 8 + 8)) for i in range(3)], 12, fed=False)
+    fed, _ = _decode(runner, prompts, [list(range(24 + i * 8, 32 + i * 8)) for i in range(3)], 12, True, inputs)
     torch.cuda.synchronize()
     for a, b in zip(plain, fed):
         for seq in range(3):

@@ -63,18 +63,20 @@ def test_blocks_for():
 
 def test_blocks_freed_while_a_step_is_on_the_device_wait_for_it():
     alloc = BlockAllocator(num_blocks=8, block_size=4)
-    early, late = alloc.allocate(8), alloc.allocate(8)
+    early, late = alloc.allocate(8), alloc.allocate(8)  # 2 + 2 blocks, 4 free
     alloc.step_launched(1)
     alloc.free(early)  # step 1 may still use them
     assert (alloc.num_free, alloc.num_held) == (4, 2)
-    assert early[0] not in alloc.allocate_blocks(4)  # what is handed out now is never a held block
+    others = alloc.allocate_blocks(4)  # every free block: none of them a held one
+    assert not set(early) & set(others) and not alloc.can_allocate(1)
     alloc.step_launched(2)  # step 2 queued behind step 1
     alloc.free(late)
     alloc.step_done(1)  # step 1 read back: its blocks go free, step 2's wait
     assert (alloc.num_free, alloc.num_held) == (2, 2)
+    assert set(alloc.allocate_blocks(2)) == set(early)
     with pytest.raises(ValueError, match="double free"):
-        alloc.free(early)  # reference counts drop at once: a double free is still caught
+        alloc.free(late)  # reference counts drop at once: a double free is still caught
     alloc.step_done(2)
-    assert (alloc.num_free, alloc.num_held) == (4, 0)
-    alloc.free(alloc.allocate(4))  # nothing on the device: a free is immediate
-    assert alloc.num_free == 4
+    assert (alloc.num_free, alloc.num_held) == (2, 0)
+    alloc.free(others)  # nothing on the device: a free is immediate
+    assert alloc.num_free == 6

@@ -5,6 +5,7 @@ in any part of a turn, and the last tokens go out without waiting on the inbox."
 import time
 import types
 
+import pytest
 import redis
 import torch
 
@@ -147,10 +148,11 @@ def test_a_resumed_request_with_nothing_left_ends_at_once():
     assert request.output_token_ids == [5, 6] and request.is_resuming
 
 
-def test_an_abort_for_the_step_on_the_device_frees_blocks_only_after_it():
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_an_abort_for_the_step_on_the_device_frees_blocks_only_after_it(run_ahead):
     from cluster.messages import AbortRequest
 
-    worker = _worker()
+    worker = _worker(run_ahead)
     request = _running(worker, "r1", max_tokens=50)
     worker.step()  # launches step 1
     assert worker._in_flight is not None

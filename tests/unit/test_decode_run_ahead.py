@@ -3,6 +3,8 @@ N's tokens are read, its input tokens fed from step N's on the device. The loop 
 with the fakes of ``test_decode_loop`` (the runner resolves fed tokens the way the
 engine does); the engine's side is in ``tests/engine/test_engine_feed.py``."""
 
+import pytest
+import redis
 import torch
 
 from cluster.admission import MAX_UTILIZATION
@@ -12,7 +14,7 @@ from cluster.sampling import SamplingParams
 from decode.request import DecodeRequest
 from decode.scheduler import DecodeScheduler
 from engine.block_allocator import BlockAllocator
-from tests.unit.test_decode_loop import _running, _worker
+from tests.unit.test_decode_loop import _Runner, _running, _worker
 
 
 class _ScriptedRunner:
@@ -58,13 +60,13 @@ def test_a_stop_token_ends_the_request_and_the_step_already_launched_is_dropped(
     worker.runner = _ScriptedRunner({5: 2})  # eos (2) sampled at position 5: output index 3
     request = _running(worker, "r1", max_tokens=20)
     other = _running(worker, "r2", max_tokens=20, prompt=(1, 2, 3, 4, 8, 8, 8))  # decodes from position 7 on
+    num_blocks = len(request.block_ids)
     for _ in range(4):
         worker.step()
     assert request.output_token_ids == [5, 7, 7, 2] and request.finish_reason == "stop"
     # the step launched before the stop was known ran the request once more; its row was dropped
     assert [3, 4, 5, 6] == [call[0][0] for call in worker.runner.calls[:4]]
-    held = worker.allocator.num_held
-    assert held > 0 or worker._in_flight is None
+    assert worker._in_flight is not None and worker.allocator.num_held == num_blocks  # freed, held for step 4
     worker.step()
     assert request.output_token_ids == [5, 7, 7, 2]  # nothing appended after the stop
     assert [e.index for e in worker.redis.events if e.request_id == "r1"] == [1, 2, 3]
@@ -132,3 +134,103 @@ def test_a_paused_request_drops_the_token_it_had_on_the_device():
     scheduler.pause(request)
     assert request.num_pending == 0 and allocator.num_held == 1
     assert scheduler.on_step([request], [7], [1]) == [] and request.output_token_ids == [5]
+
+
+class _HashRunner:
+    """Logits from (input token, position) alone: a wrong fed token or position changes them."""
+
+    device = torch.device("cpu")
+
+    def forward(self, chunks, feed=None):
+        tokens = [c.token_ids[0] for c in chunks]
+        if feed is not None:
+            tokens = [t if src < 0 else int(feed.tokens[src]) for t, src in zip(tokens, feed.rows)]
+        rows = [torch.randn(10, generator=torch.Generator().manual_seed(t * 1000 + c.num_computed))
+                for t, c in zip(tokens, chunks)]
+        return 3 * torch.stack(rows)
+
+
+def _run_to_the_end(worker, requests):
+    for _ in range(100):
+        if all(r.status is not RequestStatus.DECODING for r in requests) and worker._in_flight is None:
+            return
+        worker.step()
+    raise AssertionError("requests did not finish")
+
+
+def test_seeded_and_greedy_outputs_are_the_same_with_and_without_run_ahead():
+    outputs = {}
+    for run_ahead in (False, True):
+        worker = _worker(run_ahead=run_ahead)
+        worker.runner = _HashRunner()
+        requests = []
+        for i, sampling in enumerate([SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=0.7, seed=5),
+                                      SamplingParams(temperature=0.0)]):
+            request = _running(worker, f"r{i}", max_tokens=12 + i)
+            request.spec.sampling = sampling
+            requests.append(request)
+        _run_to_the_end(worker, requests)
+        outputs[run_ahead] = [(r.output_token_ids, r.finish_reason) for r in requests]
+        assert worker.allocator.num_free == worker.allocator.num_total
+    assert outputs[True] == outputs[False]
+    assert len({tuple(tokens) for tokens, _ in outputs[True]}) == 3  # the rows really differ
+
+
+def test_run_ahead_reads_the_step_first_when_the_next_one_would_pause_a_request():
+    worker = _worker(run_ahead=True)
+    worker.allocator = BlockAllocator(2, 4)
+    worker.scheduler = DecodeScheduler(worker.allocator, max_batch_size=4, max_seq_len=64, eos_token_ids=[2],
+                                       policy=MAX_UTILIZATION)
+    kept, paused = _running(worker, "kept", max_tokens=20), _running(worker, "paused", max_tokens=20)
+    assert worker.allocator.num_free == 0  # one block each: to go past position 3, one must be paused
+    for _ in range(5):
+        worker.step()
+    # one pause, not two: with the guard off, the first pause's blocks would be held for the
+    # step on the device and the next request paused as well
+    assert worker.scheduler.num_preemptions == 1 and paused.status is RequestStatus.PAUSED
+    assert kept.status is RequestStatus.DECODING and len(kept.output_token_ids) >= 4
+
+
+class _FailOnCall:
+    """The engine raises on its ``fail_at``-th step."""
+
+    def __init__(self, fail_at):
+        self.inner, self.fail_at, self.device = _Runner(), fail_at, torch.device("cpu")
+
+    def forward(self, chunks, feed=None):
+        if len(self.inner.calls) + 1 == self.fail_at:
+            self.inner.calls.append(None)
+            raise RuntimeError("engine broke")
+        return self.inner.forward(chunks, feed)
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_failed_launch_keeps_the_tokens_already_computed(run_ahead):
+    worker = _worker(run_ahead=run_ahead)
+    worker.runner = _FailOnCall(fail_at=2)  # step 1 runs; launching step 2 fails
+    ending = _running(worker, "ending", max_tokens=2)  # token 0 from prefill, token 1 from step 1: done
+    going = _running(worker, "going", max_tokens=50)
+    worker.step()
+    worker.step()
+    assert ending.status is RequestStatus.FINISHED and ending.finish_reason == "length"
+    assert going.status is RequestStatus.FAILED
+    events = [(e.request_id, e.index, e.token_ids, e.finish_reason) for e in worker.redis.events]
+    assert events == [("ending", 1, [7], "length"), ("going", 1, [7], None), ("going", 2, [], "error")]
+    assert worker.allocator.num_free == worker.allocator.num_total
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_tokens_survive_a_redis_error_while_a_failed_launch_is_reported(run_ahead):
+    worker = _worker(run_ahead=run_ahead)
+    worker.runner = _FailOnCall(fail_at=2)
+    ending = _running(worker, "ending", max_tokens=2)
+    _running(worker, "going", max_tokens=50)
+    worker.step()
+    worker.redis.down = True  # Redis is away in the turn whose launch fails
+    with pytest.raises(redis.RedisError):
+        worker.step()
+    worker.redis.down = False
+    worker.step()
+    events = [(e.request_id, e.index, e.token_ids, e.finish_reason) for e in worker.redis.events]
+    assert events == [("ending", 1, [7], "length"), ("going", 1, [7], None), ("going", 2, [], "error")]
+    assert ending.output_token_ids == [5, 7]
