@@ -2,8 +2,9 @@
 
     python3 -m bench.decode_profile --out $OUT/decode_profile.json [--model llama2-7b] [--batches 1,64]
 
-For each batch size (context 256 tokens): the whole step as the decode worker
-runs it (graph replay, sampling, one host sync), the graph replay alone, and a
+For each batch size (context 256 tokens): the whole step read back before the
+next is launched (graph replay, sampling, one host sync; the worker's run-ahead
+hides the host part), the graph replay alone, and a
 profile of one eager forward grouped by kernel (the same kernels the graph
 replays), each group's time per step and, for the matmuls, the bandwidth they
 reach on their weights. Prints a table; writes the rows as JSON.
