@@ -31,9 +31,11 @@ CASES = [(64, 256, True), (128, 416, True), (128, 416, False)]
 INNER = 10  # launches back to back per timing: the GPU time, not the Python launch, is measured
 # (BLOCK_N, num_warps, num_stages, num_splits, heads_first); first the rule, in both grid orders
 GRID = list(itertools.product((32, 64), (4,), (2, 3), (1, 2), (True,)))
+# --wide: more tiles, warps, stages and splits (the batch-64 x context-256 case sits at ~80% with the rule)
+WIDE_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 3, 4), (True,)))
 
 
-def run_case(name, batch, context, scattered, copy_bw):
+def run_case(name, batch, context, scattered, copy_bw, grid=GRID):
     hq, hkv = SHAPES[name]
     block_size, d = 16, 128
     blocks_per_seq = -(-context // block_size)
@@ -50,7 +52,7 @@ def run_case(name, batch, context, scattered, copy_bw):
     out = torch.empty_like(q)
     kv_bytes = 2 * batch * context * hkv * d * 2
     rows = []
-    for config in [None, "rule-seqs-first"] + GRID:
+    for config in [None, "rule-seqs-first"] + grid:
         try:
             launch_config = config
             if config == "rule-seqs-first":  # the shape rule's tiles, sequences as the fastest grid axis
@@ -75,12 +77,19 @@ def run_case(name, batch, context, scattered, copy_bw):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_decode.json"))
+    parser.add_argument("--cases", default="", help="batch:context[,...] (scattered tables) instead of the default cases")
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--wide", action="store_true", help="sweep WIDE_GRID (72 settings) instead of GRID")
     args = parser.parse_args()
+    cases = CASES
+    if args.cases:
+        cases = [(int(b), int(c), True) for b, c in (case.split(":") for case in args.cases.split(","))]
+    grid = WIDE_GRID if args.wide else GRID
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
     results = []
-    for name in SHAPES:
-        for batch, context, scattered in CASES:
-            r = run_case(name, batch, context, scattered, copy_bw)
+    for name in args.models.split(","):
+        for batch, context, scattered in cases:
+            r = run_case(name, batch, context, scattered, copy_bw, grid)
             results.append(r)
             print(f"{name:10s} b{batch:<4d} ctx{context:<5d} {'scattered' if scattered else 'in-order '} rule {r['rule']['us']:8.1f} us "
                   f"({r['rule']['bw_fraction']:.2f})  seqs-first {r['rule_seqs_first']['us']:8.1f} us "
