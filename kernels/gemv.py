@@ -30,7 +30,10 @@ def _gemv_kernel(
     SILU_MUL: y[n] = silu(sum_k x[k] W[n, k]) * sum_k x[k] W[up_offset + n, k].
 
     The first weight tile is loaded before waiting for the previous kernel (kernels.pdl):
-    weights are constant, only x comes from it.
+    weights are constant, only x comes from it (so no kernel that triggers its dependents
+    early may write a weight).
+    num_stages made no difference to the compiled loop with Triton 3.9 (the loads are not
+    pipelined across iterations); the sweep's differences between stages were within noise.
     """
     if USE_PDL:
         gdc_launch_dependents()
@@ -39,7 +42,7 @@ def _gemv_kernel(
     rows = tl.where(row_mask, rows, 0).to(tl.int64)  # masked rows read row 0, never stored
     cols = tl.arange(0, BLOCK_K)
     gate_ptrs = w_ptr + rows[:, None] * stride_wn + cols[None, :]
-    up_ptrs = gate_ptrs + up_offset * stride_wn
+    up_ptrs = w_ptr + (rows + up_offset)[:, None] * stride_wn + cols[None, :]  # int64 row offsets
     first = cols < K
     w = tl.load(gate_ptrs, mask=first[None, :], other=0.0)
     u = w
@@ -98,6 +101,11 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     assert y.shape == (num_out,) and y.stride(0) == 1
     assert bias is None or (not silu_mul and bias.shape == (rows_w,) and bias.stride(0) == 1)
     if num_out == 0:
+        return
+    if K == 0:  # an empty sum
+        y.copy_(bias) if bias is not None else y.zero_()
+        if silu_mul:
+            y.zero_()
         return
     block_n, block_k, num_warps, num_stages = config or tile_config(num_out, K, silu_mul)
     _gemv_kernel[(triton.cdiv(num_out, block_n),)](

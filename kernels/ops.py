@@ -56,20 +56,26 @@ def silu_mul(x):
 
 def linear(x, weight, bias=None):
     """x: [T, K] -> [T, N]. One token on CUDA: the Triton GEMV; otherwise cuBLAS / torch."""
-    if x.shape[0] == 1 and _use_gemv(x):
+    if _use_gemv(x, weight, bias):
         return _pick("gemv", x)(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
 def gate_up_silu_mul(x, weight):
     """x: [T, K], weight [2I, K] = [gate; up] -> silu(gate) * up: [T, I], one kernel for one token on CUDA."""
-    if x.shape[0] == 1 and _use_gemv(x):
+    if _use_gemv(x, weight, None):
         return _pick("gemv_silu_mul", x)(x, weight)
     return silu_mul(torch.nn.functional.linear(x, weight))
 
 
-def _use_gemv(x) -> bool:
-    return x.is_cuda and _triton_impl("gemv") is not None and os.environ.get("TANDEM_GEMV", "1") != "0"
+def _use_gemv(x, weight, bias) -> bool:
+    """One row on CUDA, in the layouts the GEMV reads (anything else goes to F.linear)."""
+    return (
+        x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] > 0 and x.dtype == weight.dtype
+        and weight.dim() == 2 and weight.stride(1) == 1
+        and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1))
+        and os.environ.get("TANDEM_GEMV", "1") != "0" and _triton_impl("gemv") is not None
+    )
 
 
 def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):

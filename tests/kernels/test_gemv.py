@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, requires_cuda
@@ -69,3 +71,64 @@ def test_gpu_silu_mul_real_shapes_bf16(inter, K):
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     w = (2 * torch.randn(2 * inter, K, device="cuda") / K**0.5).to(torch.bfloat16)
     assert_close(gemv_silu_mul(x, w), reference.gemv_silu_mul(x.float(), w.float()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter, K", [(5, 1024), (6, 1536), (3, 1100)])  # K over one 512 tile: the loop, even and ragged
+def test_gemv_silu_mul_k_loop(dtype, inter, K):
+    x = torch.randn(1, K, device=DEVICE).to(dtype)
+    w = (2 * torch.randn(2 * inter, K, device=DEVICE) / K**0.5).to(dtype)
+    assert_close(gemv_silu_mul(x, w), reference.gemv_silu_mul(x, w), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N, K", [(9, 1100), (5, 2088), (3, 3000), (13, 8200)])  # 1024 tiles, ragged; 8-row rule
+def test_gemv_k_loop_and_bias(dtype, N, K):
+    x = torch.randn(1, K, device=DEVICE).to(dtype)
+    w = (torch.randn(N, K, device=DEVICE) / K**0.5).to(dtype)
+    b = torch.randn(N, device=DEVICE).to(dtype)
+    assert_close(gemv(x, w, b), reference.gemv(x, w, b), dtype)
+
+
+def test_gemv_silu_mul_strided_weight_and_saturated_gates():
+    w = torch.randn(14, 300, device=DEVICE)[:, :256]  # rows 300 apart
+    x = torch.randn(256, device=DEVICE)
+    for config in [(4, 64, 4, 1), (4, 128, 4, 2), (2, 512, 4, 3)]:
+        y = torch.full((7,), float("nan"), device=DEVICE)
+        _launch_gemv(x, w, None, y, silu_mul=True, config=config)
+        assert_close(y, reference.gemv_silu_mul(x, w), torch.float32)
+    w = torch.zeros(4, 16, device=DEVICE)
+    w[0], w[1], w[2:] = -20.0, 20.0, 1.0  # gates -320 and 320
+    out = gemv_silu_mul(torch.ones(1, 16, device=DEVICE), w)
+    assert torch.isfinite(out).all()
+    assert_close(out, reference.gemv_silu_mul(torch.ones(1, 16), w.cpu()), torch.float32)
+
+
+def test_empty_k_gives_the_bias():
+    b = torch.randn(3, device=DEVICE)
+    assert_close(gemv(torch.randn(1, 0, device=DEVICE), torch.randn(3, 0, device=DEVICE), b), b[None], torch.float32)
+
+
+def _like(shape, stride=None, cuda=True, dtype=torch.bfloat16):
+    """A stand-in with a CUDA tensor's layout attributes (the dispatch reads nothing else)."""
+    if stride is None:
+        stride = tuple(int(torch.tensor(shape[i + 1:]).prod()) for i in range(len(shape)))
+    return types.SimpleNamespace(is_cuda=cuda, shape=torch.Size(shape), dtype=dtype, dim=lambda: len(shape),
+                                 stride=lambda i=None: stride if i is None else stride[i])
+
+
+def test_dispatch_sends_only_gemv_layouts_to_the_gemv(monkeypatch):
+    from kernels import ops
+
+    monkeypatch.delenv("TANDEM_GEMV", raising=False)
+    w = _like((8, 16))
+    assert ops._use_gemv(_like((1, 16)), w, None)
+    assert ops._use_gemv(_like((1, 16)), w, _like((8,)))
+    assert not ops._use_gemv(_like((2, 16)), w, None)  # two tokens: cuBLAS
+    assert not ops._use_gemv(_like((1, 2, 16)), w, None)  # 3-D
+    assert not ops._use_gemv(_like((1, 16), cuda=False), w, None)
+    assert not ops._use_gemv(_like((1, 16), dtype=torch.float32), w, None)
+    assert not ops._use_gemv(_like((1, 16)), _like((8, 16), stride=(1, 8)), None)  # a transposed view
+    assert not ops._use_gemv(_like((1, 16)), w, _like((8,), stride=(2,)))
+    monkeypatch.setenv("TANDEM_GEMV", "0")
+    assert not ops._use_gemv(_like((1, 16)), w, None)

@@ -1,16 +1,57 @@
+"""Programmatic dependent launch (kernels.pdl): where it is switched on, and, compiled for sm90
+on any machine (no GPU needed), that every PDL kernel waits for its predecessor in every program
+before it touches anything but its constant weights."""
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
 import torch
 
 from kernels import pdl
 
 
-def test_no_pdl_launch_options_off_the_gpu(monkeypatch):
+@pytest.fixture
+def capability(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def set_major(major):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (major, 0))
+        pdl._enabled.cache_clear()
+
+    yield set_major
+    pdl._enabled.cache_clear()
+
+
+def _cuda_tensor():
+    return types.SimpleNamespace(is_cuda=True, device=types.SimpleNamespace(index=0))
+
+
+def test_no_pdl_off_the_gpu():
     assert pdl.launch_options(torch.zeros(2)) == {}
 
 
-def test_pdl_can_be_turned_off(monkeypatch):
+@pytest.mark.skipif(pdl.gdc_wait is None, reason="this Triton has no grid dependency control")
+def test_on_from_sm90_unless_turned_off(capability, monkeypatch):
+    monkeypatch.delenv("TANDEM_PDL", raising=False)
+    capability(9)
+    assert pdl.launch_options(_cuda_tensor()) == {"USE_PDL": True, "launch_pdl": True}
+    capability(8)
+    assert pdl.launch_options(_cuda_tensor()) == {}
     monkeypatch.setenv("TANDEM_PDL", "0")
-    pdl._enabled.cache_clear()
-    try:
-        assert pdl._enabled(0) is False
-    finally:
-        pdl._enabled.cache_clear()
+    capability(9)
+    assert pdl.launch_options(_cuda_tensor()) == {}
+
+
+@pytest.mark.skipif(pdl.gdc_wait is None, reason="this Triton has no grid dependency control")
+def test_every_program_waits_before_touching_activations():
+    """pdl_ptx_check.py compiles each PDL kernel for sm90 (outside the interpreter) and reads its PTX."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("pdl_ptx_check.py"))], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok: 9 kernels wait first" in done.stdout

@@ -1,0 +1,91 @@
+"""Compile every PDL kernel for sm90 (no GPU needed) and check in its PTX that each program
+waits for its predecessor (griddepcontrol.wait) unconditionally, before any store and before any
+load but of its constant weights. Run by tests/kernels/test_pdl.py in a process of its own: the
+kernel tests run Triton in the interpreter, where kernels cannot be compiled.
+
+    python3 tests/kernels/pdl_ptx_check.py      (from the repository root)
+"""
+
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from kernels.activation import _silu_mul_kernel  # noqa: E402
+from kernels.decode_attention import _decode_partial_kernel, _decode_reduce_kernel  # noqa: E402
+from kernels.gemv import _gemv_kernel  # noqa: E402
+from kernels.rms_norm import _fused_add_rms_norm_kernel  # noqa: E402
+from kernels.rotary import _rotary_kv_write_kernel  # noqa: E402
+
+_POINTER_TYPES = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
+                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "partial_out_ptr": "*fp32",
+                  "partial_lse_ptr": "*fp32"}
+
+
+def _ptx(fn, constexprs) -> tuple[list[str], list[str]]:
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs or name == "USE_PDL":
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = _POINTER_TYPES.get(name, "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name in ("eps", "qk_scale") else "i32"
+    source = triton.compiler.ASTSource(fn, signature, {**constexprs, "USE_PDL": True}, attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, "num_warps": 4})
+    lines = [line.split("//")[0].strip() for line in kernel.asm["ptx"].splitlines()]
+    return [line for line in lines if line], fn.arg_names
+
+
+def _check_waits_first(lines, arg_names, constant_params):
+    waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
+    assert len(waits) == 1, "exactly one wait"
+    before = lines[: waits[0]]
+    assert not any(re.search(r"\bbra\b|\bret\b|\bexit\b|^\$L__BB", line) for line in before), \
+        "the wait must be unconditional: every program runs it"
+    tainted = set()  # registers derived from a pointer to memory another kernel may write
+    for line in before:
+        param = re.match(r"ld\.param\.\w+\s+(%\w+),\s*\[\w+_param_(\d+)\]", line)
+        if param:
+            name = arg_names[int(param.group(2))]
+            if name.endswith("_ptr") and name not in constant_params:
+                tainted.add(param.group(1))
+            continue
+        assert not re.search(r"\b(st|red|atom)\.global|cp\.async", line), f"a write before the wait: {line}"
+        if "ld.global" in line:
+            address = re.search(r"\[\s*(%\w+)", line).group(1)
+            assert address not in tainted, f"an activation read before the wait: {line}"
+        registers = re.findall(r"%\w+", line)
+        if len(registers) > 1 and any(r in tainted for r in registers[1:]):
+            tainted.update(re.findall(r"%\w+", line.split(",")[0]))
+
+
+_KERNELS = [
+    (_fused_add_rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096}, ()),
+    (_silu_mul_kernel, {"BLOCK": 2048}, ()),
+    (_rotary_kv_write_kernel, {"HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8}, ()),
+    (_decode_partial_kernel, dict(GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=False,
+                                  DIRECT_OUT=False, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True), ()),
+    (_decode_reduce_kernel, dict(SPLITS_PAD=8, HEAD_DIM=128), ()),
+] + [
+    (_gemv_kernel, dict(BLOCK_N=n, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu), ("w_ptr",))
+    for silu, even, bias, n, k in [(False, True, False, 4, 1024), (False, False, True, 8, 1024),
+                                   (True, True, False, 4, 512), (True, False, False, 4, 512)]
+]
+
+
+def main() -> int:
+    for fn, constexprs, constant_params in _KERNELS:
+        lines, arg_names = _ptx(fn, constexprs)
+        _check_waits_first(lines, arg_names, constant_params)
+    print(f"ok: {len(_KERNELS)} kernels wait first")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
