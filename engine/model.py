@@ -64,6 +64,12 @@ class DecoderLayer(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_pool.layer(self.layer_idx)
+        if meta.is_decode and q.is_cuda and ops.fused_decode_rotary():
+            out = ops.decode_attention_new_token(
+                q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                meta.seq_lens, self.scale, self.sliding_window,
+            )
+            return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)  # [T, hidden]
         q, _ = ops.rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             out = ops.decode_attention(

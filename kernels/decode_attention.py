@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import triton
@@ -40,7 +41,9 @@ HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention 
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     partial_out_ptr, partial_lse_ptr, out_ptr,
+    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
     stride_q_s, stride_q_h, stride_bt,
+    stride_kn_s, stride_kn_h, stride_vn_s, stride_vn_h, stride_cs,
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
     stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h,
     stride_o_s, stride_o_h,
@@ -48,13 +51,18 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
         m = max_p s_p,  s_p = scale * log2(e) * q[h] . k[p]
         partial_out[h, j] = sum_p 2^(s_p - m) v[p] / sum_p 2^(s_p - m)
         partial_lse[h, j] = m + log2(sum_p 2^(s_p - m))       (-inf if P_j is empty)
+    NEW_TOKEN (rotary and the KV write fused in): q is unrotated; with p = positions[s],
+    c = cos_sin[p, d % D/2], s' = cos_sin[p, D/2 + d % D/2] and x~[d] = x[(d + D/2) % D],
+        rot(x)[d] = x[d] c - x~[d] s'  (d < D/2),   x[d] c + x~[d] s'  (d >= D/2)
+    q is replaced by rot(q); the split holding position seq_len - 1 first writes rot(k_new)
+    and v_new into the cache slot slot_mapping[s] (unless -1), then reads it back.
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
@@ -81,6 +89,31 @@ def _decode_partial_kernel(
     head_valid = offs_g < GROUP
     q = tl.load(q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + offs_d[None, :],
                 mask=head_valid[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+    if NEW_TOKEN:
+        half_d = offs_d % (HEAD_DIM // 2)
+        partner_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+        pos = tl.load(positions_ptr + seq).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + half_d).to(tl.float32)[None, :]
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM // 2 + half_d).to(tl.float32)[None, :]
+        sin = tl.where(offs_d[None, :] < HEAD_DIM // 2, -sin, sin)
+        q_partner = tl.load(q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + partner_d[None, :],
+                            mask=head_valid[:, None], other=0.0)
+        q = (q.to(tl.float32) * cos + q_partner.to(tl.float32) * sin).to(q.dtype)
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        last = seq_len - 1
+        if (slot >= 0) & (start <= last) & (last < end):  # this split reads the new token's slot
+            k_row = k_new_ptr + seq * stride_kn_s + kv_head * stride_kn_h
+            k_new = tl.load(k_row + offs_d).to(tl.float32)[None, :]
+            k_partner = tl.load(k_row + partner_d).to(tl.float32)[None, :]
+            k_rot = (k_new * cos + k_partner * sin).to(q.dtype)  # rounded as the rotary kernel does
+            v_new = tl.load(v_new_ptr + seq * stride_vn_s + kv_head * stride_vn_h + offs_d)
+            block = slot // block_size
+            offset = slot % block_size
+            tl.store(k_cache_ptr + block * stride_k_block + offset * stride_k_slot + kv_head * stride_k_head
+                     + offs_d[None, :], k_rot.to(k_cache_ptr.dtype.element_ty))
+            tl.store(v_cache_ptr + block * stride_v_block + offset * stride_v_slot + kv_head * stride_v_head
+                     + offs_d, v_new.to(v_cache_ptr.dtype.element_ty))
+        tl.debug_barrier()  # the stores above are seen by this program's loads below
     k_base = k_cache_ptr + kv_head * stride_k_head
     v_base = v_cache_ptr + kv_head * stride_v_head
     block_table_row = block_tables_ptr + seq * stride_bt
@@ -192,10 +225,20 @@ def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return block_n, 4, 2
 
 
+class NewToken(NamedTuple):
+    """The decode token's own K/V, unrotated, for the fused form (``decode_attention_new_token``)."""
+
+    k: torch.Tensor  # [num_seqs, num_kv_heads, head_dim]
+    v: torch.Tensor  # [num_seqs, num_kv_heads, head_dim]
+    positions: torch.Tensor  # [num_seqs] int64 (= seq_len - 1)
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] fp32
+    slot_mapping: torch.Tensor  # [num_seqs] int64, -1 = do not write
+
+
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
-                             config: tuple | None = None):
+                             config: tuple | None = None, new_token: NewToken | None = None):
     """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first]) instead of the
-    shape rules (tuning only)."""
+    shape rules (tuning only). ``new_token``: rotary and the KV write fused in."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2 >= 16"
@@ -207,6 +250,16 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous"
     assert sliding_window is None or sliding_window > 0
+    if new_token is not None:
+        k_new, v_new, positions, cos_sin, slots = new_token
+        assert k_new.shape == v_new.shape == (num_seqs, num_kv_heads, head_dim)
+        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and cos_sin.stride(1) == 1
+        assert positions.shape == slots.shape == (num_seqs,) and cos_sin.shape[1] == head_dim
+        assert k_new.dtype == v_new.dtype == q.dtype
+        new_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0))
+    else:
+        k_new = v_new = positions = cos_sin = slots = q  # unused
+        new_strides = (0, 0, 0, 0, 0)
     if num_seqs == 0:
         return
     group = num_q_heads // num_kv_heads
@@ -235,7 +288,8 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
     _decode_partial_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, out,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        k_new, v_new, positions, cos_sin, slots,
+        q.stride(0), q.stride(1), block_tables.stride(0), *new_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *po_strides, *pl_strides, out.stride(0), out.stride(1),
@@ -243,7 +297,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first,
+        DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     if not direct:
@@ -273,4 +327,26 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_seqs, num_q_heads, head_dim]
     _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, float(scale),
                              sliding_window, workspace)
+    return out
+
+
+def decode_attention_new_token(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``rotary_kv_write`` then ``decode_attention`` in one kernel launch: q, k, v of each
+    sequence's new token unrotated; its rotated k and v land in the cache (slot -1: not written)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_seqs, num_q_heads, head_dim]
+    _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, float(scale), sliding_window, None,
+                             new_token=NewToken(k, v, positions, cos_sin_cache, slot_mapping))
     return out

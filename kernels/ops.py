@@ -23,6 +23,7 @@ _TRITON_MODULES = {
     "rotary_kv_write": "kernels.rotary",
     "prefill_attention": "kernels.prefill_attention",
     "decode_attention": "kernels.decode_attention",
+    "decode_attention_new_token": "kernels.decode_attention",
     "gather_blocks": "kernels.block_copy",
     "scatter_blocks": "kernels.block_copy",
 }
@@ -90,6 +91,18 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_le
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
     return _pick("decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+
+
+def decode_attention_new_token(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
+                               seq_lens, scale, sliding_window=None):
+    return _pick("decode_attention_new_token", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                                  block_tables, seq_lens, scale, sliding_window)
+
+
+def fused_decode_rotary() -> bool:
+    """Decode steps with rotary and the KV write inside the attention kernel (TANDEM_FUSED_ROTARY=1;
+    off until measured on a GPU)."""
+    return os.environ.get("TANDEM_FUSED_ROTARY", "0") == "1"
 
 
 def gather_blocks(kv_pool, block_ids):

@@ -136,6 +136,25 @@ def prefill_attention(
     return out
 
 
+def decode_attention_new_token(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``rotary_kv_write`` then ``decode_attention``: one new token per sequence, unrotated."""
+    q_rot, _ = rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return decode_attention(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

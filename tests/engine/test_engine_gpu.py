@@ -28,6 +28,12 @@ def test_cuda_fp32_matches_hf(tiny_checkpoints, arch):
     assert _max_diff_vs_hf(_hf(tiny_checkpoints[arch]), seqs) <= 1e-3
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_cuda_fp32_matches_hf_with_rotary_fused_into_decode_attention(tiny_checkpoints, arch, monkeypatch):
+    monkeypatch.setenv("TANDEM_FUSED_ROTARY", "1")
+    test_cuda_fp32_matches_hf(tiny_checkpoints, arch)
+
+
 def test_cuda_bf16_runs_close_to_hf(tiny_checkpoints):
     runner = ModelRunner(tiny_checkpoints["mistral"], num_blocks=64, block_size=16, dtype=torch.bfloat16,
                          device="cuda")

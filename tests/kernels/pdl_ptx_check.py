@@ -71,6 +71,9 @@ _KERNELS = [
     (_rotary_kv_write_kernel, {"HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8}, ()),
     (_decode_partial_kernel, dict(GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=False,
                                   DIRECT_OUT=False, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True), ()),
+    (_decode_partial_kernel, dict(GROUP=1, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=True,
+                                  DIRECT_OUT=True, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
+                                  NEW_TOKEN=True), ()),
     (_decode_reduce_kernel, dict(SPLITS_PAD=8, HEAD_DIM=128), ()),
 ] + [
     (_gemv_kernel, dict(BLOCK_N=n, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu), ("w_ptr",))

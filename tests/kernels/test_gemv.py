@@ -74,7 +74,7 @@ def test_gpu_silu_mul_real_shapes_bf16(inter, K):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("inter, K", [(5, 1024), (6, 1536), (3, 1100)])  # K over one 512 tile: the loop, even and ragged
+@pytest.mark.parametrize("inter, K", [(5, 1024), (6, 1536), (3, 1100)])  # K over one 512 tile: even, ragged
 def test_gemv_silu_mul_k_loop(dtype, inter, K):
     x = torch.randn(1, K, device=DEVICE).to(dtype)
     w = (2 * torch.randn(2 * inter, K, device=DEVICE) / K**0.5).to(dtype)

@@ -1,0 +1,77 @@
+"""Decode attention with rotary and the new token's KV write fused in, against the two
+references run one after the other (rotary_kv_write, then decode_attention)."""
+
+import pytest
+import torch
+from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
+
+from kernels import decode_attention as decode_module
+from kernels import reference
+from kernels.decode_attention import decode_attention_new_token
+
+HEAD_CONFIGS = [(2, 2, 64, 16), (4, 1, 128, 16), (8, 1, 64, 8), (8, 2, 32, 4)]  # GQA 1, 4, 8
+ATTN_SCALE = {torch.float32: 1.0, torch.float16: 2.5, torch.bfloat16: 1.5}
+
+
+def _cos_sin(max_position, head_dim, device):
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+
+
+def _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, padded_row):
+    """The caches hold every sequence's earlier tokens; the new token's slot is NaN until written."""
+    k_cache, v_cache, tables = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, DEVICE)
+    n = len(seq_lens)
+    positions = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64, device=DEVICE)
+    slots = tables[torch.arange(n), positions // block_size].long() * block_size + positions % block_size
+    for row, slot in enumerate(slots.tolist()):
+        if row == padded_row:
+            slots[row] = -1  # a CUDA-graph padding row: reads what is there, writes nothing
+        else:
+            k_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
+            v_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
+    q = torch.randn(n, num_q_heads, head_dim, device=DEVICE).to(dtype)
+    k = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k, v, positions, _cos_sin(512, head_dim, DEVICE), k_cache, v_cache, slots, tables, lens
+
+
+def _check(inputs, dtype, window):
+    q, k, v, positions, cos_sin, k_cache, v_cache, slots, tables, lens = inputs
+    head_dim = q.shape[-1]
+    ref_k, ref_v = k_cache.float().clone(), v_cache.float().clone()
+    with q.device:
+        expected = reference.decode_attention_new_token(q.float(), k.float(), v.float(), positions, cos_sin, ref_k,
+                                                        ref_v, slots, tables, lens, head_dim**-0.5, window)
+    out = decode_attention_new_token(q, k, v, positions, cos_sin, k_cache, v_cache, slots, tables, lens,
+                                     head_dim**-0.5, window)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, expected, dtype, ATTN_SCALE[dtype])
+    written = slots[slots >= 0]
+    flat = lambda c: c.view(-1, *c.shape[2:])  # noqa: E731
+    assert_close(flat(k_cache)[written], flat(ref_k)[written], dtype)  # rotated k and v in the new slots
+    assert_close(flat(v_cache)[written], flat(ref_v)[written], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_matches_rotary_then_attention(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window,
+                                       num_splits):
+    """Odd lengths, partial blocks, a padding row, splits empty for short sequences."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    inputs = _inputs([1, 70, 33, 130, 2], num_q_heads, num_kv_heads, head_dim, block_size, dtype, padded_row=4)
+    _check(inputs, dtype, window)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("batch, context", [(1, 256), (64, 256), (128, 416)])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
+def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads):
+    lens = [context - 7 * i % 50 for i in range(batch)]
+    inputs = _inputs(lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16, padded_row=None)
+    _check(inputs, torch.bfloat16, None)
