@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from typing import NamedTuple
 
 import redis
-import torch
 import structlog
 
 from cluster import keys
@@ -30,27 +28,16 @@ from cluster.request_state import RequestStatus
 from cluster.settings import Settings
 from cluster.step_stats import StepStats
 from decode.batch_wait import BatchWait, shares_gpu
+from decode.device_steps import DeviceStep, DeviceSteps, run_ahead
 from decode.request import DecodeRequest
 from decode.scheduler import DecodeScheduler
-from engine.attention import SeqChunk
 from engine.block_allocator import BlockAllocator
 from engine.placement import build_runner, device_identity, resolve_device, resolve_transport
 from engine.prefix_cache import block_hashes, num_reusable_blocks
-from engine.sampler import sample_async
-from engine.step_tokens import StepTokens, TokenFeed
 from kvtransfer import KVPoll, KVReceiver, get_transport
 
 log = structlog.get_logger(__name__)
 
-
-class _InFlight(NamedTuple):
-    """A decode step on the device."""
-
-    step_id: int
-    batch: list[DecodeRequest]
-    indices: list[int]  # the output index each row samples
-    tokens: StepTokens
-    launched_at: float
 
 PEER_CHECK_INTERVAL_S = 0.5
 HOLD_POLL_MS = 2  # inbox wait per turn while a step is held (decode.batch_wait)
@@ -105,9 +92,7 @@ class DecodeWorker:
         self._peers_checked_at = 0.0
         self._round_robin = 0
         self.stats = StepStats(self.role)
-        self._in_flight: _InFlight | None = None
-        self._step_seq = 0
-        self._collected_at = time.perf_counter()
+        self.steps = DeviceSteps(self.runner, self.allocator, self.stats)
         self._handoff_seq = 0
         self.run_ahead = run_ahead(settings.decode_run_ahead, self.runner.device, self.scheduler)
 
@@ -125,7 +110,7 @@ class DecodeWorker:
         back, so nothing another process writes can land in a block a step still uses.
         """
         policy = self.policies.refresh().capacity_scheduler_policy  # Redis first: an error here loses nothing
-        previous = self._in_flight
+        previous = self.steps.in_flight
         failure = None
         # recorded tokens go to the outbox as soon as they are read: a Redis error anywhere
         # in this turn must not lose them (the scheduler already has them)
@@ -133,7 +118,7 @@ class DecodeWorker:
             self.scheduler.set_policy(policy)
             batch, held = self._schedule()
             if batch:
-                failure = self._launch(batch, previous)
+                failure = self.steps.launch(batch, previous)
             events = self._collect(previous)  # read even if the launch failed: its tokens are good
             self.outbox.keep(self._token_events(events))
         else:
@@ -142,7 +127,7 @@ class DecodeWorker:
             self.scheduler.set_policy(policy)
             batch, held = self._schedule()
             if batch:
-                failure = self._launch(batch, None)
+                failure = self.steps.launch(batch, None)
         if failure is not None:
             self._engine_failed(failure)  # its error events queue behind this step's tokens
         self.outbox.flush()  # in order: what an outage kept back, then this turn's events
@@ -344,67 +329,22 @@ class DecodeWorker:
             if leaked:
                 log.warning("released admissions of requests never received", request_ids=leaked)
 
-    def _launch(self, batch: list[DecodeRequest], previous: _InFlight | None) -> Exception | None:
-        """Start one decode step on the device; its tokens are read by ``_collect``.
-
-        A request with a token pending in ``previous`` (still on the device) gets it fed
-        from there; the others feed their last known token. Returns the engine's error,
-        if any: the caller reads ``previous`` before failing the running requests.
-        """
-        launched = time.perf_counter()
-        indices = [len(r.output_token_ids) + r.num_pending for r in batch]
-        try:
-            rows = {id(r): i for i, r in enumerate(previous.batch)} if previous is not None else {}
-            chunks, feed_rows = [], []
-            for r in batch:
-                if r.num_pending:
-                    chunks.append(SeqChunk([0], r.num_tokens, r.block_ids))
-                    feed_rows.append(rows[id(r)])  # KeyError: a pending token outside ``previous``
-                else:
-                    chunks.append(SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids))
-                    feed_rows.append(-1)
-            feed = None
-            if previous is not None and any(src >= 0 for src in feed_rows):
-                feed = TokenFeed(previous.tokens.device_tokens, feed_rows)
-            logits = self.runner.forward(chunks, feed)
-            tokens = StepTokens(sample_async(logits, [r.spec.sampling for r in batch], indices))
-        except Exception as exc:
-            return exc
-        self._step_seq += 1
-        self.allocator.step_launched(self._step_seq)
-        for r in batch:
-            r.num_pending += 1
-        self._in_flight = _InFlight(self._step_seq, batch, indices, tokens, launched)
-        return None
-
-    def _collect(self, step: _InFlight | None) -> list[tuple[DecodeRequest, int, str | None]]:
+    def _collect(self, step: DeviceStep | None) -> list[tuple[DecodeRequest, int, str | None]]:
         """Tokens of ``step`` (waits for it) -> its events; [] when there is none."""
         if step is None:
-            self._collected_at = time.perf_counter()  # an idle turn is not a step's time
+            self.steps.idle()
             return []
-        if self._in_flight is step:
-            self._in_flight = None
         try:
-            token_ids = step.tokens.wait()
+            token_ids = self.steps.read(step)
         except Exception as exc:
             self._engine_failed(exc)
             return []
-        self.allocator.step_done(step.step_id)
-        now = time.perf_counter()
-        self.stats.record(len(step.batch), now - step.launched_at, now - self._collected_at)
-        self._collected_at = now
         return self.scheduler.on_step(step.batch, token_ids, step.indices)
 
     def _engine_failed(self, exc: Exception) -> None:
         """On an engine error every running request fails (and frees its blocks)."""
         log.exception("decode step failed")
-        self._in_flight = None
-        if torch.cuda.is_available() and self.runner.device.type == "cuda":
-            try:  # the failed step's kernels may still write the blocks about to be freed
-                torch.cuda.synchronize(self.runner.device)
-            except Exception:  # a sticky device error: nothing runs any more either
-                log.exception("device sync after a failed step")
-        self.allocator.step_done(self._step_seq)  # no step runs any more
+        self.steps.stop()  # the failed step's kernels may still write the blocks about to be freed
         failed = self.scheduler.fail_running(str(exc))
         self._publish([(r, len(r.output_token_ids), "error") for r in failed], error=str(exc))
 
@@ -420,16 +360,6 @@ class DecodeWorker:
             event = TokenEvent(request.request_id, index, new_tokens, reason, error if reason == "error" else None)
             queued.append((request.spec.reply_to, event))
         return queued
-
-
-def run_ahead(mode: str, device: torch.device, scheduler: DecodeScheduler) -> bool:
-    """Whether steps are launched before the previous step's tokens are read ("auto": on CUDA).
-
-    Not with a sliding window: its block recycling follows the tokens known on the host.
-    """
-    if scheduler.window is not None:
-        return False
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def _shm_dir() -> str:

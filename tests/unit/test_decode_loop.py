@@ -14,6 +14,7 @@ from cluster.outputs import Outbox
 from cluster.sampling import SamplingParams
 from cluster.step_stats import StepStats
 from decode.batch_wait import BatchWait
+from decode.device_steps import DeviceSteps
 from decode.request import DecodeRequest
 from decode.scheduler import DecodeScheduler
 from decode.worker import DecodeWorker
@@ -77,7 +78,8 @@ def _worker(run_ahead=False):
     worker.policies = types.SimpleNamespace(
         refresh=lambda: types.SimpleNamespace(capacity_scheduler_policy=worker.scheduler.policy.name))
     worker.stats = StepStats("decode", 1e9)
-    worker._in_flight, worker._collected_at, worker._handoff_seq, worker._step_seq = None, time.perf_counter(), 0, 0
+    worker.steps = DeviceSteps(worker.runner, worker.allocator, worker.stats)
+    worker._handoff_seq = 0
     worker.batch_wait = BatchWait(0.2, 4)
     for name in ("_refresh_peers", "_dispatch_prefills", "_check_handoffs", "_release_admissions"):
         setattr(worker, name, lambda: None)
@@ -155,7 +157,7 @@ def test_an_abort_for_the_step_on_the_device_frees_blocks_only_after_it(run_ahea
     worker = _worker(run_ahead)
     request = _running(worker, "r1", max_tokens=50)
     worker.step()  # launches step 1
-    assert worker._in_flight is not None
+    assert worker.steps.in_flight is not None
     worker._handle_messages([AbortRequest("r1")])
     assert "r1" not in worker.scheduler.requests  # ended at once
     assert worker.allocator.num_free < worker.allocator.num_total  # but its blocks wait for the step
@@ -179,13 +181,13 @@ def test_a_step_sharing_the_gpu_waits_for_requests_in_prefill_but_not_past_the_l
     worker.scheduler.reserve(joining)  # its prefill is under way
     joining.dispatched_at = time.monotonic()
     worker.step()
-    assert worker._in_flight is None and worker.inbox.reads[-1] == HOLD_POLL_MS  # held: waits on the inbox
+    assert worker.steps.in_flight is None and worker.inbox.reads[-1] == HOLD_POLL_MS  # held: waits on the inbox
     assert len(request.output_token_ids) == 1
     time.sleep(0.06)
     worker.step()  # held long enough: the step goes without the joiner
-    assert worker._in_flight is not None and [r.request_id for r in worker._in_flight.batch] == ["r1"]
+    assert worker.steps.in_flight is not None and [r.request_id for r in worker.steps.in_flight.batch] == ["r1"]
     worker.step()  # collects it; held again
-    assert len(request.output_token_ids) == 2 and worker._in_flight is None
+    assert len(request.output_token_ids) == 2 and worker.steps.in_flight is None
     worker.scheduler.on_prefill_done(joining, 5, None)  # the joiner arrives: nothing left to wait for
     worker.step()
-    assert [r.request_id for r in worker._in_flight.batch] == ["r1", "r2"]
+    assert [r.request_id for r in worker.steps.in_flight.batch] == ["r1", "r2"]

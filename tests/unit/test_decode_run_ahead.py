@@ -38,10 +38,11 @@ class _ScriptedRunner:
 
 def test_each_step_is_launched_before_the_previous_is_read_and_fed_its_tokens():
     worker = _worker(run_ahead=True)
-    worker.runner = _ScriptedRunner({3: 4, 4: 6, 5: 8})  # prompt of 3 tokens: positions 3.. are decode steps
+    # a prompt of 3 tokens: positions 3 on are decode steps
+    worker.runner = worker.steps.runner = _ScriptedRunner({3: 4, 4: 6, 5: 8})
     request = _running(worker, "r1", max_tokens=6)
     worker.step()  # step 1 launched, nothing to read yet
-    assert request.num_pending == 1 and worker._in_flight is not None
+    assert request.num_pending == 1 and worker.steps.in_flight is not None
     worker.step()  # step 2 launched first (fed step 1's token), then step 1 read
     assert len(worker.runner.calls) == 2 and request.output_token_ids == [5, 4]
     while request.status is RequestStatus.DECODING:
@@ -57,7 +58,7 @@ def test_each_step_is_launched_before_the_previous_is_read_and_fed_its_tokens():
 
 def test_a_stop_token_ends_the_request_and_the_step_already_launched_is_dropped():
     worker = _worker(run_ahead=True)
-    worker.runner = _ScriptedRunner({5: 2})  # eos (2) sampled at position 5: output index 3
+    worker.runner = worker.steps.runner = _ScriptedRunner({5: 2})  # eos (2) sampled at position 5: output index 3
     request = _running(worker, "r1", max_tokens=20)
     other = _running(worker, "r2", max_tokens=20, prompt=(1, 2, 3, 4, 8, 8, 8))  # decodes from position 7 on
     num_blocks = len(request.block_ids)
@@ -66,7 +67,7 @@ def test_a_stop_token_ends_the_request_and_the_step_already_launched_is_dropped(
     assert request.output_token_ids == [5, 7, 7, 2] and request.finish_reason == "stop"
     # the step launched before the stop was known ran the request once more; its row was dropped
     assert [3, 4, 5, 6] == [call[0][0] for call in worker.runner.calls[:4]]
-    assert worker._in_flight is not None and worker.allocator.num_held == num_blocks  # freed, held for step 4
+    assert worker.steps.in_flight is not None and worker.allocator.num_held == num_blocks  # freed, held for step 4
     worker.step()
     assert request.output_token_ids == [5, 7, 7, 2]  # nothing appended after the stop
     assert [e.index for e in worker.redis.events if e.request_id == "r1"] == [1, 2, 3]
@@ -152,7 +153,7 @@ class _HashRunner:
 
 def _run_to_the_end(worker, requests):
     for _ in range(100):
-        if all(r.status is not RequestStatus.DECODING for r in requests) and worker._in_flight is None:
+        if all(r.status is not RequestStatus.DECODING for r in requests) and worker.steps.in_flight is None:
             return
         worker.step()
     raise AssertionError("requests did not finish")
@@ -162,7 +163,7 @@ def test_seeded_and_greedy_outputs_are_the_same_with_and_without_run_ahead():
     outputs = {}
     for run_ahead in (False, True):
         worker = _worker(run_ahead=run_ahead)
-        worker.runner = _HashRunner()
+        worker.runner = worker.steps.runner = _HashRunner()
         requests = []
         for i, sampling in enumerate([SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=0.7, seed=5),
                                       SamplingParams(temperature=0.0)]):
@@ -178,7 +179,7 @@ def test_seeded_and_greedy_outputs_are_the_same_with_and_without_run_ahead():
 
 def test_run_ahead_reads_the_step_first_when_the_next_one_would_pause_a_request():
     worker = _worker(run_ahead=True)
-    worker.allocator = BlockAllocator(2, 4)
+    worker.allocator = worker.steps.allocator = BlockAllocator(2, 4)
     worker.scheduler = DecodeScheduler(worker.allocator, max_batch_size=4, max_seq_len=64, eos_token_ids=[2],
                                        policy=MAX_UTILIZATION)
     kept, paused = _running(worker, "kept", max_tokens=20), _running(worker, "paused", max_tokens=20)
@@ -207,7 +208,7 @@ class _FailOnCall:
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_a_failed_launch_keeps_the_tokens_already_computed(run_ahead):
     worker = _worker(run_ahead=run_ahead)
-    worker.runner = _FailOnCall(fail_at=2)  # step 1 runs; launching step 2 fails
+    worker.runner = worker.steps.runner = _FailOnCall(fail_at=2)  # step 1 runs; launching step 2 fails
     ending = _running(worker, "ending", max_tokens=2)  # token 0 from prefill, token 1 from step 1: done
     going = _running(worker, "going", max_tokens=50)
     worker.step()
@@ -222,7 +223,7 @@ def test_a_failed_launch_keeps_the_tokens_already_computed(run_ahead):
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_tokens_survive_a_redis_error_while_a_failed_launch_is_reported(run_ahead):
     worker = _worker(run_ahead=run_ahead)
-    worker.runner = _FailOnCall(fail_at=2)
+    worker.runner = worker.steps.runner = _FailOnCall(fail_at=2)
     ending = _running(worker, "ending", max_tokens=2)
     _running(worker, "going", max_tokens=50)
     worker.step()

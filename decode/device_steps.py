@@ -1,0 +1,109 @@
+"""The decode worker's steps on the device: launch, with run-ahead feeds, and read back.
+
+``DeviceSteps.launch`` starts a step for a batch of requests; a request whose last token
+is still on the device (``num_pending``, sampled by ``previous``) gets it fed from there
+(``engine.step_tokens``). ``read`` waits for one step's tokens; a step counts as done for the
+allocator (blocks freed meanwhile go free) only once read. ``stop`` after an engine error.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import structlog
+import torch
+
+from cluster.step_stats import StepStats
+from decode.request import DecodeRequest
+from engine.attention import SeqChunk
+from engine.block_allocator import BlockAllocator
+from engine.sampler import sample_async
+from engine.step_tokens import StepTokens, TokenFeed
+
+log = structlog.get_logger(__name__)
+
+
+class DeviceStep(NamedTuple):
+    """A decode step on the device."""
+
+    step_id: int
+    batch: list[DecodeRequest]
+    indices: list[int]  # the output index each row samples
+    tokens: StepTokens
+    launched_at: float
+
+
+class DeviceSteps:
+    def __init__(self, runner, allocator: BlockAllocator, stats: StepStats):
+        self.runner, self.allocator, self.stats = runner, allocator, stats
+        self.in_flight: DeviceStep | None = None  # the newest step launched and not read
+        self._step_seq = 0
+        self._read_at = time.perf_counter()
+
+    def launch(self, batch: list[DecodeRequest], previous: DeviceStep | None) -> Exception | None:
+        """Start one decode step on the device; its tokens are read by ``read``.
+
+        A request with a token pending in ``previous`` (still on the device) gets it fed
+        from there; the others feed their last known token. Returns the engine's error,
+        if any: the caller reads ``previous`` before failing the running requests.
+        """
+        launched = time.perf_counter()
+        indices = [len(r.output_token_ids) + r.num_pending for r in batch]
+        try:
+            rows = {id(r): i for i, r in enumerate(previous.batch)} if previous is not None else {}
+            chunks, feed_rows = [], []
+            for r in batch:
+                if r.num_pending:
+                    chunks.append(SeqChunk([0], r.num_tokens, r.block_ids))
+                    feed_rows.append(rows[id(r)])  # KeyError: a pending token outside ``previous``
+                else:
+                    chunks.append(SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids))
+                    feed_rows.append(-1)
+            feed = None
+            if previous is not None and any(src >= 0 for src in feed_rows):
+                feed = TokenFeed(previous.tokens.device_tokens, feed_rows)
+            logits = self.runner.forward(chunks, feed)
+            tokens = StepTokens(sample_async(logits, [r.spec.sampling for r in batch], indices))
+        except Exception as exc:
+            return exc
+        self._step_seq += 1
+        self.allocator.step_launched(self._step_seq)
+        for r in batch:
+            r.num_pending += 1
+        self.in_flight = DeviceStep(self._step_seq, batch, indices, tokens, launched)
+        return None
+
+    def read(self, step: DeviceStep) -> list[int]:
+        """The tokens of ``step`` (waits for it; raises the engine's error)."""
+        if self.in_flight is step:
+            self.in_flight = None
+        token_ids = step.tokens.wait()
+        self.allocator.step_done(step.step_id)
+        now = time.perf_counter()
+        self.stats.record(len(step.batch), now - step.launched_at, now - self._read_at)
+        self._read_at = now
+        return token_ids
+
+    def idle(self) -> None:
+        self._read_at = time.perf_counter()  # an idle turn is not a step's time
+
+    def stop(self) -> None:
+        """After an engine error: wait for whatever still runs; no step is on the device after."""
+        self.in_flight = None
+        if torch.cuda.is_available() and self.runner.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.runner.device)
+            except Exception:  # a sticky device error: nothing runs any more either
+                log.exception("device sync after a failed step")
+        self.allocator.step_done(self._step_seq)
+
+
+def run_ahead(mode: str, device: torch.device, scheduler) -> bool:
+    """Whether steps are launched before the previous step's tokens are read ("auto": on CUDA).
+
+    Not with a sliding window: its block recycling follows the tokens known on the host.
+    """
+    if scheduler.window is not None:
+        return False
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
