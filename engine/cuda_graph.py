@@ -4,8 +4,9 @@ A decode step launches hundreds of small kernels; replaying a captured graph
 costs one launch. Inputs live in static device buffers sized for the largest
 bucket; a batch of B sequences runs the graph of the smallest bucket >= B with
 the rows past B padded: slot -1 (the KV write skips it), seq_len 1 and block
-table row 0, so the padded rows read one harmless slot and their logits are
-dropped. Batches larger than the largest bucket, and prefill chunks, run
+table row 0, so the padded rows read one harmless slot (which a real row may be
+writing in the same launch: the padded output is never used) and their logits
+are dropped. Batches larger than the largest bucket, and prefill chunks, run
 eagerly. All graphs share one memory pool, captured largest first.
 
 Block-table rows are written into pinned host memory through a numpy view and

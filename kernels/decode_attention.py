@@ -62,7 +62,9 @@ def _decode_partial_kernel(
     c = cos_sin[p, d % D/2], s' = cos_sin[p, D/2 + d % D/2] and x~[d] = x[(d + D/2) % D],
         rot(x)[d] = x[d] c - x~[d] s'  (d < D/2),   x[d] c + x~[d] s'  (d >= D/2)
     q is replaced by rot(q); the split holding position seq_len - 1 first writes rot(k_new)
-    and v_new into the cache slot slot_mapping[s] (unless -1), then reads it back.
+    and v_new into the cache slot slot_mapping[s] (unless -1), then reads it back (a decode
+    row has seq_len >= 1). The GPU compiler may contract the multiply-adds differently from
+    kernels.rotary: about 1 value in 50,000 differs by 1 bf16 ulp from the unfused path.
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
@@ -105,7 +107,7 @@ def _decode_partial_kernel(
             k_row = k_new_ptr + seq * stride_kn_s + kv_head * stride_kn_h
             k_new = tl.load(k_row + offs_d).to(tl.float32)[None, :]
             k_partner = tl.load(k_row + partner_d).to(tl.float32)[None, :]
-            k_rot = (k_new * cos + k_partner * sin).to(q.dtype)  # rounded as the rotary kernel does
+            k_rot = (k_new * cos + k_partner * sin).to(q.dtype)  # fp32 math, rounded once, as in kernels.rotary
             v_new = tl.load(v_new_ptr + seq * stride_vn_s + kv_head * stride_vn_h + offs_d)
             block = slot // block_size
             offset = slot % block_size

@@ -42,6 +42,7 @@ def _check(inputs, dtype, window):
     q, k, v, positions, cos_sin, k_cache, v_cache, slots, tables, lens = inputs
     head_dim = q.shape[-1]
     ref_k, ref_v = k_cache.float().clone(), v_cache.float().clone()
+    k_before, v_before = k_cache.clone(), v_cache.clone()
     with q.device:
         expected = reference.decode_attention_new_token(q.float(), k.float(), v.float(), positions, cos_sin, ref_k,
                                                         ref_v, slots, tables, lens, head_dim**-0.5, window)
@@ -53,6 +54,11 @@ def _check(inputs, dtype, window):
     flat = lambda c: c.view(-1, *c.shape[2:])  # noqa: E731
     assert_close(flat(k_cache)[written], flat(ref_k)[written], dtype)  # rotated k and v in the new slots
     assert_close(flat(v_cache)[written], flat(ref_v)[written], dtype)
+    others = torch.ones(flat(k_cache).shape[0], dtype=torch.bool, device=k_cache.device)
+    others[written] = False
+    for cache, before in ((k_cache, k_before), (v_cache, v_before)):  # and nothing else was written
+        assert torch.equal(flat(cache)[others].isnan(), flat(before)[others].isnan())
+        assert torch.equal(flat(cache)[others].nan_to_num(), flat(before)[others].nan_to_num())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
