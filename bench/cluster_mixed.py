@@ -116,8 +116,9 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--serve-args", default="", help="more `tandem serve` flags, e.g. '--decode-batch-wait-ms 0'")
-    parser.add_argument("--client-processes", type=int, default=1,
-                        help="bench.serve --num-processes (one Python client can lag behind ~10k chunks/s)")
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="bench.serve --num-processes: one Python client process measured 15%% less "
+                             "(6,321 vs 7,431 tok/s, docs/benchmarks.md) than four on 128 streams")
     parser.add_argument("--label", default="mixed_128req", help="workload name in the rows (say, for a two-GPU run)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cluster_mixed.json"))
     args = parser.parse_args()
