@@ -111,23 +111,13 @@ class DecodeWorker:
         """
         policy = self.policies.refresh().capacity_scheduler_policy  # Redis first: an error here loses nothing
         previous = self.steps.in_flight
-        failure = None
-        # recorded tokens go to the outbox as soon as they are read: a Redis error anywhere
-        # in this turn must not lose them (the scheduler already has them)
-        if self.run_ahead and previous is not None and self.scheduler.can_schedule_ahead():
-            self.scheduler.set_policy(policy)
-            batch, held = self._schedule()
-            if batch:
-                failure = self.steps.launch(batch, previous)
+        ahead = self.run_ahead and previous is not None and self.scheduler.can_schedule_ahead()
+        events = [] if ahead else self._collect(previous)
+        self.scheduler.set_policy(policy)
+        batch, held = self._schedule()
+        failure = self.steps.launch(batch, previous) if batch else None
+        if ahead:
             events = self._collect(previous)  # read even if the launch failed: its tokens are good
-            self.outbox.keep(self._token_events(events))
-        else:
-            events = self._collect(previous)
-            self.outbox.keep(self._token_events(events))
-            self.scheduler.set_policy(policy)
-            batch, held = self._schedule()
-            if batch:
-                failure = self.steps.launch(batch, None)
         if failure is not None:
             self._engine_failed(failure)  # its error events queue behind this step's tokens
         self.outbox.flush()  # in order: what an outage kept back, then this turn's events
@@ -330,7 +320,8 @@ class DecodeWorker:
                 log.warning("released admissions of requests never received", request_ids=leaked)
 
     def _collect(self, step: DeviceStep | None) -> list[tuple[DecodeRequest, int, str | None]]:
-        """Tokens of ``step`` (waits for it) -> its events; [] when there is none."""
+        """Tokens of ``step`` (waits for it) -> its events, recorded and kept in the outbox at
+        once: a Redis error anywhere in the turn must not lose them. [] when there is none."""
         if step is None:
             self.steps.idle()
             return []
@@ -339,7 +330,9 @@ class DecodeWorker:
         except Exception as exc:
             self._engine_failed(exc)
             return []
-        return self.scheduler.on_step(step.batch, token_ids, step.indices)
+        events = self.scheduler.on_step(step.batch, token_ids, step.indices)
+        self.outbox.keep(self._token_events(events))
+        return events
 
     def _engine_failed(self, exc: Exception) -> None:
         """On an engine error every running request fails (and frees its blocks)."""

@@ -69,17 +69,17 @@ class DecoderLayer(nn.Module):
                 q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                 meta.seq_lens, self.scale, self.sliding_window,
             )
-            return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)  # [T, hidden]
-        q, _ = ops.rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_decode:
-            out = ops.decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window
-            )
         else:
-            out = ops.prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                self.scale, self.sliding_window,
-            )
+            q, _ = ops.rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+            if meta.is_decode:
+                out = ops.decode_attention(
+                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window
+                )
+            else:
+                out = ops.prefill_attention(
+                    q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                    self.scale, self.sliding_window,
+                )
         return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)  # [T, hidden]
 
 

@@ -53,9 +53,6 @@ class StepTokens:
         else:
             self._host = tokens
 
-    def done(self) -> bool:
-        return self._ready is None or self._ready.query()
-
     def wait(self) -> list[int]:
         """-> the tokens as Python ints (waits for this step only, not for steps launched after it)."""
         if self._ready is not None:

@@ -102,10 +102,8 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     assert bias is None or (not silu_mul and bias.shape == (rows_w,) and bias.stride(0) == 1)
     if num_out == 0:
         return
-    if K == 0:  # an empty sum
+    if K == 0:  # an empty sum (and silu(0) * 0 = 0)
         y.copy_(bias) if bias is not None else y.zero_()
-        if silu_mul:
-            y.zero_()
         return
     block_n, block_k, num_warps, num_stages = config or tile_config(num_out, K, silu_mul)
     _gemv_kernel[(triton.cdiv(num_out, block_n),)](
