@@ -24,7 +24,7 @@ from kernels import reference
 from kernels import decode_attention
 from kernels.decode_attention import _launch_decode_attention
 
-SHAPES = {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}  # q heads, kv heads (head_dim 128)
+SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "llama3.2-1b": (32, 8, 64)}  # q heads, kv heads, head_dim
 # (batch, context, scattered): scattered block tables are a long-running pool's; in order, a fresh one's.
 # (Batch 1 is left out: outside a CUDA graph its time is the Python launch's.)
 CASES = [(64, 256, True), (128, 416, True), (128, 416, False)]
@@ -33,11 +33,13 @@ INNER = 10  # launches back to back per timing: the GPU time, not the Python lau
 GRID = list(itertools.product((32, 64), (4,), (2, 3), (1, 2), (True,)))
 # --wide: more tiles, warps, stages and splits (the batch-64 x context-256 case sits at ~80% with the rule)
 WIDE_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 3, 4), (True,)))
+# --grid tiles: the wide grid's tiles at the splits the rule picks for the case (grid size from shapes)
+TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
 
 
 def run_case(name, batch, context, scattered, copy_bw, grid=GRID):
-    hq, hkv = SHAPES[name]
-    block_size, d = 16, 128
+    hq, hkv, d = SHAPES[name]
+    block_size = 16
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 8
     k = torch.randn(num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -80,6 +82,7 @@ def main() -> int:
     parser.add_argument("--cases", default="", help="batch:context[,...] (scattered tables) instead of the default cases")
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--wide", action="store_true", help="sweep WIDE_GRID (72 settings) instead of GRID")
+    parser.add_argument("--tiles", action="store_true", help="sweep TILES (18 settings) at the rule's splits")
     args = parser.parse_args()
     cases = CASES
     if args.cases:
@@ -89,6 +92,11 @@ def main() -> int:
     results = []
     for name in args.models.split(","):
         for batch, context, scattered in cases:
+            if args.tiles:
+                hkv, block_size = SHAPES[name][1], 16
+                splits = decode_attention.num_kv_splits(batch, hkv, -(-context // block_size) * block_size,
+                                                        torch.device("cuda"))
+                grid = [tile + (splits, True) for tile in TILES]
             r = run_case(name, batch, context, scattered, copy_bw, grid)
             results.append(r)
             print(f"{name:10s} b{batch:<4d} ctx{context:<5d} {'scattered' if scattered else 'in-order '} rule {r['rule']['us']:8.1f} us "

@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_pool.layer(self.layer_idx)
-        if meta.is_decode and q.is_cuda and ops.fused_decode_rotary():
+        if meta.is_decode and q.is_cuda and ops.fused_decode_rotary(num_tokens):
             out = ops.decode_attention_new_token(
                 q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                 meta.seq_lens, self.scale, self.sliding_window,

@@ -19,6 +19,7 @@ caching allocator (which is capture-safe).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cache
 from typing import NamedTuple
@@ -221,8 +222,22 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
+def _tile_override() -> tuple[int, int, int] | None:
+    """``TANDEM_DECODE_TILE=BLOCK_N,num_warps,num_stages`` replaces the rule (tuning A/Bs only)."""
+    value = os.environ.get("TANDEM_DECODE_TILE", "")
+    if not value:
+        return None
+    block_n, num_warps, num_stages = (int(x) for x in value.split(","))
+    return block_n, num_warps, num_stages
+
+
+_TILE_OVERRIDE = _tile_override()
+
+
 def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) from shapes only."""
+    if _TILE_OVERRIDE is not None:
+        return _TILE_OVERRIDE
     block_n = 32 if (dtype == torch.float32 and head_dim > 64) or head_dim > 128 else 64
     return block_n, 4, 2
 

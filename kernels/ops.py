@@ -99,10 +99,18 @@ def decode_attention_new_token(q, k, v, positions, cos_sin_cache, k_cache, v_cac
                                                   block_tables, seq_lens, scale, sliding_window)
 
 
-def fused_decode_rotary() -> bool:
-    """Decode steps with rotary and the KV write inside the attention kernel (TANDEM_FUSED_ROTARY=1;
-    off until measured on a GPU)."""
-    return os.environ.get("TANDEM_FUSED_ROTARY", "0") == "1"
+# Measured on an H200 (docs/benchmarks.md, fifth session): the fused form is 1-3% faster per step at
+# batch 1 (llama3.2-1b, llama2-7b, llama3-8b) and 1.5-3.6% slower at batch 64 on llama2-7b.
+FUSED_ROTARY_MAX_BATCH = 8
+
+
+def fused_decode_rotary(num_seqs: int) -> bool:
+    """Whether a decode step of ``num_seqs`` sequences runs rotary and the KV write inside the
+    attention kernel: TANDEM_FUSED_ROTARY=1 always, =0 never, unset (auto) for small batches."""
+    mode = os.environ.get("TANDEM_FUSED_ROTARY", "auto")
+    if mode == "auto":
+        return num_seqs <= FUSED_ROTARY_MAX_BATCH
+    return mode == "1"
 
 
 def gather_blocks(kv_pool, block_ids):

@@ -94,14 +94,19 @@ def _prefill_attention_kernel(
     num_seqs, qk_scale, window, block_size,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
     """out[i, h] = sum_p softmax_p(scale * q[i, h] . k[p, h // GROUP]) v[p, h // GROUP]
 
     over the keys p of query i's sequence with p <= pos(i) and, with a window W,
     pos(i) - p < W; pos(i) = seq_len - q_len + (i - query_start).
     """
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
+    if HEAVY_FIRST:  # grid (heads, tiles), last tiles (the most keys) first: a shorter tail
+        head = tl.program_id(0)
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        tile = tl.program_id(0)
+        head = tl.program_id(1)
     seq = tl.maximum(_find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_M), 0)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -161,6 +166,9 @@ def _prefill_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])
 
 
+HEAVY_FIRST = False  # grid order (see the kernel)
+
+
 def _tile_config(num_tokens: int, num_seqs: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes only (no autotune yet)."""
     avg_q_len = num_tokens // max(num_seqs, 1)
@@ -176,7 +184,10 @@ def _tile_config(num_tokens: int, num_seqs: int, head_dim: int, dtype: torch.dty
     return block_m, block_n, num_warps, 2
 
 
-def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window):
+def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window,
+                              config: tuple | None = None):
+    """``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, heavy_first) instead of the shape
+    rule (tuning only)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -192,7 +203,11 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
     if num_tokens == 0 or num_seqs == 0:
         return
     block_m, block_n, num_warps, num_stages = _tile_config(num_tokens, num_seqs, head_dim, q.dtype)
-    grid = (num_tokens // block_m + num_seqs, num_q_heads)
+    heavy_first = HEAVY_FIRST
+    if config is not None:
+        block_m, block_n, num_warps, num_stages, heavy_first = config
+    num_tiles = num_tokens // block_m + num_seqs
+    grid = (num_q_heads, num_tiles) if heavy_first else (num_tiles, num_q_heads)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
@@ -202,7 +217,7 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
         GROUP=num_q_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=upcast_bf16_dot(q.dtype),
+        DOT_UPCAST=upcast_bf16_dot(q.dtype), HEAVY_FIRST=heavy_first,
         num_warps=num_warps, num_stages=num_stages,
     )
 

@@ -81,3 +81,15 @@ def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads):
     lens = [context - 7 * i % 50 for i in range(batch)]
     inputs = _inputs(lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16, padded_row=None)
     _check(inputs, torch.bfloat16, None)
+
+
+def test_the_model_fuses_small_decode_batches_unless_told(monkeypatch):
+    from kernels import ops
+
+    monkeypatch.delenv("TANDEM_FUSED_ROTARY", raising=False)
+    assert ops.fused_decode_rotary(1) and ops.fused_decode_rotary(ops.FUSED_ROTARY_MAX_BATCH)
+    assert not ops.fused_decode_rotary(ops.FUSED_ROTARY_MAX_BATCH + 1) and not ops.fused_decode_rotary(64)
+    monkeypatch.setenv("TANDEM_FUSED_ROTARY", "0")
+    assert not ops.fused_decode_rotary(1)
+    monkeypatch.setenv("TANDEM_FUSED_ROTARY", "1")
+    assert ops.fused_decode_rotary(64)

@@ -46,11 +46,23 @@ def test_long_chunk_large_query_tiles(dtype, window):
     assert_close(out, expected, dtype, ATTN_SCALE[dtype])
 
 
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS[:3])
+@pytest.mark.parametrize("window", [None, 5])
+def test_heavy_first_grid_order(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window):
+    """The other grid order (heads on axis 0, query tiles from the last): same answer."""
+    monkeypatch.setattr("kernels.prefill_attention.HEAVY_FIRST", True)
+    out, expected = _run([300, 9, 40, 1, 12, 200], [16, 9, 1, 1, 0, 130], num_q_heads, num_kv_heads, head_dim,
+                         block_size, torch.bfloat16, window)
+    assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
+
+
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("heavy_first", [False, True])
 @pytest.mark.parametrize("num_kv_heads", [8, 32])
 @pytest.mark.parametrize("window", [None, 1024])
-def test_gpu_real_shapes_bf16(num_kv_heads, window):
+def test_gpu_real_shapes_bf16(num_kv_heads, window, heavy_first, monkeypatch):
+    monkeypatch.setattr("kernels.prefill_attention.HEAVY_FIRST", heavy_first)
     seq_lens = [2048, 2012, 4000, 1000, 8192]
     q_lens = [2048, 512, 1, 1000, 700]
     torch.manual_seed(0)
