@@ -24,6 +24,23 @@ def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
     return times[len(times) // 2]
 
 
+def graph_ms(calls) -> float:
+    """ms per call of the zero-argument ``calls``, captured back to back in one CUDA graph and
+    replayed: a Python launch can take longer than a small kernel, so launched one by one the
+    launches would be timed. Each is run once outside the capture first (compile, warm-up)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return median_ms(graph.replay, reps=10, warmup=2) / len(calls)
+
+
 def wall_s(fn) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -7,7 +7,9 @@ llama3-8b shapes, times the kernel with the shape rules' settings and with
 every (BLOCK_N, num_warps, num_stages, num_splits) of a small grid, checks each
 against the torch reference, and prints the best against the rule, as a
 fraction of the measured copy bandwidth (K and V bytes read). Each timing
-covers 10 launches back to back, so the GPU time is measured, not the launch.
+replays 10 launches captured in one CUDA graph, so the GPU time is measured,
+not the Python launch (before, launched one by one, the small GQA cases timed
+the launch: 50-80 us).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 
 import torch
 
-from bench.timing import ceilings, median_ms
+from bench.timing import ceilings, graph_ms
 from kernels import reference
 from kernels import decode_attention
 from kernels.decode_attention import _launch_decode_attention
@@ -28,7 +30,7 @@ SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "llama3.2-1b": 
 # (batch, context, scattered): scattered block tables are a long-running pool's; in order, a fresh one's.
 # (Batch 1 is left out: outside a CUDA graph its time is the Python launch's.)
 CASES = [(64, 256, True), (128, 416, True), (128, 416, False)]
-INNER = 10  # launches back to back per timing: the GPU time, not the Python launch, is measured
+INNER = 10  # launches per captured graph
 # (BLOCK_N, num_warps, num_stages, num_splits, heads_first); first the rule, in both grid orders
 GRID = list(itertools.product((32, 64), (4,), (2, 3), (1, 2), (True,)))
 # --wide: more tiles, warps, stages and splits (the batch-64 x context-256 case sits at ~80% with the rule)
@@ -65,7 +67,7 @@ def run_case(name, batch, context, scattered, copy_bw, grid=GRID):
             fn()
             if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
                 continue
-            ms = median_ms(lambda: [fn() for _ in range(INNER)], reps=15, warmup=2) / INNER
+            ms = graph_ms([fn] * INNER)
         except Exception:  # a tile that does not fit shared memory
             continue
         rows.append({"config": config, "us": ms * 1e3, "bw_fraction": kv_bytes / (ms / 1e3) / copy_bw})

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.shapes import SHAPES
-from bench.timing import ceilings, median_ms
+from bench.timing import ceilings, graph_ms
 from kernels import ops, reference
 from kernels.gemv import _launch_gemv, tile_config
 
@@ -43,18 +43,7 @@ def projections(name: str) -> list[tuple[str, int, int, bool, int]]:
 def time_rotating(fn_for, weights) -> float:
     """ms per call of fn_for(w), cycling over ``weights``, replayed as one CUDA graph (a Python
     launch takes longer than a small GEMV: launched one by one, the launches would be timed)."""
-    calls = [fn_for(w) for w in weights]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:  # compile and warm up outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return median_ms(graph.replay, reps=10, warmup=2) / len(calls)
+    return graph_ms([fn_for(w) for w in weights])
 
 
 def run_shape(proj, rows, K, silu, copy_bw):

@@ -5,10 +5,12 @@ last q_len of its seq_len positions, whose keys/values (cached context plus
 the new chunk, already written) live in the blocks listed in block_tables[b].
 
 Tiling: one program = BLOCK_M queries of one sequence x one query head. Query
-tiles of all sequences are laid out on grid axis 0 without a host sync: the
+tiles of all sequences are laid out on one grid axis without a host sync: the
 tiles of sequence b start at query_start_loc[b] // BLOCK_M + b, so
 num_tokens // BLOCK_M + num_seqs programs always suffice; a program finds its
-sequence by binary search and spare programs exit at once. Keys are visited in
+sequence by binary search and spare programs exit at once. The grid is (heads,
+tiles) with the tiles numbered from the last (HEAVY_FIRST): the query tiles that
+see the most keys start first and the short ones fill the tail. Keys are visited in
 BLOCK_N tiles from the first one any query of the tile can see (sliding window)
 to the diagonal; tiles that every query sees whole run without a mask, the
 others (window edge, diagonal) with one, and fully masked tiles are never
