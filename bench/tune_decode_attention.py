@@ -39,13 +39,19 @@ WIDE_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 3, 4
 TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
 
 
-def run_case(name, batch, context, scattered, copy_bw, grid=GRID):
+def run_case(name, batch, context, scattered, copy_bw, grid=GRID, head_major=False):
+    """``head_major``: the cache's blocks laid out [head, slot, dim] in memory (a view still
+    indexed [block, slot, head, dim]), so one head's slots of a block are contiguous."""
     hq, hkv, d = SHAPES[name]
     block_size = 16
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 8
-    k = torch.randn(num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    if head_major:
+        k = torch.randn(num_blocks, hkv, block_size, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        v = torch.randn(num_blocks, hkv, block_size, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        k = torch.randn(num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     perm = torch.randperm(num_blocks - 8, device="cuda") if scattered else torch.arange(num_blocks - 8, device="cuda")
     perm = perm[: batch * blocks_per_seq].to(torch.int32)
@@ -74,7 +80,7 @@ def run_case(name, batch, context, scattered, copy_bw, grid=GRID):
     rule = next(r for r in rows if r["config"] is None)
     seqs_first = next((r for r in rows if r["config"] == "rule-seqs-first"), None)
     best = min(rows, key=lambda r: r["us"])
-    return {"model": name, "batch": batch, "context": context, "scattered": scattered, "rule": rule, "rule_seqs_first": seqs_first, "best": best,
+    return {"model": name, "batch": batch, "context": context, "scattered": scattered, "head_major": head_major, "rule": rule, "rule_seqs_first": seqs_first, "best": best,
             "top5": sorted(rows, key=lambda r: r["us"])[:5]}
 
 
@@ -85,6 +91,7 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--wide", action="store_true", help="sweep WIDE_GRID (72 settings) instead of GRID")
     parser.add_argument("--tiles", action="store_true", help="sweep TILES (18 settings) at the rule's splits")
+    parser.add_argument("--layouts", default="token", help="token,head: cache blocks [slot, head, dim] and/or [head, slot, dim]")
     args = parser.parse_args()
     cases = CASES
     if args.cases:
@@ -99,14 +106,15 @@ def main() -> int:
                 splits = decode_attention.num_kv_splits(batch, hkv, -(-context // block_size) * block_size,
                                                         torch.device("cuda"))
                 grid = [tile + (splits, True) for tile in TILES]
-            r = run_case(name, batch, context, scattered, copy_bw, grid)
-            results.append(r)
-            print(f"{name:10s} b{batch:<4d} ctx{context:<5d} {'scattered' if scattered else 'in-order '} rule {r['rule']['us']:8.1f} us "
-                  f"({r['rule']['bw_fraction']:.2f})  seqs-first {r['rule_seqs_first']['us']:8.1f} us "
-                  f"({r['rule_seqs_first']['bw_fraction']:.2f})  best {r['best']['us']:8.1f} us "
-                  f"({r['best']['bw_fraction']:.2f}) {r['best']['config']}", flush=True)
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+            for layout in args.layouts.split(","):
+                r = run_case(name, batch, context, scattered, copy_bw, grid, head_major=layout == "head")
+                results.append(r)
+                print(f"{name:10s} b{batch:<4d} ctx{context:<5d} {layout:5s} {'scattered' if scattered else 'in-order '} "
+                      f"rule {r['rule']['us']:8.1f} us ({r['rule']['bw_fraction']:.2f})  "
+                      f"seqs-first {r['rule_seqs_first']['us']:8.1f} us ({r['rule_seqs_first']['bw_fraction']:.2f})  "
+                      f"best {r['best']['us']:8.1f} us ({r['best']['bw_fraction']:.2f}) {r['best']['config']}", flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
     return 0
 
 
