@@ -35,7 +35,8 @@ INNER = 10  # launches per captured graph
 GRID = list(itertools.product((32, 64), (4,), (2, 3), (1, 2), (True,)))
 # --wide: more tiles, warps, stages and splits (the batch-64 x context-256 case sits at ~80% with the rule)
 WIDE_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 3, 4), (True,)))
-# --grid tiles: the wide grid's tiles at the splits the rule picks for the case (grid size from shapes)
+# --tiles: the wide grid's tiles at the splits the rule picks for the case (grid size from shapes),
+# visiting the partly filled tile last (the rule) and first (kernels.decode_attention.PARTIAL_FIRST)
 TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
 
 
@@ -90,7 +91,8 @@ def main() -> int:
     parser.add_argument("--cases", default="", help="batch:context[,...] (scattered tables) instead of the default cases")
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--wide", action="store_true", help="sweep WIDE_GRID (72 settings) instead of GRID")
-    parser.add_argument("--tiles", action="store_true", help="sweep TILES (18 settings) at the rule's splits")
+    parser.add_argument("--tiles", action="store_true",
+                        help="sweep TILES (18 settings) at the rule's splits, each with the partly filled tile last and first")
     parser.add_argument("--layouts", default="token", help="token,head: cache blocks [slot, head, dim] and/or [head, slot, dim]")
     args = parser.parse_args()
     cases = CASES
@@ -105,7 +107,7 @@ def main() -> int:
                 hkv, block_size = SHAPES[name][1], 16
                 splits = decode_attention.num_kv_splits(batch, hkv, -(-context // block_size) * block_size,
                                                         torch.device("cuda"))
-                grid = [tile + (splits, True) for tile in TILES]
+                grid = [tile + (splits, True, partial) for tile in TILES for partial in (False, True)]
             for layout in args.layouts.split(","):
                 r = run_case(name, batch, context, scattered, copy_bw, grid, head_major=layout == "head")
                 results.append(r)

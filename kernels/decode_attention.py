@@ -36,6 +36,10 @@ MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128  # below this the merge costs more than it saves
 PROGRAMS_PER_SM = 3  # splits are added until the grid is about this many waves (tuned on an H200)
 HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention compares both)
+# Tiles aligned to the end of each share, so a partly filled tile comes first rather than last
+# (a partial last tile cost a whole iteration on an H200: docs/benchmarks.md). Off until an
+# engine A/B shows it faster (scripts/decode_ab.py).
+PARTIAL_FIRST = False
 
 
 @triton.jit
@@ -53,9 +57,11 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    PARTIAL_FIRST: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
-    shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
+    shares of whole BLOCK_N tiles (visited from the share's start, or with PARTIAL_FIRST in
+    tiles that end at the share's end); split j over its share P_j, for each head h of the group:
         m = max_p s_p,  s_p = scale * log2(e) * q[h] . k[p]
         partial_out[h, j] = sum_p 2^(s_p - m) v[p] / sum_p 2^(s_p - m)
         partial_lse[h, j] = m + log2(sum_p 2^(s_p - m))       (-inf if P_j is empty)
@@ -124,9 +130,15 @@ def _decode_partial_kernel(
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for start_n in range(start, end, BLOCK_N):
+    first = start
+    if PARTIAL_FIRST:  # the first tile reaches below start by the share's shortfall of whole tiles
+        count = tl.maximum(end - start, 0)
+        first = start - (tl.cdiv(count, BLOCK_N) * BLOCK_N - count)
+    for start_n in range(first, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_valid = offs_n < end
+        if PARTIAL_FIRST:
+            kv_valid = kv_valid & (offs_n >= start)
         block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
         slots = (offs_n % block_size).to(tl.int64)
         k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
@@ -254,7 +266,7 @@ class NewToken(NamedTuple):
 
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
                              config: tuple | None = None, new_token: NewToken | None = None):
-    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first]) instead of the
+    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, partial_first]]) instead of the
     shape rules (tuning only). ``new_token``: rotary and the KV write fused in."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -285,10 +297,11 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         max_context_len = min(max_context_len, sliding_window)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
     block_n, num_warps, num_stages = _tile_config(head_dim, q.dtype)
-    heads_first = HEADS_FIRST
+    heads_first, partial_first = HEADS_FIRST, PARTIAL_FIRST
     if config is not None:
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first
+        partial_first = rest[1] if len(rest) > 1 else partial_first
     direct = num_splits == 1
     if direct:
         partial_out = partial_lse = out  # unused
@@ -315,7 +328,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(q),
+        PARTIAL_FIRST=partial_first, num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

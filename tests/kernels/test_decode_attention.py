@@ -39,6 +39,20 @@ def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_d
     assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_partial_tile_first(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
+    """Tiles aligned to each share's end: the keys below a share (another split's, or
+    before position 0) are masked, none is counted twice."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "PARTIAL_FIRST", True)
+    inputs = _inputs([1, 70, 33, 0, 130, 64], num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    out = decode_attention(*inputs, head_dim**-0.5, window)
+    assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
+
+
 def test_default_splits_and_passed_in_workspace():
     seq_lens = [5, 300, 17]
     inputs = _inputs(seq_lens, 8, 2, 64, 16, torch.float32)
@@ -69,10 +83,12 @@ def test_num_splits_depends_on_shapes_only():
 
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("partial_first", [False, True])
 @pytest.mark.parametrize("num_kv_heads", [8, 32])
 @pytest.mark.parametrize("window", [None, 1024])
 @pytest.mark.parametrize("num_seqs", [1, 7, 64])
-def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs):
+def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs, partial_first, monkeypatch):
+    monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
     torch.manual_seed(num_seqs)
     seq_lens = torch.randint(1, 8193, (num_seqs,)).tolist()
     seq_lens[0] = 8192

@@ -73,6 +73,17 @@ def test_matches_rotary_then_attention(monkeypatch, dtype, num_q_heads, num_kv_h
     _check(inputs, dtype, window)
 
 
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_partial_tile_first(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, num_splits):
+    """Tiles aligned to each share's end: the new token's slot is still written once and read."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "PARTIAL_FIRST", True)
+    inputs = _inputs([1, 70, 33, 130, 2], num_q_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
+                     padded_row=4)
+    _check(inputs, torch.bfloat16, None)
+
+
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("batch, context", [(1, 256), (64, 256), (128, 416)])

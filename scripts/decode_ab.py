@@ -1,0 +1,37 @@
+"""Decode step time through the engine (CUDA graphs, run-ahead, contexts 128-384 as in
+bench.engine) for decode attention variants, alternated on one GPU: the rule; partly filled
+tile first (kernels.decode_attention.PARTIAL_FIRST); 32-token tiles (TANDEM_DECODE_TILE=32,4,2).
+    python3 scripts/decode_ab.py [--models llama2-7b] [--batches 64] [--rounds 2]
+(device: source scripts/device_env.sh first)"""
+import argparse
+import gc
+
+import torch
+
+import kernels.decode_attention as da
+from bench.engine import build_runner, decode_workload
+from engine.block_allocator import BlockAllocator
+
+VARIANTS = {"rule": (False, None), "partial_first": (True, None), "tile32": (False, (32, 4, 2))}
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--models", default="llama2-7b")
+parser.add_argument("--batches", default="64")
+parser.add_argument("--rounds", type=int, default=2)
+args = parser.parse_args()
+batches = [int(b) for b in args.batches.split(",")]
+for name in args.models.split(","):
+    times = {(v, b): [] for v in VARIANTS for b in batches}
+    for _ in range(args.rounds):
+        for variant, (partial_first, tile) in VARIANTS.items():
+            da.PARTIAL_FIRST, da._TILE_OVERRIDE = partial_first, tile  # read when the graphs are captured
+            runner = build_runner(name, num_tokens=max(batches) * 400 + 1024, max_seq_len=4096,
+                                  max_batch_size=max(batches))
+            allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+            for batch in batches:
+                times[(variant, batch)].append(decode_workload(runner, allocator, batch)["ms_per_step"])
+            del runner, allocator
+            gc.collect()
+            torch.cuda.empty_cache()
+    for (variant, batch), ms in times.items():
+        print(f"{name} b{batch} {variant:14s} " + " ".join(f"{t:.3f}" for t in ms) + " ms/step", flush=True)
