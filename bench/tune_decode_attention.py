@@ -73,9 +73,11 @@ def run_case(name, batch, context, scattered, copy_bw, grid=GRID, head_major=Fal
             out.fill_(float("nan"))
             fn()
             if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
+                print(f"  {name} {config}: wrong answer", flush=True)
                 continue
             ms = graph_ms([fn] * INNER)
-        except Exception:  # a tile that does not fit shared memory
+        except Exception as exc:  # e.g. a tile that does not fit shared memory
+            print(f"  {name} {config}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue
         rows.append({"config": config, "us": ms * 1e3, "bw_fraction": kv_bytes / (ms / 1e3) / copy_bw})
     rule = next(r for r in rows if r["config"] is None)
@@ -99,6 +101,8 @@ def main() -> int:
     if args.cases:
         cases = [(int(b), int(c), True) for b, c in (case.split(":") for case in args.cases.split(","))]
     grid = WIDE_GRID if args.wide else GRID
+    if decode_attention._TILE_OVERRIDE is not None:
+        print(f"TANDEM_DECODE_TILE={decode_attention._TILE_OVERRIDE}: the 'rule' rows use it", flush=True)
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
     results = []
     for name in args.models.split(","):

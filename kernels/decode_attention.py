@@ -235,11 +235,18 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device
 
 
 def _tile_override() -> tuple[int, int, int] | None:
-    """``TANDEM_DECODE_TILE=BLOCK_N,num_warps,num_stages`` replaces the rule (tuning A/Bs only)."""
+    """``TANDEM_DECODE_TILE=BLOCK_N,num_warps,num_stages`` replaces the rule (tuning A/Bs only;
+    read once, at import)."""
     value = os.environ.get("TANDEM_DECODE_TILE", "")
     if not value:
         return None
-    block_n, num_warps, num_stages = (int(x) for x in value.split(","))
+    try:
+        block_n, num_warps, num_stages = (int(x) for x in value.split(","))
+    except ValueError:
+        block_n = num_warps = num_stages = 0
+    if not (block_n >= 16 and block_n & (block_n - 1) == 0 and num_warps in (1, 2, 4, 8, 16) and num_stages >= 1):
+        raise ValueError(f"TANDEM_DECODE_TILE must be BLOCK_N,num_warps,num_stages (BLOCK_N a power of 2 >= 16, "
+                         f"num_warps a power of 2 <= 16, num_stages >= 1), not {value!r}")
     return block_n, num_warps, num_stages
 
 

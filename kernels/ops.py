@@ -110,6 +110,8 @@ def fused_decode_rotary(num_seqs: int) -> bool:
     mode = os.environ.get("TANDEM_FUSED_ROTARY", "auto")
     if mode == "auto":
         return num_seqs <= FUSED_ROTARY_MAX_BATCH
+    if mode not in ("0", "1"):
+        raise ValueError(f"TANDEM_FUSED_ROTARY must be auto, 0 or 1, not {mode!r}")
     return mode == "1"
 
 

@@ -216,6 +216,7 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
     if config is not None:
         block_m, block_n, num_warps, num_stages, heavy_first = config
     num_tiles = num_tokens // block_m + num_seqs
+    assert not heavy_first or num_tiles <= 65535, "too many query tiles for grid axis 1"
     grid = (num_q_heads, num_tiles) if heavy_first else (num_tiles, num_q_heads)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,

@@ -16,7 +16,8 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("fused_rotary", ["0", "1"])  # decode rotary + KV write in their own kernel / in attention
+# decode rotary + KV write in their own kernel / in attention / fused for batches up to 8
+@pytest.mark.parametrize("fused_rotary", ["0", "1", "auto"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_cuda_fp32_matches_hf(tiny_checkpoints, arch, fused_rotary, monkeypatch):
     monkeypatch.setenv("TANDEM_FUSED_ROTARY", fused_rotary)

@@ -41,7 +41,7 @@ def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("window", [None, 20, 100])  # 100: a window start above 0 with two splits holding keys
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_partial_tile_first(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
     """Tiles aligned to each share's end: the keys below a share (another split's, or
@@ -51,6 +51,38 @@ def test_partial_tile_first(monkeypatch, dtype, num_q_heads, num_kv_heads, head_
     inputs = _inputs([1, 70, 33, 0, 130, 64], num_q_heads, num_kv_heads, head_dim, block_size, dtype)
     out = decode_attention(*inputs, head_dim**-0.5, window)
     assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
+
+
+def test_launch_settings_reach_the_kernels(monkeypatch):
+    """The grid order and tile order flags are passed on (both orders give the same answer,
+    so the answer tests cannot see them)."""
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, kwargs))
+
+    monkeypatch.setattr(decode_module, "_decode_partial_kernel", Recorder())
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: 1)
+    inputs = _inputs([5, 9, 2], 4, 2, 32, 4, torch.float32)  # 3 sequences, 2 KV heads
+    for heads_first, partial_first in ((True, False), (False, True)):
+        monkeypatch.setattr(decode_module, "HEADS_FIRST", heads_first)
+        monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
+        decode_attention(*inputs, 0.25)
+        grid, kwargs = calls[-1]
+        assert grid == ((2, 3, 1) if heads_first else (3, 2, 1))
+        assert kwargs["HEADS_FIRST"] is heads_first and kwargs["PARTIAL_FIRST"] is partial_first
+
+
+def test_tile_override_is_checked(monkeypatch):
+    monkeypatch.setenv("TANDEM_DECODE_TILE", "32,4,2")
+    assert decode_module._tile_override() == (32, 4, 2)
+    for bad in ("48,4,2", "64,3,2", "64,4", "a,b,c", "64,4,0"):
+        monkeypatch.setenv("TANDEM_DECODE_TILE", bad)
+        with pytest.raises(ValueError, match="TANDEM_DECODE_TILE"):
+            decode_module._tile_override()
+    monkeypatch.delenv("TANDEM_DECODE_TILE")
+    assert decode_module._tile_override() is None
 
 
 def test_default_splits_and_passed_in_workspace():

@@ -104,3 +104,6 @@ def test_the_model_fuses_small_decode_batches_unless_told(monkeypatch):
     assert not ops.fused_decode_rotary(1)
     monkeypatch.setenv("TANDEM_FUSED_ROTARY", "1")
     assert ops.fused_decode_rotary(64)
+    monkeypatch.setenv("TANDEM_FUSED_ROTARY", "true")
+    with pytest.raises(ValueError, match="auto, 0 or 1"):
+        ops.fused_decode_rotary(1)

@@ -56,6 +56,34 @@ def test_tiles_first_grid_order(monkeypatch, num_q_heads, num_kv_heads, head_dim
     assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
 
 
+def test_grid_order_reaches_the_kernel(monkeypatch):
+    """HEAVY_FIRST puts the heads on grid axis 0 and is passed on (both orders give the same
+    answer, so the answer tests cannot see it)."""
+    from kernels import prefill_attention as prefill_module
+
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, kwargs))
+
+    monkeypatch.setattr(prefill_module, "_prefill_attention_kernel", Recorder())
+    for heavy_first in (True, False):
+        monkeypatch.setattr(prefill_module, "HEAVY_FIRST", heavy_first)
+        _run_kernel_only([40, 9], [40, 9], 6, 2, 32, 8)
+        grid, kwargs = calls[-1]
+        tiles = 49 // 32 + 2  # num_tokens // BLOCK_M + num_seqs (BLOCK_M 32 for an average of 24 queries)
+        assert grid == ((6, tiles) if heavy_first else (tiles, 6)) and kwargs["HEAVY_FIRST"] is heavy_first
+
+
+def _run_kernel_only(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size):
+    k_cache, v_cache, block_tables = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, DEVICE)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, device=DEVICE)
+    prefill_attention(q, k_cache, v_cache, block_tables, qsl, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                      head_dim**-0.5)
+
+
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("heavy_first", [False, True])
