@@ -40,6 +40,58 @@ HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention 
 # (a partial last tile cost a whole iteration on an H200: docs/benchmarks.md). Off until an
 # engine A/B shows it faster (scripts/decode_ab.py).
 PARTIAL_FIRST = False
+# Fused form only: the share's last tile is loaded before the PDL wait, the new token's k and v
+# taken from registers instead of a store, barrier and reload. Off until an engine A/B.
+PREFETCH = False
+
+
+@triton.jit
+def _load_kv_tile(k_base, v_base, block_table_row, start_n, start, end,
+                  stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Keys and values at positions start_n .. start_n + BLOCK_N - 1 of one KV head, those
+    outside [start, end) masked: (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_valid = (offs_n >= start) & (offs_n < end)
+    block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
+    slots = (offs_n % block_size).to(tl.int64)
+    k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
+                mask=kv_valid[None, :], other=0.0)
+    v = tl.load(v_base + (block_ids * stride_v_block + slots * stride_v_slot)[:, None] + offs_d[None, :],
+                mask=kv_valid[:, None], other=0.0)
+    return k, v, offs_n, kv_valid
+
+
+@triton.jit
+def _rotated_new_kv(k_row, v_row, cos, sin, partner_d, dtype: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The decode token's rotated k [1, HEAD_DIM] (fp32 math, rounded once, as in kernels.rotary)
+    and its v [HEAD_DIM]."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_new = tl.load(k_row + offs_d).to(tl.float32)[None, :]
+    k_partner = tl.load(k_row + partner_d).to(tl.float32)[None, :]
+    return (k_new * cos + k_partner * sin).to(dtype), tl.load(v_row + offs_d)
+
+
+@triton.jit
+def _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(k_slot + offs_d[None, :], k_rot.to(k_slot.dtype.element_ty))
+    tl.store(v_slot + offs_d, v_new.to(v_slot.dtype.element_ty))
+
+
+@triton.jit
+def _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale,
+                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One online-softmax step (log2 domain) of q [GROUP_PAD, HEAD_DIM] over a loaded tile."""
+    s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(kv_valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -57,7 +109,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PARTIAL_FIRST: tl.constexpr = False,
+    PARTIAL_FIRST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles (visited from the share's start, or with PARTIAL_FIRST in
@@ -68,14 +120,18 @@ def _decode_partial_kernel(
     NEW_TOKEN (rotary and the KV write fused in): q is unrotated; with p = positions[s],
     c = cos_sin[p, d % D/2], s' = cos_sin[p, D/2 + d % D/2] and x~[d] = x[(d + D/2) % D],
         rot(x)[d] = x[d] c - x~[d] s'  (d < D/2),   x[d] c + x~[d] s'  (d >= D/2)
-    q is replaced by rot(q); the split holding position seq_len - 1 first writes rot(k_new)
-    and v_new into the cache slot slot_mapping[s] (unless -1), then reads it back (a decode
-    row has seq_len >= 1). The GPU compiler may contract the multiply-adds differently from
+    q is replaced by rot(q); the split holding position seq_len - 1 writes rot(k_new) and
+    v_new into the cache slot slot_mapping[s] (unless -1) and attends to them: read back after
+    a barrier, or with PREFETCH taken from registers, so that the share's last tile (which
+    holds that position) can be loaded before waiting for the previous kernel (PDL: the cache,
+    block tables and lengths are not written by the kernels before it in the step). A decode
+    row has seq_len >= 1. The GPU compiler may contract the multiply-adds differently from
     kernels.rotary: about 1 value in 50,000 differs by 1 bf16 ulp from the unfused path.
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
-        gdc_wait()
+        if not PREFETCH:
+            gdc_wait()
     if HEADS_FIRST:  # programs launched together read neighbouring heads of the same tokens
         kv_head = tl.program_id(0)
         seq = tl.program_id(1).to(tl.int64)
@@ -91,6 +147,20 @@ def _decode_partial_kernel(
     share = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * share
     end = tl.minimum(start + share, seq_len)
+    count = tl.maximum(end - start, 0)
+    first = start
+    if PARTIAL_FIRST:  # the first tile reaches below start by the share's shortfall of whole tiles
+        first = start - (tl.cdiv(count, BLOCK_N) * BLOCK_N - count)
+    k_base = k_cache_ptr + kv_head * stride_k_head
+    v_base = v_cache_ptr + kv_head * stride_v_head
+    block_table_row = block_tables_ptr + seq * stride_bt
+    if PREFETCH:  # the share's last tile, before the wait
+        last_tile = first + tl.maximum(tl.cdiv(count, BLOCK_N) - 1, 0) * BLOCK_N
+        k_last, v_last, offs_last, valid_last = _load_kv_tile(
+            k_base, v_base, block_table_row, last_tile, start, end,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
+        if USE_PDL:
+            gdc_wait()
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -110,49 +180,38 @@ def _decode_partial_kernel(
         q = (q.to(tl.float32) * cos + q_partner.to(tl.float32) * sin).to(q.dtype)
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         last = seq_len - 1
-        if (slot >= 0) & (start <= last) & (last < end):  # this split reads the new token's slot
-            k_row = k_new_ptr + seq * stride_kn_s + kv_head * stride_kn_h
-            k_new = tl.load(k_row + offs_d).to(tl.float32)[None, :]
-            k_partner = tl.load(k_row + partner_d).to(tl.float32)[None, :]
-            k_rot = (k_new * cos + k_partner * sin).to(q.dtype)  # fp32 math, rounded once, as in kernels.rotary
-            v_new = tl.load(v_new_ptr + seq * stride_vn_s + kv_head * stride_vn_h + offs_d)
-            block = slot // block_size
-            offset = slot % block_size
-            tl.store(k_cache_ptr + block * stride_k_block + offset * stride_k_slot + kv_head * stride_k_head
-                     + offs_d[None, :], k_rot.to(k_cache_ptr.dtype.element_ty))
-            tl.store(v_cache_ptr + block * stride_v_block + offset * stride_v_slot + kv_head * stride_v_head
-                     + offs_d, v_new.to(v_cache_ptr.dtype.element_ty))
-        tl.debug_barrier()  # the stores above are seen by this program's loads below
-    k_base = k_cache_ptr + kv_head * stride_k_head
-    v_base = v_cache_ptr + kv_head * stride_v_head
-    block_table_row = block_tables_ptr + seq * stride_bt
+        writes = (slot >= 0) & (start <= last) & (last < end)  # this split attends to the new token
+        k_row = k_new_ptr + seq * stride_kn_s + kv_head * stride_kn_h
+        v_row = v_new_ptr + seq * stride_vn_s + kv_head * stride_vn_h
+        kv_row = k_base + (slot // block_size) * stride_k_block + (slot % block_size) * stride_k_slot
+        vv_row = v_base + (slot // block_size) * stride_v_block + (slot % block_size) * stride_v_slot
+        if PREFETCH:  # every split: the new token's k and v go into the prefetched tile from registers
+            k_rot, v_new = _rotated_new_kv(k_row, v_row, cos, sin, partner_d, q.dtype, HEAD_DIM)
+            if writes:
+                _store_new_kv(kv_row, vv_row, k_rot, v_new, HEAD_DIM)
+            is_last = (offs_last == last) & (slot >= 0)  # a padding row (slot -1) reads what is there
+            k_last = tl.where(is_last[None, :], tl.trans(k_rot), k_last)
+            v_last = tl.where(is_last[:, None], v_new[None, :].to(v_last.dtype), v_last)
+        else:
+            if writes:
+                k_rot, v_new = _rotated_new_kv(k_row, v_row, cos, sin, partner_d, q.dtype, HEAD_DIM)
+                _store_new_kv(kv_row, vv_row, k_rot, v_new, HEAD_DIM)
+            tl.debug_barrier()  # the stores above are seen by this program's loads below
 
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    first = start
-    if PARTIAL_FIRST:  # the first tile reaches below start by the share's shortfall of whole tiles
-        count = tl.maximum(end - start, 0)
-        first = start - (tl.cdiv(count, BLOCK_N) * BLOCK_N - count)
-    for start_n in range(first, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_valid = offs_n < end
-        if PARTIAL_FIRST:
-            kv_valid = kv_valid & (offs_n >= start)
-        block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
-        slots = (offs_n % block_size).to(tl.int64)
-        k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
-                    mask=kv_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
-        v = tl.load(v_base + (block_ids * stride_v_block + slots * stride_v_slot)[:, None] + offs_d[None, :],
-                    mask=kv_valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(kv_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+    loop_end = end
+    if PREFETCH:
+        loop_end = last_tile
+    for start_n in range(first, loop_end, BLOCK_N):
+        k, v, offs_n, kv_valid = _load_kv_tile(
+            k_base, v_base, block_table_row, start_n, start, end,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
+    if PREFETCH:
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
+                                        DOT_PRECISION, DOT_UPCAST)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0
@@ -335,7 +394,8 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
-        PARTIAL_FIRST=partial_first, num_warps=num_warps, num_stages=num_stages, **launch_options(q),
+        PARTIAL_FIRST=partial_first, PREFETCH=PREFETCH and new_token is not None,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

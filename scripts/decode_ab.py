@@ -1,7 +1,8 @@
 """Decode step time through the engine (CUDA graphs, run-ahead, contexts 128-384 as in
 bench.engine) for decode attention variants, alternated on one GPU: the rule; partly filled
-tile first (kernels.decode_attention.PARTIAL_FIRST); 32-token tiles (TANDEM_DECODE_TILE=32,4,2).
-    python3 scripts/decode_ab.py [--models llama2-7b] [--batches 64] [--rounds 2]
+tile first (kernels.decode_attention.PARTIAL_FIRST); 32-token tiles (TANDEM_DECODE_TILE=32,4,2);
+the fused form's last tile loaded before the PDL wait (PREFETCH: batches of up to 8 only).
+    python3 scripts/decode_ab.py [--models llama2-7b] [--batches 1,64] [--rounds 2]
 (device: source scripts/device_env.sh first)"""
 import argparse
 import gc
@@ -12,19 +13,26 @@ import kernels.decode_attention as da
 from bench.engine import build_runner, decode_workload
 from engine.block_allocator import BlockAllocator
 
-VARIANTS = {"rule": (False, None), "partial_first": (True, None), "tile32": (False, (32, 4, 2))}
+VARIANTS = {  # module settings, read when the graphs are captured
+    "rule": {},
+    "partial_first": {"PARTIAL_FIRST": True},
+    "tile32": {"_TILE_OVERRIDE": (32, 4, 2)},
+    "prefetch": {"PREFETCH": True},
+}
+DEFAULTS = {name: getattr(da, name) for name in ("PARTIAL_FIRST", "_TILE_OVERRIDE", "PREFETCH")}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--models", default="llama2-7b")
-parser.add_argument("--batches", default="64")
+parser.add_argument("--batches", default="1,64")
 parser.add_argument("--rounds", type=int, default=2)
 args = parser.parse_args()
 batches = [int(b) for b in args.batches.split(",")]
 for name in args.models.split(","):
     times = {(v, b): [] for v in VARIANTS for b in batches}
     for _ in range(args.rounds):
-        for variant, (partial_first, tile) in VARIANTS.items():
-            da.PARTIAL_FIRST, da._TILE_OVERRIDE = partial_first, tile  # read when the graphs are captured
+        for variant, settings in VARIANTS.items():
+            for attr, value in {**DEFAULTS, **settings}.items():
+                setattr(da, attr, value)
             runner = build_runner(name, num_tokens=max(batches) * 400 + 1024, max_seq_len=4096,
                                   max_batch_size=max(batches))
             allocator = BlockAllocator(runner.num_blocks, runner.block_size)

@@ -31,6 +31,16 @@ def test_cuda_fp32_matches_hf(tiny_checkpoints, arch, fused_rotary, monkeypatch)
     assert _max_diff_vs_hf(_hf(tiny_checkpoints[arch]), seqs) <= 1e-3
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_cuda_fp32_matches_hf_with_the_prefetched_fused_form(tiny_checkpoints, arch, monkeypatch):
+    """kernels.decode_attention.PREFETCH (off by default): the fused decode attention loads its
+    last tile before the PDL wait and takes the new token's k, v from registers."""
+    from kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "PREFETCH", True)
+    test_cuda_fp32_matches_hf(tiny_checkpoints, arch, "1", monkeypatch)
+
+
 def test_cuda_bf16_runs_close_to_hf(tiny_checkpoints):
     runner = ModelRunner(tiny_checkpoints["mistral"], num_blocks=64, block_size=16, dtype=torch.bfloat16,
                          device="cuda")

@@ -28,6 +28,8 @@ _POINTER_TYPES = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping
 
 def _ptx(fn, constexprs) -> tuple[list[str], list[str]]:
     signature, attrs = {}, {}
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    constexprs = {**{k: v for k, v in defaults.items() if k != "USE_PDL"}, **constexprs}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs or name == "USE_PDL":
             signature[name] = "constexpr"
@@ -63,6 +65,8 @@ def _check_waits_first(lines, arg_names, constant_params):
         registers = re.findall(r"%\w+", line)
         if len(registers) > 1 and any(r in tainted for r in registers[1:]):
             tainted.update(re.findall(r"%\w+", line.split(",")[0]))
+    if constant_params:  # what it may load early, it does load early (the point of PDL for it)
+        assert any("ld.global" in line for line in before), "no load before the wait"
 
 
 _KERNELS = [
@@ -74,6 +78,12 @@ _KERNELS = [
     (_decode_partial_kernel, dict(GROUP=1, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=True,
                                   DIRECT_OUT=True, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
                                   NEW_TOKEN=True), ()),
+    # the fused form with PREFETCH loads the KV cache, block tables and lengths before it waits:
+    # the kernels before it in a step never write them (kernels/decode_attention.py)
+    (_decode_partial_kernel, dict(GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=False,
+                                  DIRECT_OUT=False, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
+                                  NEW_TOKEN=True, PREFETCH=True),
+     ("k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr")),
     (_decode_reduce_kernel, dict(SPLITS_PAD=8, HEAD_DIM=128), ()),
 ] + [
     (_gemv_kernel, dict(BLOCK_N=n, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu), ("w_ptr",))

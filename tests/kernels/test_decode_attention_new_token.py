@@ -74,6 +74,22 @@ def test_matches_rotary_then_attention(monkeypatch, dtype, num_q_heads, num_kv_h
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("window", [None, 20, 100])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("partial_first", [False, True])
+def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits,
+                              partial_first):
+    """PREFETCH: each share's last tile loaded first, the new token's k and v put into it from
+    registers (no read-back): same output, same cache writes."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "PREFETCH", True)
+    monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
+    inputs = _inputs([1, 70, 33, 130, 2, 64], num_q_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
+                     padded_row=4)
+    _check(inputs, torch.bfloat16, window)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_partial_tile_first(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, num_splits):
     """Tiles aligned to each share's end: the new token's slot is still written once and read."""
@@ -86,9 +102,11 @@ def test_partial_tile_first(monkeypatch, num_q_heads, num_kv_heads, head_dim, bl
 
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("batch, context", [(1, 256), (64, 256), (128, 416)])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
-def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads):
+def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, monkeypatch):
+    monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
     lens = [context - 7 * i % 50 for i in range(batch)]
     inputs = _inputs(lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16, padded_row=None)
     _check(inputs, torch.bfloat16, None)
