@@ -48,12 +48,15 @@ PREFETCH = False
 @triton.jit
 def _load_kv_tile(k_base, v_base, block_table_row, start_n, start, end,
                   stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BELOW_START: tl.constexpr):
     """Keys and values at positions start_n .. start_n + BLOCK_N - 1 of one KV head, those
-    outside [start, end) masked: (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid)."""
+    from end on (and, if the tile may reach below start, before start) masked:
+    (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_valid = (offs_n >= start) & (offs_n < end)
+    kv_valid = offs_n < end
+    if BELOW_START:
+        kv_valid = kv_valid & (offs_n >= start)
     block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
     slots = (offs_n % block_size).to(tl.int64)
     k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
@@ -158,7 +161,7 @@ def _decode_partial_kernel(
         last_tile = first + tl.maximum(tl.cdiv(count, BLOCK_N) - 1, 0) * BLOCK_N
         k_last, v_last, offs_last, valid_last = _load_kv_tile(
             k_base, v_base, block_table_row, last_tile, start, end,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM, True)
         if USE_PDL:
             gdc_wait()
 
@@ -207,7 +210,8 @@ def _decode_partial_kernel(
     for start_n in range(first, loop_end, BLOCK_N):
         k, v, offs_n, kv_valid = _load_kv_tile(
             k_base, v_base, block_table_row, start_n, start, end,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
+            PARTIAL_FIRST)
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
     if PREFETCH:
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
