@@ -43,6 +43,10 @@ PARTIAL_FIRST = False
 # Fused form only: the share's last tile is loaded before the PDL wait, the new token's k and v
 # taken from registers instead of a store, barrier and reload. Off until an engine A/B.
 PREFETCH = False
+# The loop loads tile i + 1 into registers (128-bit loads) before it computes tile i, instead of
+# Triton's cp.async pipelining through shared memory (num_stages); the sm90 PTX has one or the
+# other. Off until an engine A/B.
+PIPELINE = False
 
 
 @triton.jit
@@ -112,7 +116,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PARTIAL_FIRST: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PARTIAL_FIRST: tl.constexpr = False, PREFETCH: tl.constexpr = False, PIPELINE: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles (visited from the share's start, or with PARTIAL_FIRST in
@@ -207,12 +211,26 @@ def _decode_partial_kernel(
     loop_end = end
     if PREFETCH:
         loop_end = last_tile
-    for start_n in range(first, loop_end, BLOCK_N):
+    if PIPELINE:  # tile i + 1 is loaded before tile i is computed; a tile at or past loop_end is all masked
+        loop_limit = tl.minimum(end, loop_end)
         k, v, offs_n, kv_valid = _load_kv_tile(
-            k_base, v_base, block_table_row, start_n, start, end,
+            k_base, v_base, block_table_row, first, start, loop_limit,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
             PARTIAL_FIRST)
+        for start_n in range(first + BLOCK_N, loop_end, BLOCK_N):
+            k_next, v_next, offs_n, valid_next = _load_kv_tile(
+                k_base, v_base, block_table_row, start_n, start, loop_limit,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM, False)
+            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
+            k, v, kv_valid = k_next, v_next, valid_next
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
+    else:
+        for start_n in range(first, loop_end, BLOCK_N):
+            k, v, offs_n, kv_valid = _load_kv_tile(
+                k_base, v_base, block_table_row, start_n, start, end,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
+                PARTIAL_FIRST)
+            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
     if PREFETCH:
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
                                         DOT_PRECISION, DOT_UPCAST)
@@ -336,7 +354,7 @@ class NewToken(NamedTuple):
 
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
                              config: tuple | None = None, new_token: NewToken | None = None):
-    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, partial_first]]) instead of the
+    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, partial_first[, pipeline]]]) instead of the
     shape rules (tuning only). ``new_token``: rotary and the KV write fused in."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -367,11 +385,12 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         max_context_len = min(max_context_len, sliding_window)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
     block_n, num_warps, num_stages = _tile_config(head_dim, q.dtype)
-    heads_first, partial_first = HEADS_FIRST, PARTIAL_FIRST
+    heads_first, partial_first, pipeline = HEADS_FIRST, PARTIAL_FIRST, PIPELINE
     if config is not None:
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first
         partial_first = rest[1] if len(rest) > 1 else partial_first
+        pipeline = rest[2] if len(rest) > 2 else pipeline
     direct = num_splits == 1
     if direct:
         partial_out = partial_lse = out  # unused
@@ -398,7 +417,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
-        PARTIAL_FIRST=partial_first, PREFETCH=PREFETCH and new_token is not None,
+        PARTIAL_FIRST=partial_first, PREFETCH=PREFETCH and new_token is not None, PIPELINE=pipeline,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     if not direct:

@@ -53,6 +53,23 @@ def test_partial_tile_first(monkeypatch, dtype, num_q_heads, num_kv_heads, head_
     assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("partial_first", [False, True])
+def test_pipelined_loop(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits,
+                        partial_first):
+    """PIPELINE: the next tile loaded before the current one is computed (shares of 0, 1 and
+    several tiles)."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "PIPELINE", True)
+    monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
+    inputs = _inputs([1, 70, 33, 0, 130, 64, 200], num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    out = decode_attention(*inputs, head_dim**-0.5, window)
+    assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
+
+
 def test_launch_settings_reach_the_kernels(monkeypatch):
     """The grid order and tile order flags are passed on (both orders give the same answer,
     so the answer tests cannot see them)."""
@@ -65,13 +82,15 @@ def test_launch_settings_reach_the_kernels(monkeypatch):
     monkeypatch.setattr(decode_module, "_decode_partial_kernel", Recorder())
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: 1)
     inputs = _inputs([5, 9, 2], 4, 2, 32, 4, torch.float32)  # 3 sequences, 2 KV heads
-    for heads_first, partial_first in ((True, False), (False, True)):
+    for heads_first, partial_first, pipeline in ((True, False, True), (False, True, False)):
         monkeypatch.setattr(decode_module, "HEADS_FIRST", heads_first)
         monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
+        monkeypatch.setattr(decode_module, "PIPELINE", pipeline)
         decode_attention(*inputs, 0.25)
         grid, kwargs = calls[-1]
         assert grid == ((2, 3, 1) if heads_first else (3, 2, 1))
         assert kwargs["HEADS_FIRST"] is heads_first and kwargs["PARTIAL_FIRST"] is partial_first
+        assert kwargs["PIPELINE"] is pipeline
 
 
 def test_tile_override_is_checked(monkeypatch):

@@ -74,18 +74,20 @@ def test_matches_rotary_then_attention(monkeypatch, dtype, num_q_heads, num_kv_h
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 20, 100])
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("partial_first", [False, True])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("num_splits", [1, 2, 3])  # 2: a 150-token row's splits hold 2 tiles and 1
+@pytest.mark.parametrize("partial_first, pipeline", [(False, False), (True, False), (False, True), (True, True)])
 def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits,
-                              partial_first):
+                              partial_first, pipeline):
     """PREFETCH: each share's last tile loaded first, the new token's k and v put into it from
-    registers (no read-back): same output, same cache writes."""
+    registers (no read-back): same output, same cache writes; with either tile order and with
+    the pipelined loop over the other tiles."""
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
     monkeypatch.setattr(decode_module, "PREFETCH", True)
     monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
-    inputs = _inputs([1, 70, 33, 130, 2, 64], num_q_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
-                     padded_row=4)
+    monkeypatch.setattr(decode_module, "PIPELINE", pipeline)
+    inputs = _inputs([1, 70, 33, 130, 2, 64, 150], num_q_heads, num_kv_heads, head_dim, block_size,
+                     torch.bfloat16, padded_row=4)
     _check(inputs, torch.bfloat16, window)
 
 
