@@ -1,7 +1,8 @@
 """Decode step time through the engine (CUDA graphs, run-ahead, contexts 128-384 as in
 bench.engine) for decode attention variants, alternated on one GPU: the rule; partly filled
 tile first (kernels.decode_attention.PARTIAL_FIRST); 32-token tiles (TANDEM_DECODE_TILE=32,4,2);
-the fused form's last tile loaded before the PDL wait (PREFETCH: batches of up to 8 only).
+the fused form's last tile loaded before the PDL wait (PREFETCH: batches of up to 8 only); the
+next tile loaded into registers before the current one is computed (PIPELINE).
     python3 scripts/decode_ab.py [--models llama2-7b] [--batches 1,64] [--rounds 2]
 (device: source scripts/device_env.sh first)"""
 import argparse
@@ -18,8 +19,9 @@ VARIANTS = {  # module settings, read when the graphs are captured
     "partial_first": {"PARTIAL_FIRST": True},
     "tile32": {"_TILE_OVERRIDE": (32, 4, 2)},
     "prefetch": {"PREFETCH": True},
+    "pipeline": {"PIPELINE": True},
 }
-DEFAULTS = {name: getattr(da, name) for name in ("PARTIAL_FIRST", "_TILE_OVERRIDE", "PREFETCH")}
+DEFAULTS = {name: getattr(da, name) for name in ("PARTIAL_FIRST", "_TILE_OVERRIDE", "PREFETCH", "PIPELINE")}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--models", default="llama2-7b")
