@@ -169,6 +169,9 @@ def _decode_partial_kernel(
         if USE_PDL:
             gdc_wait()
 
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
@@ -204,12 +207,11 @@ def _decode_partial_kernel(
                 k_rot, v_new = _rotated_new_kv(k_row, v_row, cos, sin, partner_d, q.dtype, HEAD_DIM)
                 _store_new_kv(kv_row, vv_row, k_rot, v_new, HEAD_DIM)
             tl.debug_barrier()  # the stores above are seen by this program's loads below
-
-    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     loop_end = end
-    if PREFETCH:
+    if PREFETCH:  # attended first (online softmax takes tiles in any order): it holds no registers in the loop
+        if end > start:
+            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
+                                            DOT_PRECISION, DOT_UPCAST)
         loop_end = last_tile
     if PIPELINE:  # tile i + 1 is loaded before tile i is computed; a tile at or past loop_end is all masked
         loop_limit = tl.minimum(end, loop_end)
@@ -223,7 +225,8 @@ def _decode_partial_kernel(
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM, False)
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
             k, v, kv_valid = k_next, v_next, valid_next
-        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
+        if first < loop_end:  # else the tile loaded first is all masked
+            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
     else:
         for start_n in range(first, loop_end, BLOCK_N):
             k, v, offs_n, kv_valid = _load_kv_tile(
@@ -231,9 +234,6 @@ def _decode_partial_kernel(
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
                 PARTIAL_FIRST)
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
-    if PREFETCH:
-        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
-                                        DOT_PRECISION, DOT_UPCAST)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0

@@ -14,7 +14,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 case "$1" in
   tests)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
-      tests/kernels/test_decode_attention_new_token.py tests/engine/test_engine_gpu.py -m gpu 2>&1 | tail -2
+      tests/kernels/test_decode_attention_new_token.py tests/engine/test_engine_gpu.py tests/engine/test_engine_feed.py \
+      -m gpu 2>&1 | tail -2
     timeout 200 python3 -m bench.tune_decode_attention --cases 64:256,64:257,64:300 --models llama2-7b --tiles \
       --out "$OUT/tune_variants.json" 2>&1 | grep -v "^ " | tail -4
     python3 - "$OUT/tune_variants.json" <<'PY'

@@ -95,3 +95,25 @@ def test_fed_graph_steps_back_to_back_match_steps_read_one_by_one(tiny_checkpoin
     for a, b in zip(plain, fed):
         for seq in range(3):
             torch.testing.assert_close(a[seq], b[seq], rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefetched_fused_attention_in_fed_graph_steps(tiny_checkpoints, monkeypatch):
+    """kernels.decode_attention.PREFETCH (off by default) in CUDA graphs whose steps run back to
+    back (the fused form: 3 sequences in bucket 4, one padding row): the logits of the default."""
+    from kernels import decode_attention
+
+    results = []
+    for prefetch in (False, True):
+        monkeypatch.setattr(decode_attention, "PREFETCH", prefetch)  # read when the graphs are captured
+        runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=64, block_size=BLOCK, device="cuda")
+        runner.enable_cuda_graphs(max_batch_size=4, max_seq_len=64)
+        prompts = _prompts(runner.config.vocab_size)
+        plain, inputs = _decode(runner, prompts, [list(range(i * 8, i * 8 + 8)) for i in range(3)], 12, fed=False)
+        fed, _ = _decode(runner, prompts, [list(range(24 + i * 8, 32 + i * 8)) for i in range(3)], 12, True, inputs)
+        torch.cuda.synchronize()
+        results.append(fed)
+    for a, b in zip(*results):
+        for seq in range(3):
+            torch.testing.assert_close(a[seq], b[seq], rtol=0, atol=1e-4)

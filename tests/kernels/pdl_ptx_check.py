@@ -51,22 +51,32 @@ def _check_waits_first(lines, arg_names, constant_params):
     assert not any(re.search(r"\bbra\b|\bret\b|\bexit\b|^\$L__BB", line) for line in before), \
         "the wait must be unconditional: every program runs it"
     tainted = set()  # registers derived from a pointer to memory another kernel may write
+    derived = {name: set() for name in constant_params}  # registers derived from each early-load pointer
+    loaded = set()  # early-load pointers some load before the wait reads through
     for line in before:
         param = re.match(r"ld\.param\.\w+\s+(%\w+),\s*\[\w+_param_(\d+)\]", line)
         if param:
             name = arg_names[int(param.group(2))]
             if name.endswith("_ptr") and name not in constant_params:
                 tainted.add(param.group(1))
+            if name in derived:
+                derived[name].add(param.group(1))
             continue
         assert not re.search(r"\b(st|red|atom)\.global|cp\.async", line), f"a write before the wait: {line}"
         if "ld.global" in line:
             address = re.search(r"\[\s*(%\w+)", line).group(1)
             assert address not in tainted, f"an activation read before the wait: {line}"
+            loaded.update(name for name, regs in derived.items() if address in regs)
         registers = re.findall(r"%\w+", line)
+        destination = re.findall(r"%\w+", line.split(",")[0])
         if len(registers) > 1 and any(r in tainted for r in registers[1:]):
-            tainted.update(re.findall(r"%\w+", line.split(",")[0]))
-    if constant_params:  # what it may load early, it does load early (the point of PDL for it)
-        assert any("ld.global" in line for line in before), "no load before the wait"
+            tainted.update(destination)
+        for regs in derived.values():
+            if len(registers) > 1 and any(r in regs for r in registers[1:]):
+                regs.update(destination)
+    # what it may load early, it does load early (the point of PDL for it): the weights; the KV tile
+    assert loaded == set(constant_params), \
+        f"loads before the wait through {sorted(loaded)}, not all of {sorted(constant_params)}"
 
 
 _KERNELS = [
