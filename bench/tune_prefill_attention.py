@@ -5,7 +5,7 @@
 For one fresh prompt of ``--tokens`` tokens (its keys in the pool's blocks in
 order, as a new request's are) on the llama2-7b, llama3-8b and llama3.2-1b
 shapes, times the kernel with the shape rule's settings and with every
-(BLOCK_M, BLOCK_N, num_warps, num_stages, heavy_first) of GRID, checks each
+(BLOCK_M, BLOCK_N, num_warps, num_stages, heavy_first, fold_scale) of GRID, checks each
 against torch's fused SDPA (causal, dense), and prints the best against the
 rule and against SDPA's time, in TFLOP/s of causal attention (2 * S^2 * Hq * D
 multiply-adds, the half of the square below the diagonal).
@@ -25,8 +25,9 @@ from bench.timing import median_ms
 from kernels.prefill_attention import _launch_prefill_attention
 
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "llama3.2-1b": (32, 8, 64)}  # Hq, Hkv, D
-GRID = (list(itertools.product((128,), (64, 128), (4, 8), (2, 3, 4), (False, True)))
-        + list(itertools.product((64,), (64,), (4,), (2, 3, 4), (False, True))))
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, heavy_first, fold_scale)
+GRID = (list(itertools.product((128,), (64, 128), (4, 8), (2, 3, 4), (True,), (False, True)))
+        + list(itertools.product((64,), (64,), (4,), (2, 3, 4), (True,), (False, True))))
 
 
 def run_case(name: str, tokens: int, block_size: int = 16) -> dict:

@@ -50,9 +50,11 @@ def _attend_kv_tile(
     k_base, v_base, block_table_row, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
     block_size, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
-    """One online-softmax step over keys start_n .. start_n + BLOCK_N - 1 (log2 domain)."""
+    """One online-softmax step over keys start_n .. start_n + BLOCK_N - 1 (log2 domain).
+    FOLD_SCALE: the scale applied inside exp2's argument, one multiply-add per score
+    (qk_scale > 0, so the running max of the unscaled scores, scaled, is the same max)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -69,16 +71,22 @@ def _attend_kv_tile(
         k = tl.load(k_ptrs, mask=kv_valid[None, :], other=0.0)
     else:
         k = tl.load(k_ptrs)
-    s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = dot(q, k, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
+    if not FOLD_SCALE:
+        s = s * qk_scale
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         if HAS_WINDOW:
             visible = visible & ((q_pos[:, None] - offs_n[None, :]) < window)
         s = tl.where(visible, s, float("-inf"))
     # m_i starts finite, so a row with no visible key here keeps alpha = 1, p = 0
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if FOLD_SCALE:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_ptrs, mask=kv_valid[:, None], other=0.0)
@@ -96,7 +104,7 @@ def _prefill_attention_kernel(
     num_seqs, qk_scale, window, block_size,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, FOLD_SCALE: tl.constexpr = False,
 ):
     """out[i, h] = sum_p softmax_p(scale * q[i, h] . k[p, h // GROUP]) v[p, h // GROUP]
 
@@ -150,17 +158,17 @@ def _prefill_attention_kernel(
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, q_pos, seq_len, window, k_base, v_base, block_table_row,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, qk_scale,
-            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST)
+            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, FOLD_SCALE)
     for start_n in range(full_lo, full_hi, BLOCK_N):  # seen whole by every query
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, q_pos, seq_len, window, k_base, v_base, block_table_row,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, qk_scale,
-            BLOCK_N, HEAD_DIM, False, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST)
+            BLOCK_N, HEAD_DIM, False, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, FOLD_SCALE)
     for start_n in range(full_hi, hi, BLOCK_N):  # diagonal
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, q_pos, seq_len, window, k_base, v_base, block_table_row,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, qk_scale,
-            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST)
+            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, FOLD_SCALE)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past the sequence's end
     out = acc / l_i[:, None]
@@ -169,6 +177,7 @@ def _prefill_attention_kernel(
 
 
 HEAVY_FIRST = True  # grid order (see the kernel): 11-27% faster at 2048 tokens on an H200
+FOLD_SCALE = False  # the softmax scale inside exp2's multiply-add (off until bench.tune_prefill_attention)
 
 
 def _tile_config(num_tokens: int, num_seqs: int, head_dim: int, group: int,
@@ -194,8 +203,8 @@ def _tile_config(num_tokens: int, num_seqs: int, head_dim: int, group: int,
 
 def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window,
                               config: tuple | None = None):
-    """``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, heavy_first) instead of the shape
-    rule (tuning only)."""
+    """``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, heavy_first[, fold_scale]) instead of
+    the shape rule (tuning only)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -212,9 +221,10 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
         return
     block_m, block_n, num_warps, num_stages = _tile_config(num_tokens, num_seqs, head_dim,
                                                             num_q_heads // num_kv_heads, q.dtype)
-    heavy_first = HEAVY_FIRST
+    heavy_first, fold_scale = HEAVY_FIRST, FOLD_SCALE
     if config is not None:
-        block_m, block_n, num_warps, num_stages, heavy_first = config
+        block_m, block_n, num_warps, num_stages, heavy_first, *rest = config
+        fold_scale = rest[0] if rest else fold_scale
     num_tiles = num_tokens // block_m + num_seqs
     assert not heavy_first or num_tiles <= 65535, "too many query tiles for grid axis 1"
     grid = (num_q_heads, num_tiles) if heavy_first else (num_tiles, num_q_heads)
@@ -227,7 +237,7 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
         GROUP=num_q_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=upcast_bf16_dot(q.dtype), HEAVY_FIRST=heavy_first,
+        DOT_UPCAST=upcast_bf16_dot(q.dtype), HEAVY_FIRST=heavy_first, FOLD_SCALE=fold_scale,
         num_warps=num_warps, num_stages=num_stages,
     )
 

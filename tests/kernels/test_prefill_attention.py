@@ -56,6 +56,17 @@ def test_tiles_first_grid_order(monkeypatch, num_q_heads, num_kv_heads, head_dim
     assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS[:3])
+@pytest.mark.parametrize("window", [None, 5])
+def test_scale_folded_into_exp2(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window):
+    """FOLD_SCALE (off by default): the scale applied in exp2's multiply-add."""
+    monkeypatch.setattr("kernels.prefill_attention.FOLD_SCALE", True)
+    out, expected = _run([300, 9, 40, 1, 12, 200], [16, 9, 1, 1, 0, 130], num_q_heads, num_kv_heads, head_dim,
+                         block_size, dtype, window)
+    assert_close(out, expected, dtype, ATTN_SCALE[dtype])
+
+
 def test_grid_order_reaches_the_kernel(monkeypatch):
     """HEAVY_FIRST puts the heads on grid axis 0 and is passed on (both orders give the same
     answer, so the answer tests cannot see it)."""
@@ -74,6 +85,7 @@ def test_grid_order_reaches_the_kernel(monkeypatch):
         grid, kwargs = calls[-1]
         tiles = 49 // 32 + 2  # num_tokens // BLOCK_M + num_seqs (BLOCK_M 32 for an average of 24 queries)
         assert grid == ((6, tiles) if heavy_first else (tiles, 6)) and kwargs["HEAVY_FIRST"] is heavy_first
+        assert kwargs["FOLD_SCALE"] is prefill_module.FOLD_SCALE
 
 
 def _run_kernel_only(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size):
