@@ -135,13 +135,12 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     from cluster.cli import resolve_model
+    from cluster.service import sleep_unless_stopped, stop_on_signals
 
     settings = Settings.from_args(args)
     settings.model = resolve_model(settings.model)
     settings.resolve()
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = stop_on_signals()
     redis_server = None if args.redis_url else RedisServer()
     if redis_server is not None:
         settings.redis_url = redis_server.url
@@ -171,7 +170,7 @@ def serve(args: argparse.Namespace) -> int:
             print("tandem: the cluster did not become healthy; stopping", file=sys.stderr)
             return 1
         print(f"tandem: serving {settings.model_name} at {base}/v1 (redis {settings.redis_url})", flush=True)
-        while not stop.wait(0.5):
+        while not sleep_unless_stopped(stop, 0.5):
             if any(p.poll() is not None for p in procs):
                 print("tandem: a service exited; stopping the cluster", file=sys.stderr)
                 return 1

@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 import structlog
 
@@ -26,12 +27,30 @@ def configure_logging(level: str, service: str) -> None:
 
 
 def stop_on_signals() -> threading.Event:
-    """An event set by SIGTERM or SIGINT: worker loops check it between steps."""
+    """An event set by SIGTERM or SIGINT: worker loops check it between steps.
+
+    The main thread must never block in ``stop.wait()`` (use ``sleep_unless_stopped``): the
+    handler runs in the main thread, and ``Event.set`` takes the lock that ``Event.wait``
+    holds around its wakeup, so a signal landing there would deadlock (a second SIGTERM a
+    moment after the first hung ``tandem serve`` this way)."""
     stop = threading.Event()
 
     def handler(signum, _frame):
-        stop.set()
+        if not stop.is_set():  # a second signal takes no lock
+            stop.set()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     return stop
+
+
+def sleep_unless_stopped(stop: threading.Event, seconds: float, tick_s: float = 0.05) -> bool:
+    """Sleep up to ``seconds``, returning early (True) once ``stop`` is set; takes no lock, so
+    safe in the main thread while a signal handler may set ``stop``."""
+    deadline = time.monotonic() + seconds
+    while not stop.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(tick_s, remaining))
+    return True

@@ -10,6 +10,7 @@ import redis
 import structlog
 
 from cluster.messages import WorkerInfo
+from cluster.service import sleep_unless_stopped
 from cluster.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -24,7 +25,7 @@ def run_steps(step: Callable[[], None], stop: threading.Event) -> None:
             step()
         except redis.RedisError as exc:
             log.warning("redis unavailable, retrying", error=str(exc))
-            stop.wait(REDIS_RETRY_S)
+            sleep_unless_stopped(stop, REDIS_RETRY_S)  # not stop.wait(): see cluster.service
 
 
 def worker_info(
