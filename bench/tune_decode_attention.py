@@ -23,7 +23,7 @@ import torch
 
 from bench.timing import ceilings, graph_ms
 from kernels import reference
-from kernels import decode_attention
+from kernels import decode_config
 from kernels.decode_attention import _launch_decode_attention
 
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "llama3.2-1b": (32, 8, 64)}  # q heads, kv heads, head_dim
@@ -68,8 +68,8 @@ def run_case(name, batch, context, scattered, copy_bw, grid=GRID, head_major=Fal
         try:
             launch_config = config
             if config == "rule-seqs-first":  # the shape rule's tiles, sequences as the fastest grid axis
-                launch_config = decode_attention._tile_config(d, q.dtype) + (
-                    decode_attention.num_kv_splits(batch, hkv, blocks_per_seq * block_size, q.device), False)
+                launch_config = decode_config._tile_config(d, q.dtype) + (
+                    decode_config.num_kv_splits(batch, hkv, blocks_per_seq * block_size, q.device), False)
             fn = lambda: _launch_decode_attention(q, k, v, tables, lens, out, scale, None, None, launch_config)  # noqa: E731
             out.fill_(float("nan"))
             fn()
@@ -103,15 +103,15 @@ def main() -> int:
     if args.cases:
         cases = [(int(b), int(c), True) for b, c in (case.split(":") for case in args.cases.split(","))]
     grid = WIDE_GRID if args.wide else GRID
-    if decode_attention._TILE_OVERRIDE is not None:
-        print(f"TANDEM_DECODE_TILE={decode_attention._TILE_OVERRIDE}: the 'rule' rows use it", flush=True)
+    if decode_config._TILE_OVERRIDE is not None:
+        print(f"TANDEM_DECODE_TILE={decode_config._TILE_OVERRIDE}: the 'rule' rows use it", flush=True)
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
     results = []
     for name in args.models.split(","):
         for batch, context, scattered in cases:
             if args.tiles:
                 hkv, block_size = SHAPES[name][1], 16
-                splits = decode_attention.num_kv_splits(batch, hkv, -(-context // block_size) * block_size,
+                splits = decode_config.num_kv_splits(batch, hkv, -(-context // block_size) * block_size,
                                                         torch.device("cuda"))
                 grid = ([tile + (splits, True, partial, False) for tile in TILES for partial in (False, True)]
                         + [(block_n, warps, 1, splits, True, partial, True)  # PIPELINE: no cp.async stages

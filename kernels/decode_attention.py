@@ -14,27 +14,23 @@ CUDA-graph safe: the number of splits comes from shapes only (batch size,
 heads, block_tables.shape[1] * block_size), each sequence's share is computed
 in the kernel from its seq_len, nothing reads device values on the host, and
 the partial buffers are either passed in (DecodeWorkspace) or taken from the
-caching allocator (which is capture-safe).
+caching allocator (which is capture-safe). The shape rules (splits, tiles) and the
+workspace live in kernels.decode_config.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from functools import cache
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_config import DecodeWorkspace, _tile_config, num_kv_splits
 from kernels.dot import dot, upcast_bf16_dot
 from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
-MIN_TOKENS_PER_SPLIT = 128  # below this the merge costs more than it saves
-PROGRAMS_PER_SM = 3  # splits are added until the grid is about this many waves (tuned on an H200)
 HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention compares both)
 # Tiles aligned to the end of each share, so a partly filled tile comes first rather than last
 # (a partial last tile cost a whole iteration on an H200: docs/benchmarks.md). Off until an
@@ -193,19 +189,19 @@ def _decode_partial_kernel(
         writes = (slot >= 0) & (start <= last) & (last < end)  # this split attends to the new token
         k_row = k_new_ptr + seq * stride_kn_s + kv_head * stride_kn_h
         v_row = v_new_ptr + seq * stride_vn_s + kv_head * stride_vn_h
-        kv_row = k_base + (slot // block_size) * stride_k_block + (slot % block_size) * stride_k_slot
-        vv_row = v_base + (slot // block_size) * stride_v_block + (slot % block_size) * stride_v_slot
+        k_slot = k_base + (slot // block_size) * stride_k_block + (slot % block_size) * stride_k_slot
+        v_slot = v_base + (slot // block_size) * stride_v_block + (slot % block_size) * stride_v_slot
         if PREFETCH:  # every split: the new token's k and v go into the prefetched tile from registers
             k_rot, v_new = _rotated_new_kv(k_row, v_row, cos, sin, partner_d, q.dtype, HEAD_DIM)
             if writes:
-                _store_new_kv(kv_row, vv_row, k_rot, v_new, HEAD_DIM)
+                _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM)
             is_last = (offs_last == last) & (slot >= 0)  # a padding row (slot -1) reads what is there
             k_last = tl.where(is_last[None, :], tl.trans(k_rot), k_last)
             v_last = tl.where(is_last[:, None], v_new[None, :].to(v_last.dtype), v_last)
         else:
             if writes:
                 k_rot, v_new = _rotated_new_kv(k_row, v_row, cos, sin, partner_d, q.dtype, HEAD_DIM)
-                _store_new_kv(kv_row, vv_row, k_rot, v_new, HEAD_DIM)
+                _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM)
             tl.debug_barrier()  # the stores above are seen by this program's loads below
     loop_end = end
     if PREFETCH:  # attended first (online softmax takes tiles in any order): it holds no registers in the loop
@@ -276,70 +272,6 @@ def _decode_reduce_kernel(
     den = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
     tl.store(out_ptr + seq * stride_o_s + head * stride_o_h + offs_d, out.to(out_ptr.dtype.element_ty))
-
-
-@dataclass
-class DecodeWorkspace:
-    """Partial results of the split phase; allocate once for the largest batch and reuse
-    (e.g. one per CUDA graph pool): any num_seqs <= its first dimension fits."""
-
-    partial_out: torch.Tensor  # [max_num_seqs, num_q_heads, max_splits, head_dim] fp32
-    partial_lse: torch.Tensor  # [max_num_seqs, num_q_heads, max_splits] fp32
-
-    @classmethod
-    def allocate(cls, max_num_seqs: int, num_q_heads: int, head_dim: int,
-                 max_splits: int = MAX_SPLITS, device: torch.device | str = "cuda") -> "DecodeWorkspace":
-        return cls(
-            torch.empty((max_num_seqs, num_q_heads, max_splits, head_dim), dtype=torch.float32, device=device),
-            torch.empty((max_num_seqs, num_q_heads, max_splits), dtype=torch.float32, device=device),
-        )
-
-    def fits(self, num_seqs: int, num_q_heads: int, num_splits: int, head_dim: int) -> bool:
-        n, h, s, d = self.partial_out.shape
-        return num_seqs <= n and num_q_heads == h and num_splits <= s and head_dim == d
-
-
-@cache
-def _num_sms(device_index: int | None) -> int:
-    if not torch.cuda.is_available():
-        return 4  # the interpreter: a few splits keep the split path tested
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
-
-
-def num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head), from shapes only: enough programs to fill the GPU,
-    no share shorter than MIN_TOKENS_PER_SPLIT of the longest possible context."""
-    num_sms = _num_sms(device.index if device.type == "cuda" else None)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
-    useful = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, useful, MAX_SPLITS))
-
-
-def _tile_override() -> tuple[int, int, int] | None:
-    """``TANDEM_DECODE_TILE=BLOCK_N,num_warps,num_stages`` replaces the rule (tuning A/Bs only;
-    read once, at import)."""
-    value = os.environ.get("TANDEM_DECODE_TILE", "")
-    if not value:
-        return None
-    try:
-        block_n, num_warps, num_stages = (int(x) for x in value.split(","))
-    except ValueError:
-        block_n = num_warps = num_stages = 0
-    if not (block_n >= 16 and block_n & (block_n - 1) == 0 and num_warps in (1, 2, 4, 8, 16) and num_stages >= 1):
-        raise ValueError(f"TANDEM_DECODE_TILE must be BLOCK_N,num_warps,num_stages (BLOCK_N a power of 2 >= 16, "
-                         f"num_warps a power of 2 <= 16, num_stages >= 1), not {value!r}")
-    return block_n, num_warps, num_stages
-
-
-_TILE_OVERRIDE = _tile_override()
-
-
-def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) from shapes only."""
-    if _TILE_OVERRIDE is not None:
-        return _TILE_OVERRIDE
-    block_n = 32 if (dtype == torch.float32 and head_dim > 64) or head_dim > 128 else 64
-    return block_n, 4, 2
 
 
 class NewToken(NamedTuple):

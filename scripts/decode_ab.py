@@ -11,17 +11,19 @@ import gc
 import torch
 
 import kernels.decode_attention as da
+import kernels.decode_config as dc
 from bench.engine import build_runner, decode_workload
 from engine.block_allocator import BlockAllocator
 
 VARIANTS = {  # module settings, read when the graphs are captured
     "rule": {},
     "partial_first": {"PARTIAL_FIRST": True},
-    "tile32": {"_TILE_OVERRIDE": (32, 4, 2)},
+    "tile32": {"_TILE_OVERRIDE": (32, 4, 2)},  # kernels.decode_config
     "prefetch": {"PREFETCH": True},
     "pipeline": {"PIPELINE": True},
 }
-DEFAULTS = {name: getattr(da, name) for name in ("PARTIAL_FIRST", "_TILE_OVERRIDE", "PREFETCH", "PIPELINE")}
+DEFAULTS = {name: getattr(dc if name == "_TILE_OVERRIDE" else da, name)
+            for name in ("PARTIAL_FIRST", "_TILE_OVERRIDE", "PREFETCH", "PIPELINE")}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--models", default="llama2-7b")
@@ -34,7 +36,7 @@ for name in args.models.split(","):
     for _ in range(args.rounds):
         for variant, settings in VARIANTS.items():
             for attr, value in {**DEFAULTS, **settings}.items():
-                setattr(da, attr, value)
+                setattr(dc if attr == "_TILE_OVERRIDE" else da, attr, value)
             runner = build_runner(name, num_tokens=max(batches) * 400 + 1024, max_seq_len=4096,
                                   max_batch_size=max(batches))
             allocator = BlockAllocator(runner.num_blocks, runner.block_size)

@@ -3,6 +3,7 @@ import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
 
 from kernels import decode_attention as decode_module
+from kernels import decode_config
 from kernels import reference
 from kernels.decode_attention import DecodeWorkspace, decode_attention
 
@@ -95,13 +96,13 @@ def test_launch_settings_reach_the_kernels(monkeypatch):
 
 def test_tile_override_is_checked(monkeypatch):
     monkeypatch.setenv("TANDEM_DECODE_TILE", "32,4,2")
-    assert decode_module._tile_override() == (32, 4, 2)
+    assert decode_config._tile_override() == (32, 4, 2)
     for bad in ("48,4,2", "64,3,2", "64,4", "a,b,c", "64,4,0"):
         monkeypatch.setenv("TANDEM_DECODE_TILE", bad)
         with pytest.raises(ValueError, match="TANDEM_DECODE_TILE"):
-            decode_module._tile_override()
+            decode_config._tile_override()
     monkeypatch.delenv("TANDEM_DECODE_TILE")
-    assert decode_module._tile_override() is None
+    assert decode_config._tile_override() is None
 
 
 def test_default_splits_and_passed_in_workspace():
@@ -127,9 +128,9 @@ def test_nan_in_the_cache_is_not_hidden(monkeypatch, num_splits):
 
 def test_num_splits_depends_on_shapes_only():
     cpu = torch.device("cpu")
-    assert decode_module.num_kv_splits(1, 8, 100, cpu) == 1  # short context: one split
-    assert decode_module.num_kv_splits(1, 1, 8192, cpu) > 1
-    assert decode_module.num_kv_splits(1, 1, 10**7, cpu) <= decode_module.MAX_SPLITS
+    assert decode_config.num_kv_splits(1, 8, 100, cpu) == 1  # short context: one split
+    assert decode_config.num_kv_splits(1, 1, 8192, cpu) > 1
+    assert decode_config.num_kv_splits(1, 1, 10**7, cpu) <= decode_config.MAX_SPLITS
 
 
 @gpu

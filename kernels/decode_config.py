@@ -1,0 +1,80 @@
+"""Shape rules of the decode attention launch (kernels.decode_attention): how many KV
+splits, which tile, and the workspace for the split partials. From shapes only, so a
+CUDA graph captured for a batch-size bucket keeps them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+
+MAX_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 128  # below this the merge costs more than it saves
+PROGRAMS_PER_SM = 3  # splits are added until the grid is about this many waves (tuned on an H200)
+
+
+@dataclass
+class DecodeWorkspace:
+    """Partial results of the split phase; allocate once for the largest batch and reuse
+    (e.g. one per CUDA graph pool): any num_seqs <= its first dimension fits."""
+
+    partial_out: torch.Tensor  # [max_num_seqs, num_q_heads, max_splits, head_dim] fp32
+    partial_lse: torch.Tensor  # [max_num_seqs, num_q_heads, max_splits] fp32
+
+    @classmethod
+    def allocate(cls, max_num_seqs: int, num_q_heads: int, head_dim: int,
+                 max_splits: int = MAX_SPLITS, device: torch.device | str = "cuda") -> "DecodeWorkspace":
+        return cls(
+            torch.empty((max_num_seqs, num_q_heads, max_splits, head_dim), dtype=torch.float32, device=device),
+            torch.empty((max_num_seqs, num_q_heads, max_splits), dtype=torch.float32, device=device),
+        )
+
+    def fits(self, num_seqs: int, num_q_heads: int, num_splits: int, head_dim: int) -> bool:
+        n, h, s, d = self.partial_out.shape
+        return num_seqs <= n and num_q_heads == h and num_splits <= s and head_dim == d
+
+
+@cache
+def _num_sms(device_index: int | None) -> int:
+    if not torch.cuda.is_available():
+        return 4  # the interpreter: a few splits keep the split path tested
+    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head), from shapes only: enough programs to fill the GPU,
+    no share shorter than MIN_TOKENS_PER_SPLIT of the longest possible context."""
+    num_sms = _num_sms(device.index if device.type == "cuda" else None)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
+    useful = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def _tile_override() -> tuple[int, int, int] | None:
+    """``TANDEM_DECODE_TILE=BLOCK_N,num_warps,num_stages`` replaces the rule (tuning A/Bs only;
+    read once, at import)."""
+    value = os.environ.get("TANDEM_DECODE_TILE", "")
+    if not value:
+        return None
+    try:
+        block_n, num_warps, num_stages = (int(x) for x in value.split(","))
+    except ValueError:
+        block_n = num_warps = num_stages = 0
+    if not (block_n >= 16 and block_n & (block_n - 1) == 0 and num_warps in (1, 2, 4, 8, 16) and num_stages >= 1):
+        raise ValueError(f"TANDEM_DECODE_TILE must be BLOCK_N,num_warps,num_stages (BLOCK_N a power of 2 >= 16, "
+                         f"num_warps a power of 2 <= 16, num_stages >= 1), not {value!r}")
+    return block_n, num_warps, num_stages
+
+
+_TILE_OVERRIDE = _tile_override()
+
+
+def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) from shapes only."""
+    if _TILE_OVERRIDE is not None:
+        return _TILE_OVERRIDE
+    block_n = 32 if (dtype == torch.float32 and head_dim > 64) or head_dim > 128 else 64
+    return block_n, 4, 2
