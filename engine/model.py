@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
                 meta.seq_lens, self.scale, self.sliding_window,
             )
         else:
-            q, _ = ops.rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+            q, k = ops.rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
             if meta.is_decode:
                 out = ops.decode_attention(
                     q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window
@@ -78,7 +78,7 @@ class DecoderLayer(nn.Module):
             else:
                 out = ops.prefill_attention(
                     q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                    self.scale, self.sliding_window,
+                    self.scale, self.sliding_window, chunk_kv=(k, v),  # the chunk's keys: contiguous reads
                 )
         return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)  # [T, hidden]
 

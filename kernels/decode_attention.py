@@ -37,8 +37,11 @@ HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention 
 # engine A/B shows it faster (scripts/decode_ab.py).
 PARTIAL_FIRST = False
 # Fused form only: the share's last tile is loaded before the PDL wait, the new token's k and v
-# taken from registers instead of a store, barrier and reload. Off until an engine A/B.
-PREFETCH = False
+# taken from registers instead of a store, barrier and reload; for batches of up to
+# PREFETCH_MAX_BATCH (engine A/B on an H200, docs/benchmarks.md: batch 1 llama3.2-1b 0.947 ->
+# 0.916 ms per step, llama3-8b 4.12 -> 4.06; batch 8 llama2-7b 4.56 -> 4.76, slower).
+PREFETCH = True
+PREFETCH_MAX_BATCH = 1
 # The loop loads tile i + 1 into registers (128-bit loads) before it computes tile i, instead of
 # Triton's cp.async pipelining through shared memory (num_stages); the sm90 PTX has one or the
 # other. Off until an engine A/B.
@@ -349,7 +352,8 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
-        PARTIAL_FIRST=partial_first, PREFETCH=PREFETCH and new_token is not None, PIPELINE=pipeline,
+        PARTIAL_FIRST=partial_first, PIPELINE=pipeline,
+        PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     if not direct:

@@ -83,9 +83,10 @@ def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_ma
     return _pick("rotary_kv_write", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None):
+def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None,
+                      chunk_kv=None):
     return _pick("prefill_attention", q)(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, chunk_kv
     )
 
 

@@ -46,46 +46,46 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _attend_kv_tile(
-    acc, l_i, m_i, q, start_n, q_pos, seq_len, window,
-    k_base, v_base, block_table_row, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+    acc, l_i, m_i, q, start_n, q_idx, kv_end, window,
+    k_base, v_base, block_table_row, stride_k_block, stride_k_row, stride_v_block, stride_v_row,
     block_size, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
-    """One online-softmax step over keys start_n .. start_n + BLOCK_N - 1 (log2 domain).
-    FOLD_SCALE: the scale applied inside exp2's argument, one multiply-add per score
-    (qk_scale > 0, so the running max of the unscaled scores, scaled, is the same max)."""
+    """One online-softmax step over keys start_n .. start_n + BLOCK_N - 1 (log2 domain), those
+    from kv_end on masked; key n is visible to query row r if n <= q_idx[r] (and, with a
+    window, q_idx[r] - n < window). PAGED: key n's row is found through the block table;
+    else it is row n of a contiguous [rows, heads, HEAD_DIM] tensor (addresses affine in n,
+    so the loop's loads pipeline without a dependent load)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if MASKED:
-        kv_valid = offs_n < seq_len
-        block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
+    kv_valid = offs_n < kv_end
+    if PAGED:
+        if MASKED:
+            block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
+        else:
+            block_ids = tl.load(block_table_row + offs_n // block_size).to(tl.int64)
+        slots = (offs_n % block_size).to(tl.int64)
+        k_rows = block_ids * stride_k_block + slots * stride_k_row  # [BLOCK_N]
+        v_rows = block_ids * stride_v_block + slots * stride_v_row
     else:
-        block_ids = tl.load(block_table_row + offs_n // block_size).to(tl.int64)
-    slots = (offs_n % block_size).to(tl.int64)
-    k_rows = block_ids * stride_k_block + slots * stride_k_slot  # [BLOCK_N]
-    v_rows = block_ids * stride_v_block + slots * stride_v_slot
+        k_rows = offs_n.to(tl.int64) * stride_k_row
+        v_rows = offs_n.to(tl.int64) * stride_v_row
     k_ptrs = k_base + k_rows[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
     v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
     if MASKED:
         k = tl.load(k_ptrs, mask=kv_valid[None, :], other=0.0)
     else:
         k = tl.load(k_ptrs)
-    s = dot(q, k, DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N]
-    if not FOLD_SCALE:
-        s = s * qk_scale
+    s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
-        visible = (offs_n[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        visible = (offs_n[None, :] <= q_idx[:, None]) & kv_valid[None, :]
         if HAS_WINDOW:
-            visible = visible & ((q_pos[:, None] - offs_n[None, :]) < window)
+            visible = visible & ((q_idx[:, None] - offs_n[None, :]) < window)
         s = tl.where(visible, s, float("-inf"))
     # m_i starts finite, so a row with no visible key here keeps alpha = 1, p = 0
-    if FOLD_SCALE:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
@@ -96,20 +96,68 @@ def _attend_kv_tile(
     return acc, l_i, m_new
 
 
+@triton.jit
+def _attend_key_range(
+    acc, l_i, m_i, q, lo, full_lo, full_hi, hi, q_idx, kv_end, window,
+    k_base, v_base, block_table_row, stride_k_block, stride_k_row, stride_v_block, stride_v_row,
+    block_size, qk_scale,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """Key tiles from lo to hi: those in [full_lo, full_hi) every query of the tile sees whole
+    (no mask); the others (window edge, diagonal, the end) with one."""
+    for start_n in range(lo, full_lo, BLOCK_N):  # window edge
+        acc, l_i, m_i = _attend_kv_tile(
+            acc, l_i, m_i, q, start_n, q_idx, kv_end, window, k_base, v_base, block_table_row,
+            stride_k_block, stride_k_row, stride_v_block, stride_v_row, block_size, qk_scale,
+            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, PAGED, DOT_PRECISION, DOT_UPCAST)
+    for start_n in range(full_lo, full_hi, BLOCK_N):  # seen whole by every query
+        acc, l_i, m_i = _attend_kv_tile(
+            acc, l_i, m_i, q, start_n, q_idx, kv_end, window, k_base, v_base, block_table_row,
+            stride_k_block, stride_k_row, stride_v_block, stride_v_row, block_size, qk_scale,
+            BLOCK_N, HEAD_DIM, False, HAS_WINDOW, PAGED, DOT_PRECISION, DOT_UPCAST)
+    for start_n in range(full_hi, hi, BLOCK_N):  # diagonal or the last, partial tile
+        acc, l_i, m_i = _attend_kv_tile(
+            acc, l_i, m_i, q, start_n, q_idx, kv_end, window, k_base, v_base, block_table_row,
+            stride_k_block, stride_k_row, stride_v_block, stride_v_row, block_size, qk_scale,
+            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, PAGED, DOT_PRECISION, DOT_UPCAST)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _causal_key_range(first, last, window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Queries at indices first..last over keys in the same index space: [lo, hi) is what some
+    query sees, [full_lo, full_hi) what all of them see (tile-aligned but for hi)."""
+    hi = last + 1
+    if HAS_WINDOW:
+        lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last - window + 1, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    else:
+        lo = 0
+        full_lo = 0
+    full_hi = tl.maximum((first + 1) // BLOCK_N * BLOCK_N, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
 @triton.jit(do_not_specialize=["stride_bt", "num_seqs"])  # vary per batch: one compile, not one per value class
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    k_chunk_ptr, v_chunk_ptr,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_bt,
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+    stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
     num_seqs, qk_scale, window, block_size,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, FOLD_SCALE: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr, HAS_CHUNK: tl.constexpr = False,
 ):
     """out[i, h] = sum_p softmax_p(scale * q[i, h] . k[p, h // GROUP]) v[p, h // GROUP]
 
     over the keys p of query i's sequence with p <= pos(i) and, with a window W,
-    pos(i) - p < W; pos(i) = seq_len - q_len + (i - query_start).
+    pos(i) - p < W; pos(i) = seq_len - q_len + (i - query_start). HAS_CHUNK: the keys and
+    values at the chunk's own positions (p = seq_len - q_len + j) are read from rows
+    query_start + j of k_chunk, v_chunk; only the cached context's go through the block table.
     """
     if HEAVY_FIRST:  # grid (heads, tiles), last tiles (the most keys) first: a shorter tail
         head = tl.program_id(0)
@@ -133,19 +181,8 @@ def _prefill_attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :],
                 mask=q_valid[:, None], other=0.0)
     q_pos = context_len + offs_m
-
-    # key range: [lo, hi) is what some query of the tile sees; [full_lo, full_hi) all of them
-    q_first = context_len + q_tile * BLOCK_M
-    q_last = context_len + tl.minimum((q_tile + 1) * BLOCK_M, q_len) - 1
-    hi = q_last + 1
-    if HAS_WINDOW:
-        lo = tl.maximum(q_first - window + 1, 0) // BLOCK_N * BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(q_last - window + 1, 0), BLOCK_N) * BLOCK_N
-        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    else:
-        lo = 0
-        full_lo = 0
-    full_hi = tl.maximum((q_first + 1) // BLOCK_N * BLOCK_N, full_lo)
+    i_first = q_tile * BLOCK_M  # the tile's first and last query, as chunk indices
+    i_last = tl.minimum((q_tile + 1) * BLOCK_M, q_len) - 1
 
     kv_head = head // GROUP
     k_base = k_cache_ptr + kv_head * stride_k_head
@@ -154,21 +191,30 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start_n in range(lo, full_lo, BLOCK_N):  # window edge
-        acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, start_n, q_pos, seq_len, window, k_base, v_base, block_table_row,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, qk_scale,
-            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, FOLD_SCALE)
-    for start_n in range(full_lo, full_hi, BLOCK_N):  # seen whole by every query
-        acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, start_n, q_pos, seq_len, window, k_base, v_base, block_table_row,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, qk_scale,
-            BLOCK_N, HEAD_DIM, False, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, FOLD_SCALE)
-    for start_n in range(full_hi, hi, BLOCK_N):  # diagonal
-        acc, l_i, m_i = _attend_kv_tile(
-            acc, l_i, m_i, q, start_n, q_pos, seq_len, window, k_base, v_base, block_table_row,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, qk_scale,
-            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, DOT_PRECISION, DOT_UPCAST, FOLD_SCALE)
+    # key positions some / all queries of the tile see
+    lo, full_lo, full_hi, hi = _causal_key_range(context_len + i_first, context_len + i_last, window,
+                                                 BLOCK_N, HAS_WINDOW)
+    if HAS_CHUNK:
+        # the cached context, seen by every query but for the window: no diagonal
+        ctx_full_lo = tl.minimum(full_lo, context_len)
+        ctx_full_hi = tl.maximum(context_len // BLOCK_N * BLOCK_N, ctx_full_lo)
+        acc, l_i, m_i = _attend_key_range(
+            acc, l_i, m_i, q, lo, ctx_full_lo, ctx_full_hi, context_len, q_pos, context_len, window,
+            k_base, v_base, block_table_row, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+            block_size, qk_scale, BLOCK_N, HEAD_DIM, HAS_WINDOW, True, DOT_PRECISION, DOT_UPCAST)
+        # the chunk's own keys, as chunk indices j (position context_len + j): causal in j
+        lo, full_lo, full_hi, hi = _causal_key_range(i_first, i_last, window, BLOCK_N, HAS_WINDOW)
+        k_chunk = k_chunk_ptr + q_start.to(tl.int64) * stride_kc_t + kv_head * stride_kc_h
+        v_chunk = v_chunk_ptr + q_start.to(tl.int64) * stride_vc_t + kv_head * stride_vc_h
+        acc, l_i, m_i = _attend_key_range(
+            acc, l_i, m_i, q, lo, full_lo, full_hi, hi, offs_m, q_len, window,
+            k_chunk, v_chunk, block_table_row, 0, stride_kc_t, 0, stride_vc_t,
+            block_size, qk_scale, BLOCK_N, HEAD_DIM, HAS_WINDOW, False, DOT_PRECISION, DOT_UPCAST)
+    else:
+        acc, l_i, m_i = _attend_key_range(
+            acc, l_i, m_i, q, lo, full_lo, full_hi, hi, q_pos, seq_len, window,
+            k_base, v_base, block_table_row, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+            block_size, qk_scale, BLOCK_N, HEAD_DIM, HAS_WINDOW, True, DOT_PRECISION, DOT_UPCAST)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past the sequence's end
     out = acc / l_i[:, None]
@@ -177,16 +223,17 @@ def _prefill_attention_kernel(
 
 
 HEAVY_FIRST = True  # grid order (see the kernel): 11-27% faster at 2048 tokens on an H200
-FOLD_SCALE = False  # the softmax scale inside exp2's multiply-add (off until bench.tune_prefill_attention)
 
 
 def _tile_config(num_tokens: int, num_seqs: int, head_dim: int, group: int,
                  dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes only (no autotune).
 
-    BLOCK_M 128 tiles from ``python3 -m bench.tune_prefill_attention`` (H200, 2048 tokens,
-    heavy-first): D 128 without GQA 128x128, 8 warps; D 128 with GQA 128x64, 4 warps, 4 stages;
-    D 64 128x64, 8 warps."""
+    Long chunks, from ``python3 -m bench.tune_prefill_attention`` (H200, 2048 tokens,
+    heavy-first, chunk_kv): D 128 64x64 tiles, 4 warps, 2 stages (~48 KB of shared memory:
+    several programs per SM, whose loads and math overlap one another; within one program at
+    two stages the next tile's loads wait for the current tile's math, sm90 TTGIR); D 64
+    128x64, 4 warps, 3 stages."""
     avg_q_len = num_tokens // max(num_seqs, 1)
     block_m = 16
     while block_m < 128 and block_m < avg_q_len:
@@ -196,14 +243,14 @@ def _tile_config(num_tokens: int, num_seqs: int, head_dim: int, group: int,
         return min(block_m, 64), 32, 4, 2
     if block_m < 128:
         return block_m, 64, 4, 2
-    if head_dim == 128 and group > 1:
-        return 128, 64, 4, 4
-    return 128, 128 if head_dim == 128 else 64, 8, 2
+    if head_dim == 128:
+        return 64, 64, 4, 2
+    return 128, 64, 4, 3
 
 
 def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window,
-                              config: tuple | None = None):
-    """``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, heavy_first[, fold_scale]) instead of
+                              chunk_kv=None, config: tuple | None = None):
+    """``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, heavy_first) instead of
     the shape rule (tuning only)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -217,27 +264,37 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous"
     assert sliding_window is None or sliding_window > 0
+    if chunk_kv is not None:
+        k_chunk, v_chunk = chunk_kv
+        assert k_chunk.shape == v_chunk.shape == (num_tokens, num_kv_heads, head_dim), \
+            "chunk_kv: [num_tokens, num_kv_heads, head_dim] each"
+        assert k_chunk.dtype == v_chunk.dtype == q.dtype, "chunk_kv must share q's dtype"
+        assert k_chunk.stride(-1) == 1 and v_chunk.stride(-1) == 1, "chunk_kv: head_dim must be contiguous"
+        chunk_strides = (k_chunk.stride(0), k_chunk.stride(1), v_chunk.stride(0), v_chunk.stride(1))
+    else:
+        k_chunk = v_chunk = q  # unused
+        chunk_strides = (0, 0, 0, 0)
     if num_tokens == 0 or num_seqs == 0:
         return
     block_m, block_n, num_warps, num_stages = _tile_config(num_tokens, num_seqs, head_dim,
                                                             num_q_heads // num_kv_heads, q.dtype)
-    heavy_first, fold_scale = HEAVY_FIRST, FOLD_SCALE
+    heavy_first = HEAVY_FIRST
     if config is not None:
-        block_m, block_n, num_warps, num_stages, heavy_first, *rest = config
-        fold_scale = rest[0] if rest else fold_scale
+        block_m, block_n, num_warps, num_stages, heavy_first = config
     num_tiles = num_tokens // block_m + num_seqs
     assert not heavy_first or num_tiles <= 65535, "too many query tiles for grid axis 1"
     grid = (num_q_heads, num_tiles) if heavy_first else (num_tiles, num_q_heads)
     _prefill_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, k_chunk, v_chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *chunk_strides,
         num_seqs, scale * LOG2E, sliding_window or 0, block_size,
         GROUP=num_q_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=upcast_bf16_dot(q.dtype), HEAVY_FIRST=heavy_first, FOLD_SCALE=fold_scale,
+        DOT_UPCAST=upcast_bf16_dot(q.dtype), HEAVY_FIRST=heavy_first,
+        HAS_CHUNK=chunk_kv is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -251,6 +308,7 @@ def prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal variable-length attention over each sequence's cached blocks.
 
@@ -258,8 +316,11 @@ def prefill_attention(
     position seq_len_b - q_len_b + i and sees keys at positions p with
     p <= pos and (sliding_window is None or pos - p < sliding_window).
     GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
+    ``chunk_kv``: (k, v) of the chunk's own tokens [num_tokens, num_kv_heads, head_dim], k
+    rotated (what ``rotary_kv_write`` wrote to the cache): keys at a sequence's last q_len
+    positions are read from them instead of through the block table.
     """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, num_q_heads, head_dim]
     _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-                              float(scale), sliding_window)
+                              float(scale), sliding_window, chunk_kv)
     return out

@@ -102,6 +102,7 @@ def prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal variable-length attention over each sequence's cached blocks.
 
@@ -109,6 +110,8 @@ def prefill_attention(
     position seq_len_b - q_len_b + i and sees keys at positions p with
     p <= pos and (sliding_window is None or pos - p < sliding_window).
     GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
+    ``chunk_kv``: (k, v) [num_tokens, num_kv_heads, head_dim], the keys and values at each
+    sequence's last q_len positions (those the cache holds there; read from here instead).
     """
     out = torch.empty_like(q)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -121,6 +124,9 @@ def prefill_attention(
             continue
         k = _gather_seq_kv(k_cache, block_tables[b], seq_len).float()
         v = _gather_seq_kv(v_cache, block_tables[b], seq_len).float()
+        if chunk_kv is not None:
+            k[seq_len - (e - s):] = chunk_kv[0][s:e].float()
+            v[seq_len - (e - s):] = chunk_kv[1][s:e].float()
         k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         qb = q[s:e].float()  # [Q, Hq, D]

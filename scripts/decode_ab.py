@@ -1,8 +1,8 @@
 """Decode step time through the engine (CUDA graphs, run-ahead, contexts 128-384 as in
-bench.engine) for decode attention variants, alternated on one GPU: the rule; partly filled
-tile first (kernels.decode_attention.PARTIAL_FIRST); 32-token tiles (TANDEM_DECODE_TILE=32,4,2);
-the fused form's last tile loaded before the PDL wait (PREFETCH: batches of up to 8 only); the
-next tile loaded into registers before the current one is computed (PIPELINE).
+bench.engine) for decode attention variants, alternated on one GPU: the rule (with the fused
+form's last tile loaded before the PDL wait, kernels.decode_attention.PREFETCH, batches of up
+to 8); without PREFETCH; the next tile loaded into registers before the current one is
+computed (PIPELINE).
     python3 scripts/decode_ab.py [--models llama2-7b] [--batches 1,64] [--rounds 2]
 (device: source scripts/device_env.sh first)"""
 import argparse
@@ -15,11 +15,10 @@ import kernels.decode_config as dc
 from bench.engine import build_runner, decode_workload
 from engine.block_allocator import BlockAllocator
 
-VARIANTS = {  # module settings, read when the graphs are captured
+VARIANTS = {  # module settings, read when the graphs are captured (sixth session: PREFETCH is the rule;
+    # the fifth session's partly-filled-tile-first and 32-token-tile variants lost: this script at cfc08a0)
     "rule": {},
-    "partial_first": {"PARTIAL_FIRST": True},
-    "tile32": {"_TILE_OVERRIDE": (32, 4, 2)},  # kernels.decode_config
-    "prefetch": {"PREFETCH": True},
+    "no_prefetch": {"PREFETCH": False},
     "pipeline": {"PIPELINE": True},
 }
 DEFAULTS = {name: getattr(dc if name == "_TILE_OVERRIDE" else da, name)

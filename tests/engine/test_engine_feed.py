@@ -100,13 +100,14 @@ def test_fed_graph_steps_back_to_back_match_steps_read_one_by_one(tiny_checkpoin
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prefetched_fused_attention_in_fed_graph_steps(tiny_checkpoints, monkeypatch):
-    """kernels.decode_attention.PREFETCH (off by default) in CUDA graphs whose steps run back to
+    """kernels.decode_attention.PREFETCH (by default batch 1 only; here every bucket) in CUDA graphs whose steps run back to
     back (the fused form: 3 sequences in bucket 4, one padding row): the logits of the default."""
     from kernels import decode_attention
 
     results = []
     for prefetch in (False, True):
         monkeypatch.setattr(decode_attention, "PREFETCH", prefetch)  # read when the graphs are captured
+        monkeypatch.setattr(decode_attention, "PREFETCH_MAX_BATCH", 1 << 20)
         runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=64, block_size=BLOCK, device="cuda")
         runner.enable_cuda_graphs(max_batch_size=4, max_seq_len=64)
         prompts = _prompts(runner.config.vocab_size)

@@ -33,11 +33,13 @@ def test_cuda_fp32_matches_hf(tiny_checkpoints, arch, fused_rotary, monkeypatch)
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_cuda_fp32_matches_hf_with_the_prefetched_fused_form(tiny_checkpoints, arch, monkeypatch):
-    """kernels.decode_attention.PREFETCH (off by default): the fused decode attention loads its
-    last tile before the PDL wait and takes the new token's k, v from registers."""
+    """kernels.decode_attention.PREFETCH at every batch size (by default batch 1 only): the fused
+    decode attention loads its last tile before the PDL wait and takes the new token's k, v
+    from registers."""
     from kernels import decode_attention
 
     monkeypatch.setattr(decode_attention, "PREFETCH", True)
+    monkeypatch.setattr(decode_attention, "PREFETCH_MAX_BATCH", 1 << 20)
     test_cuda_fp32_matches_hf(tiny_checkpoints, arch, "1", monkeypatch)
 
 

@@ -84,6 +84,7 @@ def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, 
     the pipelined loop over the other tiles."""
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
     monkeypatch.setattr(decode_module, "PREFETCH", True)
+    monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
     monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
     monkeypatch.setattr(decode_module, "PIPELINE", pipeline)
     inputs = _inputs([1, 70, 33, 130, 2, 64, 150], num_q_heads, num_kv_heads, head_dim, block_size,
@@ -109,6 +110,7 @@ def test_partial_tile_first(monkeypatch, num_q_heads, num_kv_heads, head_dim, bl
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
 def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, monkeypatch):
     monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
+    monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
     lens = [context - 7 * i % 50 for i in range(batch)]
     inputs = _inputs(lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16, padded_row=None)
     _check(inputs, torch.bfloat16, None)

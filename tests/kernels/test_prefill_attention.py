@@ -10,7 +10,24 @@ HEAD_CONFIGS = [(2, 2, 64, 16), (4, 1, 128, 16), (8, 1, 64, 8), (8, 2, 32, 4)]
 ATTN_SCALE = {torch.float32: 1.0, torch.float16: 2.5, torch.bfloat16: 1.5}
 
 
-def _run(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, window, device=DEVICE):
+def _chunk_kv(seq_lens, q_lens, k_cache, v_cache, block_tables):
+    """The chunk's keys and values apart from the cache, v a strided view as the engine's (a
+    column range of the fused QKV output); the cache's slots at the chunk's positions are
+    NaN, so a kernel that reads them there instead fails."""
+    num_tokens, (_, block_size, num_kv_heads, head_dim) = sum(q_lens), k_cache.shape
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=k_cache.device).to(k_cache.dtype)
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, device=k_cache.device).to(k_cache.dtype)
+    v = qkv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    for b, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        for pos in range(seq_len - q_len, seq_len):
+            block = block_tables[b, pos // block_size]
+            k_cache[block, pos % block_size] = float("nan")
+            v_cache[block, pos % block_size] = float("nan")
+    return k, v
+
+
+def _run(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, window, device=DEVICE,
+         chunk=False):
     k_cache, v_cache, block_tables = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
     query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
@@ -18,10 +35,13 @@ def _run(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtyp
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, device=device).to(dtype)
     scale = head_dim**-0.5
-    out = prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens_t, scale, window)
+    chunk_kv = _chunk_kv(seq_lens, q_lens, k_cache, v_cache, block_tables) if chunk else None
+    out = prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens_t, scale, window, chunk_kv)
     q32, k32, v32 = q.float(), k_cache.float(), v_cache.float()
+    chunk32 = None if chunk_kv is None else (chunk_kv[0].float(), chunk_kv[1].float())
     with torch.device(device):  # the reference makes its masks with the default device
-        expected = reference.prefill_attention(q32, k32, v32, block_tables, query_start_loc, seq_lens_t, scale, window)
+        expected = reference.prefill_attention(q32, k32, v32, block_tables, query_start_loc, seq_lens_t, scale, window,
+                                               chunk32)
     assert out.shape == q.shape and out.dtype == dtype
     return out, expected
 
@@ -38,11 +58,26 @@ def test_mixed_batch(dtype, num_q_heads, num_kv_heads, head_dim, block_size, win
     assert_close(out, expected, dtype, ATTN_SCALE[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("window", [None, 200, 5])
+def test_chunk_keys_read_from_chunk_kv(dtype, num_q_heads, num_kv_heads, head_dim, block_size, window):
+    """chunk_kv: the chunk's own keys and values come from it (the cache holds NaN there),
+    the cached context's through the block table; the same batch as test_mixed_batch."""
+    seq_lens = [300, 9, 40, 1, 12, 77]
+    q_lens = [16, 9, 1, 1, 0, 20]
+    out, expected = _run(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, window,
+                         chunk=True)
+    assert_close(out, expected, dtype, ATTN_SCALE[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 50])
-def test_long_chunk_large_query_tiles(dtype, window):
-    """Average query length 130: the widest BLOCK_M, several query tiles per sequence."""
-    out, expected = _run([200, 131], [130, 130], 4, 2, 64, 16, dtype, window)
+@pytest.mark.parametrize("chunk", [False, True])
+def test_long_chunk_large_query_tiles(dtype, window, chunk):
+    """Average query length 130: the widest BLOCK_M, several query tiles per sequence; a
+    context of 70 keys (not a whole tile) before one chunk."""
+    out, expected = _run([200, 131], [130, 130], 4, 2, 64, 16, dtype, window, chunk=chunk)
     assert_close(out, expected, dtype, ATTN_SCALE[dtype])
 
 
@@ -54,17 +89,6 @@ def test_tiles_first_grid_order(monkeypatch, num_q_heads, num_kv_heads, head_dim
     out, expected = _run([300, 9, 40, 1, 12, 200], [16, 9, 1, 1, 0, 130], num_q_heads, num_kv_heads, head_dim,
                          block_size, torch.bfloat16, window)
     assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS[:3])
-@pytest.mark.parametrize("window", [None, 5])
-def test_scale_folded_into_exp2(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window):
-    """FOLD_SCALE (off by default): the scale applied in exp2's multiply-add."""
-    monkeypatch.setattr("kernels.prefill_attention.FOLD_SCALE", True)
-    out, expected = _run([300, 9, 40, 1, 12, 200], [16, 9, 1, 1, 0, 130], num_q_heads, num_kv_heads, head_dim,
-                         block_size, dtype, window)
-    assert_close(out, expected, dtype, ATTN_SCALE[dtype])
 
 
 def test_grid_order_reaches_the_kernel(monkeypatch):
@@ -85,7 +109,7 @@ def test_grid_order_reaches_the_kernel(monkeypatch):
         grid, kwargs = calls[-1]
         tiles = 49 // 32 + 2  # num_tokens // BLOCK_M + num_seqs (BLOCK_M 32 for an average of 24 queries)
         assert grid == ((6, tiles) if heavy_first else (tiles, 6)) and kwargs["HEAVY_FIRST"] is heavy_first
-        assert kwargs["FOLD_SCALE"] is prefill_module.FOLD_SCALE
+        assert kwargs["HAS_CHUNK"] is False
 
 
 def _run_kernel_only(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size):
@@ -101,10 +125,11 @@ def _run_kernel_only(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, bloc
 @pytest.mark.parametrize("heavy_first", [False, True])
 @pytest.mark.parametrize("num_kv_heads", [8, 32])
 @pytest.mark.parametrize("window", [None, 1024])
-def test_gpu_real_shapes_bf16(num_kv_heads, window, heavy_first, monkeypatch):
+@pytest.mark.parametrize("chunk", [False, True])
+def test_gpu_real_shapes_bf16(num_kv_heads, window, heavy_first, chunk, monkeypatch):
     monkeypatch.setattr("kernels.prefill_attention.HEAVY_FIRST", heavy_first)
     seq_lens = [2048, 2012, 4000, 1000, 8192]
     q_lens = [2048, 512, 1, 1000, 700]
     torch.manual_seed(0)
-    out, expected = _run(seq_lens, q_lens, 32, num_kv_heads, 128, 16, torch.bfloat16, window, "cuda")
+    out, expected = _run(seq_lens, q_lens, 32, num_kv_heads, 128, 16, torch.bfloat16, window, "cuda", chunk=chunk)
     assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
