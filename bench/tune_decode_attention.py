@@ -35,9 +35,7 @@ INNER = 10  # launches per captured graph
 GRID = list(itertools.product((32, 64), (4,), (2, 3), (1, 2), (True,)))
 # --wide: more tiles, warps, stages and splits (the batch-64 x context-256 case sits at ~80% with the rule)
 WIDE_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 3, 4), (True,)))
-# --tiles: the wide grid's tiles at the splits the rule picks for the case (grid size from shapes),
-# visiting the partly filled tile last (the rule) and first (kernels.decode_attention.PARTIAL_FIRST),
-# and the register-pipelined loop (PIPELINE) with either order
+# --tiles: the wide grid's tiles at the splits the rule picks for the case (grid size from shapes)
 TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
 
 
@@ -95,8 +93,7 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--wide", action="store_true", help="sweep WIDE_GRID (72 settings) instead of GRID")
     parser.add_argument("--tiles", action="store_true",
-                        help="sweep TILES (18 settings) at the rule's splits, each with the partly filled tile last and "
-                             "first, and 12 register-pipelined settings")
+                        help="sweep TILES (18 settings) at the rule's splits")
     parser.add_argument("--layouts", default="token", help="token,head: cache blocks [slot, head, dim] and/or [head, slot, dim]")
     args = parser.parse_args()
     cases = CASES
@@ -113,9 +110,7 @@ def main() -> int:
                 hkv, block_size = SHAPES[name][1], 16
                 splits = decode_config.num_kv_splits(batch, hkv, -(-context // block_size) * block_size,
                                                         torch.device("cuda"))
-                grid = ([tile + (splits, True, partial, False) for tile in TILES for partial in (False, True)]
-                        + [(block_n, warps, 1, splits, True, partial, True)  # PIPELINE: no cp.async stages
-                           for block_n in (32, 64, 128) for warps in (4, 8) for partial in (False, True)])
+                grid = [tile + (splits, True) for tile in TILES]
             for layout in args.layouts.split(","):
                 r = run_case(name, batch, context, scattered, copy_bw, grid, head_major=layout == "head")
                 results.append(r)

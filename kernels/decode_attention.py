@@ -32,34 +32,23 @@ from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 LOG2E = 1.4426950408889634
 HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention compares both)
-# Tiles aligned to the end of each share, so a partly filled tile comes first rather than last
-# (a partial last tile cost a whole iteration on an H200: docs/benchmarks.md). Off until an
-# engine A/B shows it faster (scripts/decode_ab.py).
-PARTIAL_FIRST = False
 # Fused form only: the share's last tile is loaded before the PDL wait, the new token's k and v
 # taken from registers instead of a store, barrier and reload; for batches of up to
 # PREFETCH_MAX_BATCH (engine A/B on an H200, docs/benchmarks.md: batch 1 llama3.2-1b 0.947 ->
 # 0.916 ms per step, llama3-8b 4.12 -> 4.06; batch 8 llama2-7b 4.56 -> 4.76, slower).
 PREFETCH = True
 PREFETCH_MAX_BATCH = 1
-# The loop loads tile i + 1 into registers (128-bit loads) before it computes tile i, instead of
-# Triton's cp.async pipelining through shared memory (num_stages); the sm90 PTX has one or the
-# other. Off until an engine A/B.
-PIPELINE = False
 
 
 @triton.jit
-def _load_kv_tile(k_base, v_base, block_table_row, start_n, start, end,
+def _load_kv_tile(k_base, v_base, block_table_row, start_n, end,
                   stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BELOW_START: tl.constexpr):
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Keys and values at positions start_n .. start_n + BLOCK_N - 1 of one KV head, those
-    from end on (and, if the tile may reach below start, before start) masked:
-    (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid)."""
+    from end on masked: (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_valid = offs_n < end
-    if BELOW_START:
-        kv_valid = kv_valid & (offs_n >= start)
     block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
     slots = (offs_n % block_size).to(tl.int64)
     k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
@@ -115,11 +104,10 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PARTIAL_FIRST: tl.constexpr = False, PREFETCH: tl.constexpr = False, PIPELINE: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
-    shares of whole BLOCK_N tiles (visited from the share's start, or with PARTIAL_FIRST in
-    tiles that end at the share's end); split j over its share P_j, for each head h of the group:
+    shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
         m = max_p s_p,  s_p = scale * log2(e) * q[h] . k[p]
         partial_out[h, j] = sum_p 2^(s_p - m) v[p] / sum_p 2^(s_p - m)
         partial_lse[h, j] = m + log2(sum_p 2^(s_p - m))       (-inf if P_j is empty)
@@ -154,17 +142,14 @@ def _decode_partial_kernel(
     start = lo + split * share
     end = tl.minimum(start + share, seq_len)
     count = tl.maximum(end - start, 0)
-    first = start
-    if PARTIAL_FIRST:  # the first tile reaches below start by the share's shortfall of whole tiles
-        first = start - (tl.cdiv(count, BLOCK_N) * BLOCK_N - count)
     k_base = k_cache_ptr + kv_head * stride_k_head
     v_base = v_cache_ptr + kv_head * stride_v_head
     block_table_row = block_tables_ptr + seq * stride_bt
     if PREFETCH:  # the share's last tile, before the wait
-        last_tile = first + tl.maximum(tl.cdiv(count, BLOCK_N) - 1, 0) * BLOCK_N
+        last_tile = start + tl.maximum(tl.cdiv(count, BLOCK_N) - 1, 0) * BLOCK_N
         k_last, v_last, offs_last, valid_last = _load_kv_tile(
-            k_base, v_base, block_table_row, last_tile, start, end,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM, True)
+            k_base, v_base, block_table_row, last_tile, end,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
         if USE_PDL:
             gdc_wait()
 
@@ -212,27 +197,11 @@ def _decode_partial_kernel(
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
                                             DOT_PRECISION, DOT_UPCAST)
         loop_end = last_tile
-    if PIPELINE:  # tile i + 1 is loaded before tile i is computed; a tile at or past loop_end is all masked
-        loop_limit = tl.minimum(end, loop_end)
+    for start_n in range(start, loop_end, BLOCK_N):
         k, v, offs_n, kv_valid = _load_kv_tile(
-            k_base, v_base, block_table_row, first, start, loop_limit,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
-            PARTIAL_FIRST)
-        for start_n in range(first + BLOCK_N, loop_end, BLOCK_N):
-            k_next, v_next, offs_n, valid_next = _load_kv_tile(
-                k_base, v_base, block_table_row, start_n, start, loop_limit,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM, False)
-            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
-            k, v, kv_valid = k_next, v_next, valid_next
-        if first < loop_end:  # else the tile loaded first is all masked
-            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
-    else:
-        for start_n in range(first, loop_end, BLOCK_N):
-            k, v, offs_n, kv_valid = _load_kv_tile(
-                k_base, v_base, block_table_row, start_n, start, end,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
-                PARTIAL_FIRST)
-            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
+            k_base, v_base, block_table_row, start_n, end,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0
@@ -289,8 +258,8 @@ class NewToken(NamedTuple):
 
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
                              config: tuple | None = None, new_token: NewToken | None = None):
-    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, partial_first[, pipeline]]]) instead of the
-    shape rules (tuning only). ``new_token``: rotary and the KV write fused in."""
+    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first]) instead of the shape
+    rules (tuning only). ``new_token``: rotary and the KV write fused in."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2 >= 16"
@@ -320,12 +289,10 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         max_context_len = min(max_context_len, sliding_window)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
     block_n, num_warps, num_stages = _tile_config(head_dim, q.dtype)
-    heads_first, partial_first, pipeline = HEADS_FIRST, PARTIAL_FIRST, PIPELINE
+    heads_first = HEADS_FIRST
     if config is not None:
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first
-        partial_first = rest[1] if len(rest) > 1 else partial_first
-        pipeline = rest[2] if len(rest) > 2 else pipeline
     direct = num_splits == 1
     if direct:
         partial_out = partial_lse = out  # unused
@@ -352,7 +319,6 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
-        PARTIAL_FIRST=partial_first, PIPELINE=pipeline,
         PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )

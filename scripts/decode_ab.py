@@ -1,8 +1,7 @@
 """Decode step time through the engine (CUDA graphs, run-ahead, contexts 128-384 as in
-bench.engine) for decode attention variants, alternated on one GPU: the rule (with the fused
-form's last tile loaded before the PDL wait, kernels.decode_attention.PREFETCH, batches of up
-to 8); without PREFETCH; the next tile loaded into registers before the current one is
-computed (PIPELINE).
+bench.engine) for decode attention variants, alternated on one GPU: the rule (the fused form's
+last tile loaded before the PDL wait, kernels.decode_attention.PREFETCH, at batches of up to
+PREFETCH_MAX_BATCH); PREFETCH off; PREFETCH at every fused batch (up to 8).
     python3 scripts/decode_ab.py [--models llama2-7b] [--batches 1,64] [--rounds 2]
 (device: source scripts/device_env.sh first)"""
 import argparse
@@ -11,18 +10,17 @@ import gc
 import torch
 
 import kernels.decode_attention as da
-import kernels.decode_config as dc
 from bench.engine import build_runner, decode_workload
 from engine.block_allocator import BlockAllocator
 
-VARIANTS = {  # module settings, read when the graphs are captured (sixth session: PREFETCH is the rule;
-    # the fifth session's partly-filled-tile-first and 32-token-tile variants lost: this script at cfc08a0)
+VARIANTS = {  # module settings, read when the graphs are captured (the variants that lost in the
+    # sixth session, partly-filled tile first, 32-token tiles, the register-pipelined loop: this
+    # script at 2dc0936 and cfc08a0)
     "rule": {},
     "no_prefetch": {"PREFETCH": False},
-    "pipeline": {"PIPELINE": True},
+    "prefetch_b8": {"PREFETCH_MAX_BATCH": 8},
 }
-DEFAULTS = {name: getattr(dc if name == "_TILE_OVERRIDE" else da, name)
-            for name in ("PARTIAL_FIRST", "_TILE_OVERRIDE", "PREFETCH", "PIPELINE")}
+DEFAULTS = {name: getattr(da, name) for name in ("PREFETCH", "PREFETCH_MAX_BATCH")}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--models", default="llama2-7b")
@@ -35,7 +33,7 @@ for name in args.models.split(","):
     for _ in range(args.rounds):
         for variant, settings in VARIANTS.items():
             for attr, value in {**DEFAULTS, **settings}.items():
-                setattr(dc if attr == "_TILE_OVERRIDE" else da, attr, value)
+                setattr(da, attr, value)
             runner = build_runner(name, num_tokens=max(batches) * 400 + 1024, max_seq_len=4096,
                                   max_batch_size=max(batches))
             allocator = BlockAllocator(runner.num_blocks, runner.block_size)

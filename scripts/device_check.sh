@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# One device call: GPU kernel tests, GPU engine/transport/cluster tests, then the engine benchmark.
-#   run with the device tool: bash scripts/device_check.sh   (carry: .devrun)
+# A short check of the decode attention after a change (one H200; carry .devrun), ~3 min: its GPU
+# tests (plain and fused forms, PREFETCH at every batch and by default) and the engine against HF,
+# then the engine decode A/B (scripts/decode_ab.py) on llama3.2-1b at batch 1 and 8, one round.
 set -o pipefail
 source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/gpu tests/engine -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-timeout 320 python3 -m bench.engine --out "$OUT/benchmarks.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -45
+timeout 140 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
+  tests/kernels/test_decode_attention_new_token.py tests/engine/test_engine_gpu.py -m gpu 2>&1 \
+  | tee "$OUT/gpu_tests.log" | tail -2
+timeout 75 python3 scripts/decode_ab.py --models llama3.2-1b --batches 1,8 --rounds 1 2>&1 \
+  | tee "$OUT/decode_ab.log" | grep "ms/step"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sixth session's exploring call (one H200; carry .devrun), ~6 min:
+# Sixth session's exploring call (one H200; carry .devrun), ~6 min. As run (call 3, commit
+# 2dc0936) decode_ab's third variant was the register-pipelined loop, removed since (lost):
 #   GPU tests of the prefill attention (chunk_kv too), the fused decode form (PREFETCH now the
 #   rule) and the engine against HF; the prefill attention sweep with chunk_kv; the engine
 #   prefill A/B chunk_kv vs paged; the engine decode A/B rule / no_prefetch / pipeline at b1, b8.

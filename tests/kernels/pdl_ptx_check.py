@@ -94,13 +94,9 @@ _KERNELS = [
                                   DIRECT_OUT=False, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
                                   NEW_TOKEN=True, PREFETCH=True),
      ("k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr")),
-    # the tuning variants compile for sm90 too (PARTIAL_FIRST, PIPELINE; with PREFETCH)
-    (_decode_partial_kernel, dict(GROUP=1, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=False,
-                                  DIRECT_OUT=True, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
-                                  PARTIAL_FIRST=True, PIPELINE=True), ()),
     (_decode_partial_kernel, dict(GROUP=4, GROUP_PAD=16, BLOCK_N=32, HEAD_DIM=64, HAS_WINDOW=True,
-                                  DIRECT_OUT=False, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
-                                  NEW_TOKEN=True, PREFETCH=True, PARTIAL_FIRST=True, PIPELINE=True),
+                                  DIRECT_OUT=True, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
+                                  NEW_TOKEN=True, PREFETCH=True),
      ("k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr")),
     (_decode_reduce_kernel, dict(SPLITS_PAD=8, HEAD_DIM=128), ()),
 ] + [

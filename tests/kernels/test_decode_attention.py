@@ -40,40 +40,10 @@ def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_d
     assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 20, 100])  # 100: a window start above 0 with two splits holding keys
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_partial_tile_first(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
-    """Tiles aligned to each share's end: the keys below a share (another split's, or
-    before position 0) are masked, none is counted twice."""
-    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "PARTIAL_FIRST", True)
-    inputs = _inputs([1, 70, 33, 0, 130, 64], num_q_heads, num_kv_heads, head_dim, block_size, dtype)
-    out = decode_attention(*inputs, head_dim**-0.5, window)
-    assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 100])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("partial_first", [False, True])
-def test_pipelined_loop(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits,
-                        partial_first):
-    """PIPELINE: the next tile loaded before the current one is computed (shares of 0, 1 and
-    several tiles)."""
-    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "PIPELINE", True)
-    monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
-    inputs = _inputs([1, 70, 33, 0, 130, 64, 200], num_q_heads, num_kv_heads, head_dim, block_size, dtype)
-    out = decode_attention(*inputs, head_dim**-0.5, window)
-    assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
-
-
 def test_launch_settings_reach_the_kernels(monkeypatch):
-    """The grid order and tile order flags are passed on (both orders give the same answer,
-    so the answer tests cannot see them)."""
+    """The grid order is passed on (both orders give the same answer, so the answer tests
+    cannot see it); the fused form prefetches at batches of up to PREFETCH_MAX_BATCH only,
+    the plain form never."""
     calls = []
 
     class Recorder:
@@ -83,15 +53,20 @@ def test_launch_settings_reach_the_kernels(monkeypatch):
     monkeypatch.setattr(decode_module, "_decode_partial_kernel", Recorder())
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: 1)
     inputs = _inputs([5, 9, 2], 4, 2, 32, 4, torch.float32)  # 3 sequences, 2 KV heads
-    for heads_first, partial_first, pipeline in ((True, False, True), (False, True, False)):
+    for heads_first in (True, False):
         monkeypatch.setattr(decode_module, "HEADS_FIRST", heads_first)
-        monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
-        monkeypatch.setattr(decode_module, "PIPELINE", pipeline)
         decode_attention(*inputs, 0.25)
         grid, kwargs = calls[-1]
         assert grid == ((2, 3, 1) if heads_first else (3, 2, 1))
-        assert kwargs["HEADS_FIRST"] is heads_first and kwargs["PARTIAL_FIRST"] is partial_first
-        assert kwargs["PIPELINE"] is pipeline
+        assert kwargs["HEADS_FIRST"] is heads_first and kwargs["PREFETCH"] is False
+    q, k_cache, v_cache, block_tables, seq_lens = inputs
+    new = (q[:, :2], q[:, :2], (seq_lens - 1).long(), torch.zeros(16, 32), torch.zeros(3, dtype=torch.long))
+    for max_batch, rows, prefetch in ((1, 1, True), (1, 3, False), (3, 3, True), (3, 1, True)):
+        monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", max_batch)
+        k, v, positions, cos_sin, slots = new
+        decode_module.decode_attention_new_token(q[:rows], k[:rows], v[:rows], positions[:rows], cos_sin, k_cache,
+                                                 v_cache, slots[:rows], block_tables[:rows], seq_lens[:rows], 0.25)
+        assert calls[-1][1]["PREFETCH"] is prefetch and calls[-1][1]["NEW_TOKEN"] is True
 
 
 def test_tile_override_is_checked(monkeypatch):
@@ -135,12 +110,10 @@ def test_num_splits_depends_on_shapes_only():
 
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("partial_first", [False, True])
 @pytest.mark.parametrize("num_kv_heads", [8, 32])
 @pytest.mark.parametrize("window", [None, 1024])
 @pytest.mark.parametrize("num_seqs", [1, 7, 64])
-def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs, partial_first, monkeypatch):
-    monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
+def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs):
     torch.manual_seed(num_seqs)
     seq_lens = torch.randint(1, 8193, (num_seqs,)).tolist()
     seq_lens[0] = 8192

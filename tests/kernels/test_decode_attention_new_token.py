@@ -76,31 +76,16 @@ def test_matches_rotary_then_attention(monkeypatch, dtype, num_q_heads, num_kv_h
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("num_splits", [1, 2, 3])  # 2: a 150-token row's splits hold 2 tiles and 1
-@pytest.mark.parametrize("partial_first, pipeline", [(False, False), (True, False), (False, True), (True, True)])
-def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits,
-                              partial_first, pipeline):
+def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
     """PREFETCH: each share's last tile loaded first, the new token's k and v put into it from
-    registers (no read-back): same output, same cache writes; with either tile order and with
-    the pipelined loop over the other tiles."""
+    registers (no read-back): same output, same cache writes (every batch size here; by
+    default batch 1 only)."""
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
     monkeypatch.setattr(decode_module, "PREFETCH", True)
     monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
-    monkeypatch.setattr(decode_module, "PARTIAL_FIRST", partial_first)
-    monkeypatch.setattr(decode_module, "PIPELINE", pipeline)
     inputs = _inputs([1, 70, 33, 130, 2, 64, 150], num_q_heads, num_kv_heads, head_dim, block_size,
                      torch.bfloat16, padded_row=4)
     _check(inputs, torch.bfloat16, window)
-
-
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_partial_tile_first(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, num_splits):
-    """Tiles aligned to each share's end: the new token's slot is still written once and read."""
-    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "PARTIAL_FIRST", True)
-    inputs = _inputs([1, 70, 33, 130, 2], num_q_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
-                     padded_row=4)
-    _check(inputs, torch.bfloat16, None)
 
 
 @gpu
