@@ -148,5 +148,8 @@ def test_second_gateway_without_a_queue_answers_429(small_pool):
             assert rejected.json()["error"]["type"] == "rate_limit_error"
             for _line in lines:
                 pass
-        assert http.post(busy_url + "/v1/completions", json=body).status_code == 200  # room again
+        # the client can read the last event before the decode worker's release reaches Redis
+        # (seen once in CI under load): room again once the pool holds nothing
+        assert_nothing_held(small_pool)
+        assert http.post(busy_url + "/v1/completions", json=body).status_code == 200
     assert_nothing_held(small_pool)
