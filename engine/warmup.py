@@ -1,7 +1,7 @@
 """Compile the prefill kernels' variants before the first request.
 
-The prefill attention kernel picks its query tile (16, 32, 64 or 128 rows)
-from the batch's mean query length; each tile is a separate Triton
+The prefill attention kernel picks its query tile (16, 32, 64 or, for head
+dims below 128, 128 rows) from the batch's mean query length; each tile is a separate Triton
 compilation, a second or more each. Without a warm-up, the first batches of
 real traffic pay for them (measured on an H200: 8192-token prefill batches
 taking 1-2 s instead of ~0.2 s in the first seconds of a benchmark).

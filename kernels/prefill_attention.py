@@ -3,6 +3,8 @@
 Sequence b owns queries query_start_loc[b]:query_start_loc[b+1]; they are the
 last q_len of its seq_len positions, whose keys/values (cached context plus
 the new chunk, already written) live in the blocks listed in block_tables[b].
+With chunk_kv the new chunk's keys/values are read from those tensors instead
+(the same values, contiguous rows), and only the context's from the blocks.
 
 Tiling: one program = BLOCK_M queries of one sequence x one query head. Query
 tiles of all sequences are laid out on one grid axis without a host sync: the
@@ -14,8 +16,11 @@ see the most keys start first and the short ones fill the tail. Keys are visited
 BLOCK_N tiles from the first one any query of the tile can see (sliding window)
 to the diagonal; tiles that every query sees whole run without a mask, the
 others (window edge, diagonal) with one, and fully masked tiles are never
-visited. Each key's address comes from the block table, so any block size
-works. Online softmax in the exp2 domain, fp32 accumulators.
+visited: over the context (no diagonal) and over the chunk in chunk-index space
+(causal), or over all positions at once without chunk_kv. A cached key's address
+comes from the block table, so any block size works; a chunk key's is affine in
+its index, so Triton overlaps a tile's loads with the previous tile's math.
+Online softmax in the exp2 domain, fp32 accumulators.
 """
 
 from __future__ import annotations
@@ -225,8 +230,7 @@ def _prefill_attention_kernel(
 HEAVY_FIRST = True  # grid order (see the kernel): 11-27% faster at 2048 tokens on an H200
 
 
-def _tile_config(num_tokens: int, num_seqs: int, head_dim: int, group: int,
-                 dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _tile_config(num_tokens: int, num_seqs: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes only (no autotune).
 
     Long chunks, from ``python3 -m bench.tune_prefill_attention`` (H200, 2048 tokens,
@@ -276,8 +280,7 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
         chunk_strides = (0, 0, 0, 0)
     if num_tokens == 0 or num_seqs == 0:
         return
-    block_m, block_n, num_warps, num_stages = _tile_config(num_tokens, num_seqs, head_dim,
-                                                            num_q_heads // num_kv_heads, q.dtype)
+    block_m, block_n, num_warps, num_stages = _tile_config(num_tokens, num_seqs, head_dim, q.dtype)
     heavy_first = HEAVY_FIRST
     if config is not None:
         block_m, block_n, num_warps, num_stages, heavy_first = config

@@ -1,6 +1,6 @@
 """Prefill 2048 through the engine: the chunk's keys read from the QKV output (chunk_kv, the
-rule) against every key read through the block table (the fifth session's kernel path),
-alternated on one GPU.
+rule) against every key read through the block table (the fifth session's kernel path, but
+with the same tile rule), alternated on one GPU.
     python3 scripts/prefill_chunk_ab.py [--models llama2-7b] [--rounds 3]   (device: source scripts/device_env.sh)"""
 import argparse
 

@@ -130,3 +130,26 @@ def test_parity_check_catches_rope_and_window_bugs(tiny_checkpoints):
     seqs = _make_seqs(mistral.config.vocab_size, 64, 4)
     _run_engine(mistral, seqs)
     assert _max_diff_vs_hf(_hf(tiny_checkpoints["mistral"]), seqs) > 100 * TOLERANCE
+
+
+def test_prefill_hands_the_chunks_keys_to_the_attention(tiny_checkpoints, monkeypatch):
+    """Each layer's prefill attention gets the chunk's rotated k and its v (chunk_kv, which the
+    Triton kernel reads instead of the cache), equal to what the layer wrote to its cache at the
+    chunk's positions; a second chunk of the same sequence gets only its own tokens."""
+    from kernels import reference
+
+    calls = []
+    real = reference.prefill_attention
+    monkeypatch.setattr(reference, "prefill_attention", lambda *args: calls.append(args) or real(*args))
+    runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=64, block_size=4)
+    blocks = [5, 2, 9, 7]
+    for start, tokens in ((0, list(range(3, 13))), (10, [20, 21, 22, 23, 24])):
+        calls.clear()
+        runner.forward([SeqChunk(tokens, start, blocks)])
+        assert len(calls) == runner.config.num_layers
+        for q, k_cache, v_cache, *_, chunk_kv in calls:
+            k, v = chunk_kv
+            assert k.shape == v.shape == (len(tokens), k_cache.shape[2], k_cache.shape[3])
+            cached_k = k_cache[blocks].flatten(0, 1)[start:start + len(tokens)]
+            cached_v = v_cache[blocks].flatten(0, 1)[start:start + len(tokens)]
+            assert torch.equal(k, cached_k) and torch.equal(v, cached_v)

@@ -83,11 +83,13 @@ def test_long_chunk_large_query_tiles(dtype, window, chunk):
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS[:3])
 @pytest.mark.parametrize("window", [None, 5])
-def test_tiles_first_grid_order(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window):
-    """The grid order the rule does not take (query tiles on axis 0, first to last): same answer."""
+@pytest.mark.parametrize("chunk", [False, True])
+def test_tiles_first_grid_order(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window, chunk):
+    """The grid order the rule does not take (query tiles on axis 0, first to last): same answer;
+    with chunk_kv, a 130-token chunk whose window starts past its first key tile."""
     monkeypatch.setattr("kernels.prefill_attention.HEAVY_FIRST", False)
     out, expected = _run([300, 9, 40, 1, 12, 200], [16, 9, 1, 1, 0, 130], num_q_heads, num_kv_heads, head_dim,
-                         block_size, torch.bfloat16, window)
+                         block_size, torch.bfloat16, window, chunk=chunk)
     assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
 
 
