@@ -74,6 +74,21 @@ def test_matches_rotary_then_attention(monkeypatch, dtype, num_q_heads, num_kv_h
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_block_ids_a_tile_ahead(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, num_splits, prefetch):
+    """IDS_AHEAD (off by default) in the fused form: the loop over the tiles before the new
+    token's (PREFETCH) or over all of them (the new token's read back after the barrier)."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "IDS_AHEAD", True)
+    monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
+    monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
+    inputs = _inputs([1, 70, 33, 130, 2, 64, 150, 200], num_q_heads, num_kv_heads, head_dim, block_size,
+                     torch.bfloat16, padded_row=4)
+    _check(inputs, torch.bfloat16, None)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("num_splits", [1, 2, 3])  # 2: a 150-token row's splits hold 2 tiles and 1
 def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
