@@ -31,7 +31,7 @@ SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "llama3.2-1b": 
 # (Batch 1 is left out: outside a CUDA graph its time is the Python launch's.)
 CASES = [(64, 256, True), (128, 416, True), (128, 416, False)]
 INNER = 10  # launches per captured graph
-# (BLOCK_N, num_warps, num_stages, num_splits, heads_first); first the rule, in both grid orders
+# (BLOCK_N, num_warps, num_stages, num_splits, heads_first[, ids_ahead]); first the rule, in both grid orders
 GRID = list(itertools.product((32, 64), (4,), (2, 3), (1, 2), (True,)))
 # --wide: more tiles, warps, stages and splits (the batch-64 x context-256 case sits at ~80% with the rule)
 WIDE_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 3, 4), (True,)))
@@ -62,7 +62,7 @@ def run_case(name, batch, context, scattered, copy_bw, grid=GRID, head_major=Fal
     ref = reference.decode_attention(q.float(), k.float(), v.float(), tables, lens, scale)
     out = torch.empty_like(q)
     kv_bytes = 2 * batch * context * hkv * d * 2
-    rows = []
+    rows, wrong = [], []
     for config in [None, "rule-seqs-first"] + grid:
         try:
             launch_config = config
@@ -73,7 +73,8 @@ def run_case(name, batch, context, scattered, copy_bw, grid=GRID, head_major=Fal
             out.fill_(float("nan"))
             fn()
             if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
-                print(f"  {name} {config}: wrong answer", flush=True)
+                print(f"WRONG ANSWER {name} b{batch} ctx{context} {config}", flush=True)
+                wrong.append(config)
                 continue
             ms = graph_ms([fn] * INNER)
         except Exception as exc:  # e.g. a tile that does not fit shared memory
@@ -83,7 +84,7 @@ def run_case(name, batch, context, scattered, copy_bw, grid=GRID, head_major=Fal
     rule = next(r for r in rows if r["config"] is None)
     seqs_first = next((r for r in rows if r["config"] == "rule-seqs-first"), None)
     best = min(rows, key=lambda r: r["us"])
-    return {"model": name, "batch": batch, "context": context, "scattered": scattered, "head_major": head_major, "rule": rule, "rule_seqs_first": seqs_first, "best": best,
+    return {"model": name, "batch": batch, "context": context, "scattered": scattered, "head_major": head_major, "rule": rule, "rule_seqs_first": seqs_first, "best": best, "wrong_answers": wrong,
             "top5": sorted(rows, key=lambda r: r["us"])[:5]}
 
 

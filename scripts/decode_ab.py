@@ -2,7 +2,7 @@
 bench.engine) for decode attention variants, alternated on one GPU: the rule (the fused form's
 last tile loaded before the PDL wait, kernels.decode_attention.PREFETCH, at batches of up to
 PREFETCH_MAX_BATCH); PREFETCH off; PREFETCH at every fused batch (up to 8); the block ids
-loaded a tile ahead (IDS_AHEAD) with 3 and with 4 stages.
+loaded a tile ahead (IDS_AHEAD) with 3 and with 4 stages, and 3 stages without it.
     python3 scripts/decode_ab.py [--models llama2-7b] [--batches 1,64] [--rounds 2] [--variants rule,ids_ahead_s3]
 (device: source scripts/device_env.sh first)"""
 import argparse
@@ -21,7 +21,8 @@ VARIANTS = {  # module settings, read when the graphs are captured (the variants
     "rule": {},
     "no_prefetch": {"PREFETCH": False},
     "prefetch_b8": {"PREFETCH_MAX_BATCH": 8},
-    "ids_ahead_s3": {"IDS_AHEAD": True, "_TILE_OVERRIDE": (64, 4, 3)},  # kernels.decode_config
+    "s3": {"_TILE_OVERRIDE": (64, 4, 3)},  # kernels.decode_config; the stage count alone, as a control
+    "ids_ahead_s3": {"IDS_AHEAD": True, "_TILE_OVERRIDE": (64, 4, 3)},
     "ids_ahead_s4": {"IDS_AHEAD": True, "_TILE_OVERRIDE": (64, 4, 4)},
 }
 DEFAULTS = {name: getattr(dc if name == "_TILE_OVERRIDE" else da, name)
@@ -31,8 +32,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--models", default="llama2-7b")
 parser.add_argument("--batches", default="1,64")
 parser.add_argument("--rounds", type=int, default=2)
-parser.add_argument("--variants", default=",".join(VARIANTS))
+parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma list of: " + ", ".join(VARIANTS))
 args = parser.parse_args()
+unknown = set(args.variants.split(",")) - set(VARIANTS)
+if unknown:
+    parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
 VARIANTS = {name: VARIANTS[name] for name in args.variants.split(",")}
 batches = [int(b) for b in args.batches.split(",")]
 for name in args.models.split(","):

@@ -105,6 +105,10 @@ _KERNELS = [
     (_decode_partial_kernel, dict(GROUP=1, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=True,
                                   DIRECT_OUT=True, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
                                   IDS_AHEAD=True), ()),  # the tuning variant compiles for sm90 too
+    (_decode_partial_kernel, dict(GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=False,
+                                  DIRECT_OUT=True, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
+                                  NEW_TOKEN=True, PREFETCH=True, IDS_AHEAD=True),
+     ("k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr")),
     (_decode_reduce_kernel, dict(SPLITS_PAD=8, HEAD_DIM=128), ()),
 ] + [
     (_gemv_kernel, dict(BLOCK_N=n, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu), ("w_ptr",))

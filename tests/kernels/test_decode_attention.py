@@ -47,7 +47,8 @@ def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_d
 def test_block_ids_a_tile_ahead(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window,
                                 num_splits):
     """IDS_AHEAD (off by default): each tile's block ids loaded in the iteration before (shares of
-    0, 1 and several tiles; the ids past a share's end are never read)."""
+    0, 1 and several tiles; that the ids past a share's end are masked cannot be seen here: the
+    K/V loads are masked there too)."""
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
     monkeypatch.setattr(decode_module, "IDS_AHEAD", True)
     inputs = _inputs([1, 70, 33, 0, 130, 64, 200], num_q_heads, num_kv_heads, head_dim, block_size, dtype)
@@ -76,6 +77,10 @@ def test_launch_settings_reach_the_kernels(monkeypatch):
         assert grid == ((2, 3, 1) if heads_first else (3, 2, 1))
         assert kwargs["HEADS_FIRST"] is heads_first and kwargs["PREFETCH"] is False
         assert kwargs["IDS_AHEAD"] is ids_ahead
+    monkeypatch.setattr(decode_module, "IDS_AHEAD", False)  # the tuning tuple's sixth element overrides the flag
+    decode_module._launch_decode_attention(*inputs, torch.empty_like(inputs[0]), 0.25, None, None,
+                                           (64, 4, 3, 1, True, True))
+    assert calls[-1][1]["IDS_AHEAD"] is True and calls[-1][1]["num_stages"] == 3
     q, k_cache, v_cache, block_tables, seq_lens = inputs
     new = (q[:, :2], q[:, :2], (seq_lens - 1).long(), torch.zeros(16, 32), torch.zeros(3, dtype=torch.long))
     for max_batch, rows, prefetch in ((1, 1, True), (1, 3, False), (3, 3, True), (3, 1, True)):

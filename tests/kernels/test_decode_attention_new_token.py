@@ -6,6 +6,7 @@ import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
 
 from kernels import decode_attention as decode_module
+from kernels import decode_config
 from kernels import reference
 from kernels.decode_attention import decode_attention_new_token
 
@@ -108,9 +109,13 @@ def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, 
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("batch, context", [(1, 256), (64, 256), (128, 416)])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
-def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, monkeypatch):
+@pytest.mark.parametrize("ids_ahead_stages", [None, 3, 4])
+def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, ids_ahead_stages, monkeypatch):
     monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
     monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
+    if ids_ahead_stages is not None:  # the tuning variant, as scripts/decode_ab.py runs it
+        monkeypatch.setattr(decode_module, "IDS_AHEAD", True)
+        monkeypatch.setattr(decode_config, "_TILE_OVERRIDE", (64, 4, ids_ahead_stages))
     lens = [context - 7 * i % 50 for i in range(batch)]
     inputs = _inputs(lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16, padded_row=None)
     _check(inputs, torch.bfloat16, None)
