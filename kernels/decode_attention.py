@@ -27,7 +27,9 @@ import triton
 import triton.language as tl
 
 from kernels.decode_config import DecodeWorkspace, _tile_config, num_kv_splits
-from kernels.dot import dot, upcast_bf16_dot
+from kernels.decode_tiles import (_attend_kv_tile, _load_kv_tile, _load_kv_tile_with_ids, _rotated_new_kv,
+                                  _store_new_kv)
+from kernels.dot import upcast_bf16_dot
 from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 LOG2E = 1.4426950408889634
@@ -45,67 +47,6 @@ PREFETCH_MAX_BATCH = 1
 # num = 2 at 3 stages (one tile in flight), num = 4 at 4. Off until measured on the GPU
 # (bench.tune_decode_attention --tiles, scripts/decode_ab.py): more shared memory per program.
 IDS_AHEAD = False
-
-
-@triton.jit
-def _load_kv_tile_with_ids(k_base, v_base, block_ids, start_n, end,
-                           stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size,
-                           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``_load_kv_tile`` with the tile's block ids (block_table_row[(start_n + i) // block_size])
-    given, loaded earlier."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_valid = offs_n < end
-    block_ids = block_ids.to(tl.int64)
-    slots = (offs_n % block_size).to(tl.int64)
-    k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
-                mask=kv_valid[None, :], other=0.0)
-    v = tl.load(v_base + (block_ids * stride_v_block + slots * stride_v_slot)[:, None] + offs_d[None, :],
-                mask=kv_valid[:, None], other=0.0)
-    return k, v, offs_n, kv_valid
-
-
-@triton.jit
-def _load_kv_tile(k_base, v_base, block_table_row, start_n, end,
-                  stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Keys and values at positions start_n .. start_n + BLOCK_N - 1 of one KV head, those
-    from end on masked: (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    block_ids = tl.load(block_table_row + offs_n // block_size, mask=offs_n < end, other=0)
-    return _load_kv_tile_with_ids(k_base, v_base, block_ids, start_n, end, stride_k_block, stride_k_slot,
-                                  stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
-
-
-@triton.jit
-def _rotated_new_kv(k_row, v_row, cos, sin, partner_d, dtype: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The decode token's rotated k [1, HEAD_DIM] (fp32 math, rounded once, as in kernels.rotary)
-    and its v [HEAD_DIM]."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    k_new = tl.load(k_row + offs_d).to(tl.float32)[None, :]
-    k_partner = tl.load(k_row + partner_d).to(tl.float32)[None, :]
-    return (k_new * cos + k_partner * sin).to(dtype), tl.load(v_row + offs_d)
-
-
-@triton.jit
-def _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(k_slot + offs_d[None, :], k_rot.to(k_slot.dtype.element_ty))
-    tl.store(v_slot + offs_d, v_new.to(v_slot.dtype.element_ty))
-
-
-@triton.jit
-def _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale,
-                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """One online-softmax step (log2 domain) of q [GROUP_PAD, HEAD_DIM] over a loaded tile."""
-    s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
-    s = tl.where(kv_valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-    return acc, l_i, m_new
 
 
 @triton.jit
@@ -160,11 +101,11 @@ def _decode_partial_kernel(
     share = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * share
     end = tl.minimum(start + share, seq_len)
-    count = tl.maximum(end - start, 0)
     k_base = k_cache_ptr + kv_head * stride_k_head
     v_base = v_cache_ptr + kv_head * stride_v_head
     block_table_row = block_tables_ptr + seq * stride_bt
     if PREFETCH:  # the share's last tile, before the wait
+        count = tl.maximum(end - start, 0)
         last_tile = start + tl.maximum(tl.cdiv(count, BLOCK_N) - 1, 0) * BLOCK_N
         k_last, v_last, offs_last, valid_last = _load_kv_tile(
             k_base, v_base, block_table_row, last_tile, end,
