@@ -31,12 +31,11 @@ SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "llama3.2-1b": 
 # (Batch 1 is left out: outside a CUDA graph its time is the Python launch's.)
 CASES = [(64, 256, True), (128, 416, True), (128, 416, False)]
 INNER = 10  # launches per captured graph
-# (BLOCK_N, num_warps, num_stages, num_splits, heads_first[, ids_ahead]); first the rule, in both grid orders
+# (BLOCK_N, num_warps, num_stages, num_splits, heads_first); first the rule, in both grid orders
 GRID = list(itertools.product((32, 64), (4,), (2, 3), (1, 2), (True,)))
 # --wide: more tiles, warps, stages and splits (the batch-64 x context-256 case sits at ~80% with the rule)
 WIDE_GRID = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 3, 4), (True,)))
-# --tiles: the wide grid's tiles at the splits the rule picks for the case (grid size from shapes),
-# and with the block ids loaded a tile ahead (kernels.decode_attention.IDS_AHEAD) at 3 and 4 stages
+# --tiles: the wide grid's tiles at the splits the rule picks for the case (grid size from shapes)
 TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))
 
 
@@ -95,7 +94,7 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--wide", action="store_true", help="sweep WIDE_GRID (72 settings) instead of GRID")
     parser.add_argument("--tiles", action="store_true",
-                        help="sweep TILES (18 settings) at the rule's splits, and 8 with IDS_AHEAD")
+                        help="sweep TILES (18 settings) at the rule's splits")
     parser.add_argument("--layouts", default="token", help="token,head: cache blocks [slot, head, dim] and/or [head, slot, dim]")
     args = parser.parse_args()
     cases = CASES
@@ -112,9 +111,7 @@ def main() -> int:
                 hkv, block_size = SHAPES[name][1], 16
                 splits = decode_config.num_kv_splits(batch, hkv, -(-context // block_size) * block_size,
                                                         torch.device("cuda"))
-                grid = ([tile + (splits, True, False) for tile in TILES]
-                        + [(block_n, warps, stages, splits, True, True)  # IDS_AHEAD
-                           for block_n in (32, 64) for warps in (4, 8) for stages in (3, 4)])
+                grid = [tile + (splits, True) for tile in TILES]
             for layout in args.layouts.split(","):
                 r = run_case(name, batch, context, scattered, copy_bw, grid, head_major=layout == "head")
                 results.append(r)

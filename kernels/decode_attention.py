@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_config import DecodeWorkspace, _tile_config, num_kv_splits
-from kernels.decode_tiles import (_attend_kv_tile, _load_kv_tile, _load_kv_tile_with_ids, _rotated_new_kv,
+from kernels.decode_tiles import (_attend_kv_tile, _load_kv_tile, _rotated_new_kv,
                                   _store_new_kv)
 from kernels.dot import upcast_bf16_dot
 from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
@@ -40,13 +40,6 @@ HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention 
 # 0.916 ms per step, llama3-8b 4.12 -> 4.06; batch 8 llama2-7b 4.56 -> 4.76, slower).
 PREFETCH = True
 PREFETCH_MAX_BATCH = 1
-# The loop loads the next tile's block ids into registers a tile ahead. Through the block table
-# each tile's K/V addresses depend on a load in their own iteration, and Triton's pipeliner then
-# waits for every copy at the top of each iteration (sm90 TTGIR: async_wait num = 0 at any
-# num_stages): no tile is in flight during the math. With the ids a tile ahead it waits with
-# num = 2 at 3 stages (one tile in flight), num = 4 at 4. Off until measured on the GPU
-# (bench.tune_decode_attention --tiles, scripts/decode_ab.py): more shared memory per program.
-IDS_AHEAD = False
 
 
 @triton.jit
@@ -64,7 +57,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, IDS_AHEAD: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -157,23 +150,11 @@ def _decode_partial_kernel(
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
                                             DOT_PRECISION, DOT_UPCAST)
         loop_end = last_tile
-    if IDS_AHEAD:  # the next tile's block ids loaded a tile ahead, into registers carried by the loop
-        offs_t = tl.arange(0, BLOCK_N)
-        ids = tl.load(block_table_row + (start + offs_t) // block_size, mask=start + offs_t < loop_end, other=0)
-        for start_n in range(start, loop_end, BLOCK_N):
-            next_n = start_n + BLOCK_N + offs_t
-            ids_next = tl.load(block_table_row + next_n // block_size, mask=next_n < loop_end, other=0)
-            k, v, offs_n, kv_valid = _load_kv_tile_with_ids(
-                k_base, v_base, ids, start_n, end,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
-            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
-            ids = ids_next
-    else:
-        for start_n in range(start, loop_end, BLOCK_N):
-            k, v, offs_n, kv_valid = _load_kv_tile(
-                k_base, v_base, block_table_row, start_n, end,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
-            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
+    for start_n in range(start, loop_end, BLOCK_N):
+        k, v, offs_n, kv_valid = _load_kv_tile(
+            k_base, v_base, block_table_row, start_n, end,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0
@@ -230,7 +211,7 @@ class NewToken(NamedTuple):
 
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
                              config: tuple | None = None, new_token: NewToken | None = None):
-    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, ids_ahead]]) instead
+    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first]) instead
     of the shape rules (tuning only). ``new_token``: rotary and the KV write fused in."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -261,11 +242,10 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         max_context_len = min(max_context_len, sliding_window)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
     block_n, num_warps, num_stages = _tile_config(head_dim, q.dtype)
-    heads_first, ids_ahead = HEADS_FIRST, IDS_AHEAD
+    heads_first = HEADS_FIRST
     if config is not None:
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first
-        ids_ahead = rest[1] if len(rest) > 1 else ids_ahead
     direct = num_splits == 1
     if direct:
         partial_out = partial_lse = out  # unused
@@ -292,7 +272,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
-        IDS_AHEAD=ids_ahead, PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH,
+        PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     if not direct:

@@ -9,33 +9,21 @@ from kernels.dot import dot
 
 
 @triton.jit
-def _load_kv_tile_with_ids(k_base, v_base, block_ids, start_n, end,
-                           stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size,
-                           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``_load_kv_tile`` with the tile's block ids (block_table_row[(start_n + i) // block_size])
-    given, loaded earlier."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_valid = offs_n < end
-    block_ids = block_ids.to(tl.int64)
-    slots = (offs_n % block_size).to(tl.int64)
-    k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
-                mask=kv_valid[None, :], other=0.0)
-    v = tl.load(v_base + (block_ids * stride_v_block + slots * stride_v_slot)[:, None] + offs_d[None, :],
-                mask=kv_valid[:, None], other=0.0)
-    return k, v, offs_n, kv_valid
-
-
-@triton.jit
 def _load_kv_tile(k_base, v_base, block_table_row, start_n, end,
                   stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Keys and values at positions start_n .. start_n + BLOCK_N - 1 of one KV head, those
     from end on masked: (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    block_ids = tl.load(block_table_row + offs_n // block_size, mask=offs_n < end, other=0)
-    return _load_kv_tile_with_ids(k_base, v_base, block_ids, start_n, end, stride_k_block, stride_k_slot,
-                                  stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_valid = offs_n < end
+    block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
+    slots = (offs_n % block_size).to(tl.int64)
+    k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
+                mask=kv_valid[None, :], other=0.0)
+    v = tl.load(v_base + (block_ids * stride_v_block + slots * stride_v_slot)[:, None] + offs_d[None, :],
+                mask=kv_valid[:, None], other=0.0)
+    return k, v, offs_n, kv_valid
 
 
 @triton.jit

@@ -20,6 +20,8 @@ _TRITON_MODULES = {
     "silu_mul": "kernels.activation",
     "gemv": "kernels.gemv",
     "gemv_silu_mul": "kernels.gemv",
+    "skinny_linear": "kernels.skinny_gemm",
+    "skinny_silu_mul": "kernels.skinny_gemm",
     "rotary_kv_write": "kernels.rotary",
     "prefill_attention": "kernels.prefill_attention",
     "decode_attention": "kernels.decode_attention",
@@ -55,28 +57,45 @@ def silu_mul(x):
     return _pick("silu_mul", x)(x)
 
 
+# Decode batches of 2 to SKINNY_GEMM_MAX_ROWS tokens multiply through kernels.skinny_gemm (a weight
+# read at this size; cuBLAS reached 83% of copy bandwidth at 64 rows); 0 turns it off.
+SKINNY_GEMM_MAX_ROWS = 64
+
+
 def linear(x, weight, bias=None):
-    """x: [T, K] -> [T, N]. One token on CUDA: the Triton GEMV; otherwise cuBLAS / torch."""
-    if _use_gemv(x, weight, bias):
+    """x: [T, K] -> [T, N]. On CUDA one token goes through the Triton GEMV, a decode batch of up
+    to SKINNY_GEMM_MAX_ROWS tokens through the skinny GEMM; otherwise cuBLAS / torch."""
+    kind = _triton_matmul(x, weight, bias)
+    if kind == "gemv":
         return _pick("gemv", x)(x, weight, bias)
+    if kind == "skinny":
+        return _pick("skinny_linear", x)(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
 def gate_up_silu_mul(x, weight):
-    """x: [T, K], weight [2I, K] = [gate; up] -> silu(gate) * up: [T, I], one kernel for one token on CUDA."""
-    if _use_gemv(x, weight, None):
+    """x: [T, K], weight [2I, K] = [gate; up] -> silu(gate) * up: [T, I], one kernel on CUDA (as linear)."""
+    kind = _triton_matmul(x, weight, None)
+    if kind == "gemv":
         return _pick("gemv_silu_mul", x)(x, weight)
+    if kind == "skinny":
+        return _pick("skinny_silu_mul", x)(x, weight)
     return silu_mul(torch.nn.functional.linear(x, weight))
 
 
-def _use_gemv(x, weight, bias) -> bool:
-    """One row on CUDA, in the layouts the GEMV reads (anything else goes to F.linear)."""
-    return (
-        x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] > 0 and x.dtype == weight.dtype
-        and weight.dim() == 2 and weight.stride(1) == 1
-        and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1))
-        and os.environ.get("TANDEM_GEMV", "1") != "0" and _triton_impl("gemv") is not None
-    )
+def _triton_matmul(x, weight, bias) -> str | None:
+    """"gemv" (one row) or "skinny" (2 .. SKINNY_GEMM_MAX_ROWS rows) on CUDA, in the layouts those
+    kernels read (TANDEM_GEMV=0 turns both off); None: F.linear."""
+    if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] and x.shape[1] > 0 and x.stride(1) == 1
+            and x.dtype == weight.dtype and weight.dim() == 2 and weight.stride(1) == 1
+            and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1))
+            and os.environ.get("TANDEM_GEMV", "1") != "0"):
+        return None
+    if x.shape[0] == 1:
+        return "gemv" if _triton_impl("gemv") is not None else None
+    if x.shape[0] <= SKINNY_GEMM_MAX_ROWS and _triton_impl("skinny_linear") is not None:
+        return "skinny"
+    return None
 
 
 def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):

@@ -1,9 +1,9 @@
 """Decode step time through the engine (CUDA graphs, run-ahead, contexts 128-384 as in
-bench.engine) for decode attention variants, alternated on one GPU: the rule (the fused form's
-last tile loaded before the PDL wait, kernels.decode_attention.PREFETCH, at batches of up to
-PREFETCH_MAX_BATCH); PREFETCH off; PREFETCH at every fused batch (up to 8); the block ids
-loaded a tile ahead (IDS_AHEAD) with 3 and with 4 stages, and 3 stages without it.
-    python3 scripts/decode_ab.py [--models llama2-7b] [--batches 1,64] [--rounds 2] [--variants rule,ids_ahead_s3]
+bench.engine) for variants of module settings, alternated on one GPU: the rule; decode attention
+without PREFETCH or with it at every fused batch (up to 8), at 3 stages; the decode-batch
+projections through cuBLAS instead of the skinny GEMM (kernels.ops.SKINNY_GEMM_MAX_ROWS = 0)
+or the skinny GEMM up to 128 rows.
+    python3 scripts/decode_ab.py [--models llama2-7b] [--batches 1,64] [--rounds 2] [--variants rule,cublas]
 (device: source scripts/device_env.sh first)"""
 import argparse
 import gc
@@ -12,21 +12,21 @@ import torch
 
 import kernels.decode_attention as da
 import kernels.decode_config as dc
+import kernels.ops as ops
 from bench.engine import build_runner, decode_workload
 from engine.block_allocator import BlockAllocator
 
-VARIANTS = {  # module settings, read when the graphs are captured (the variants that lost in the
-    # sixth session, partly-filled tile first, 32-token tiles, the register-pipelined loop: this
-    # script at 2dc0936 and cfc08a0)
+VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost in the engine A/B
+    # (code removed): partly-filled tile first, 32-token tiles, the register-pipelined loop (this
+    # script at 2dc0936 and cfc08a0); block ids a tile ahead (IDS_AHEAD, at 1b9d36e)
     "rule": {},
-    "no_prefetch": {"PREFETCH": False},
-    "prefetch_b8": {"PREFETCH_MAX_BATCH": 8},
-    "s3": {"_TILE_OVERRIDE": (64, 4, 3)},  # kernels.decode_config; the stage count alone, as a control
-    "ids_ahead_s3": {"IDS_AHEAD": True, "_TILE_OVERRIDE": (64, 4, 3)},
-    "ids_ahead_s4": {"IDS_AHEAD": True, "_TILE_OVERRIDE": (64, 4, 4)},
+    "no_prefetch": {(da, "PREFETCH"): False},
+    "prefetch_b8": {(da, "PREFETCH_MAX_BATCH"): 8},
+    "s3": {(dc, "_TILE_OVERRIDE"): (64, 4, 3)},  # the decode attention's stage count alone
+    "cublas": {(ops, "SKINNY_GEMM_MAX_ROWS"): 0},
+    "skinny128": {(ops, "SKINNY_GEMM_MAX_ROWS"): 128},
 }
-DEFAULTS = {name: getattr(dc if name == "_TILE_OVERRIDE" else da, name)
-            for name in ("PREFETCH", "PREFETCH_MAX_BATCH", "IDS_AHEAD", "_TILE_OVERRIDE")}
+DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--models", default="llama2-7b")
@@ -43,8 +43,8 @@ for name in args.models.split(","):
     times = {(v, b): [] for v in VARIANTS for b in batches}
     for _ in range(args.rounds):
         for variant, settings in VARIANTS.items():
-            for attr, value in {**DEFAULTS, **settings}.items():
-                setattr(dc if attr == "_TILE_OVERRIDE" else da, attr, value)
+            for (module, attr), value in {**DEFAULTS, **settings}.items():
+                setattr(module, attr, value)
             runner = build_runner(name, num_tokens=max(batches) * 400 + 1024, max_seq_len=4096,
                                   max_batch_size=max(batches))
             allocator = BlockAllocator(runner.num_blocks, runner.block_size)

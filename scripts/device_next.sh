@@ -1,23 +1,20 @@
 #!/usr/bin/env bash
-# Next device session's first two calls (one H200; carry .devrun), back to back:
-#   bash scripts/device_next.sh tests   decode attention GPU tests (IDS_AHEAD at 3 stages, the fused
-#                                       form at 3 and 4), the engine against HF; the decode tile sweep
-#                                       with IDS_AHEAD at whole and partial tiles (~4 min)
-#   bash scripts/device_next.sh ab      engine decode A/B: rule / 3 stages / IDS_AHEAD at 3 and 4 stages, at
-#                                       batch 1, 8, 64 of three models, alternated twice (~5 min)
-# If IDS_AHEAD wins at b64, make it (and its stage count) the rule; then
-# `bash scripts/device_final.sh engine` and `... mixed` for the record.
+# Seventh session's device calls (one H200; carry .devrun):
+#   bash scripts/device_next.sh skinny   skinny GEMM GPU tests, the engine against HF, the skinny GEMM
+#                                        sweep against cuBLAS (llama2-7b, 64 rows), then the engine
+#                                        decode A/B: skinny GEMM up to 64 rows (rule) / cuBLAS /
+#                                        skinny up to 128, at batch 8, 64, 128 (~6 min)
+# Then `bash scripts/device_final.sh engine` and `... mixed` for the record.
 set -o pipefail
 source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 case "$1" in
-  tests)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
-      tests/kernels/test_decode_attention_new_token.py tests/engine/test_engine_gpu.py -m gpu 2>&1 | tail -2
-    timeout 240 python3 -m bench.tune_decode_attention --cases 64:256,64:257,64:300,128:416 \
-      --models llama2-7b,llama3-8b --tiles --out "$OUT/tune_ids_ahead.json" 2>&1 | grep -E "WRONG|^[^ ]" | tail -12 ;;
-  ab)
-    timeout 560 python3 scripts/decode_ab.py --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 --rounds 2 \
-      --variants rule,s3,ids_ahead_s3,ids_ahead_s4 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
-  *) echo "usage: $0 tests|ab" >&2; exit 2 ;;
+  skinny)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_skinny_gemm.py tests/kernels/test_gemv.py \
+      tests/engine/test_engine_gpu.py -m gpu 2>&1 | tail -3
+    timeout 200 python3 -m bench.tune_skinny_gemm --quick --out "$OUT/tune_skinny_gemm.json" 2>&1 \
+      | tee "$OUT/tune_skinny_gemm.log" | grep -vE "^\s*$" | tail -14
+    timeout 240 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 8,64,128 --rounds 2 \
+      --variants rule,cublas,skinny128 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
+  *) echo "usage: $0 skinny" >&2; exit 2 ;;
 esac

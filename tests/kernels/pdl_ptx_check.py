@@ -20,10 +20,11 @@ from kernels.decode_attention import _decode_partial_kernel, _decode_reduce_kern
 from kernels.gemv import _gemv_kernel  # noqa: E402
 from kernels.rms_norm import _fused_add_rms_norm_kernel  # noqa: E402
 from kernels.rotary import _rotary_kv_write_kernel  # noqa: E402
+from kernels.skinny_gemm import _skinny_kernel, _split_sum_kernel  # noqa: E402
 
 _POINTER_TYPES = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
                   "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "partial_out_ptr": "*fp32",
-                  "partial_lse_ptr": "*fp32"}
+                  "partial_lse_ptr": "*fp32", "ws_ptr": "*fp32"}
 
 
 def _ptx(fn, constexprs) -> tuple[list[str], list[str]]:
@@ -102,19 +103,17 @@ _KERNELS = [
                                   DIRECT_OUT=False, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
                                   NEW_TOKEN=True, PREFETCH=True),  # MHA (llama2-7b) at batch 1
      ("k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr")),
-    (_decode_partial_kernel, dict(GROUP=1, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=True,
-                                  DIRECT_OUT=True, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
-                                  IDS_AHEAD=True), ()),  # the tuning variant compiles for sm90 too
-    (_decode_partial_kernel, dict(GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=False,
-                                  DIRECT_OUT=True, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
-                                  NEW_TOKEN=True, PREFETCH=True, IDS_AHEAD=True),
-     ("k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr")),
     (_decode_reduce_kernel, dict(SPLITS_PAD=8, HEAD_DIM=128), ()),
 ] + [
     (_gemv_kernel, dict(BLOCK_N=n, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu), ("w_ptr",))
     for silu, even, bias, n, k in [(False, True, False, 4, 1024), (False, False, True, 8, 1024),
                                    (True, True, False, 4, 512), (True, False, False, 4, 512)]
-]
+] + [
+    (_skinny_kernel, dict(BLOCK_M=m, BLOCK_N=64, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu, SPLIT_K=split,
+                          DOT_PRECISION="tf32", DOT_UPCAST=False), ("w_ptr",))
+    for m, k, even, bias, silu, split in [(64, 128, True, False, False, 1), (64, 128, False, True, False, 2),
+                                          (64, 64, True, False, True, 1), (128, 64, False, False, True, 2)]
+] + [(_split_sum_kernel, dict(SPLIT_K=2, BLOCK=1024, HAS_BIAS=True, SILU_MUL=True), ())]
 
 
 def main() -> int:

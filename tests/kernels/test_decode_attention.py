@@ -40,22 +40,6 @@ def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_d
     assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 100])  # 100: a window start above 0 with two splits holding keys
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_block_ids_a_tile_ahead(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window,
-                                num_splits):
-    """IDS_AHEAD (off by default): each tile's block ids loaded in the iteration before (shares of
-    0, 1 and several tiles; that the ids past a share's end are masked cannot be seen here: the
-    K/V loads are masked there too)."""
-    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "IDS_AHEAD", True)
-    inputs = _inputs([1, 70, 33, 0, 130, 64, 200], num_q_heads, num_kv_heads, head_dim, block_size, dtype)
-    out = decode_attention(*inputs, head_dim**-0.5, window)
-    assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
-
-
 def test_launch_settings_reach_the_kernels(monkeypatch):
     """The grid order is passed on (both orders give the same answer, so the answer tests
     cannot see it); the fused form prefetches at batches of up to PREFETCH_MAX_BATCH only,
@@ -69,18 +53,16 @@ def test_launch_settings_reach_the_kernels(monkeypatch):
     monkeypatch.setattr(decode_module, "_decode_partial_kernel", Recorder())
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: 1)
     inputs = _inputs([5, 9, 2], 4, 2, 32, 4, torch.float32)  # 3 sequences, 2 KV heads
-    for heads_first, ids_ahead in ((True, False), (False, True)):
+    for heads_first in (True, False):
         monkeypatch.setattr(decode_module, "HEADS_FIRST", heads_first)
-        monkeypatch.setattr(decode_module, "IDS_AHEAD", ids_ahead)
         decode_attention(*inputs, 0.25)
         grid, kwargs = calls[-1]
         assert grid == ((2, 3, 1) if heads_first else (3, 2, 1))
         assert kwargs["HEADS_FIRST"] is heads_first and kwargs["PREFETCH"] is False
-        assert kwargs["IDS_AHEAD"] is ids_ahead
-    monkeypatch.setattr(decode_module, "IDS_AHEAD", False)  # the tuning tuple's sixth element overrides the flag
+    monkeypatch.setattr(decode_module, "HEADS_FIRST", True)  # the tuning tuple's fifth element overrides the flag
     decode_module._launch_decode_attention(*inputs, torch.empty_like(inputs[0]), 0.25, None, None,
-                                           (64, 4, 3, 1, True, True))
-    assert calls[-1][1]["IDS_AHEAD"] is True and calls[-1][1]["num_stages"] == 3
+                                           (64, 4, 3, 1, False))
+    assert calls[-1][0] == (3, 2, 1) and calls[-1][1]["num_stages"] == 3
     q, k_cache, v_cache, block_tables, seq_lens = inputs
     new = (q[:, :2], q[:, :2], (seq_lens - 1).long(), torch.zeros(16, 32), torch.zeros(3, dtype=torch.long))
     for max_batch, rows, prefetch in ((1, 1, True), (1, 3, False), (3, 3, True), (3, 1, True)):
@@ -135,11 +117,7 @@ def test_num_splits_depends_on_shapes_only():
 @pytest.mark.parametrize("num_kv_heads", [8, 32])
 @pytest.mark.parametrize("window", [None, 1024])
 @pytest.mark.parametrize("num_seqs", [1, 7, 64])
-@pytest.mark.parametrize("ids_ahead", [False, True])
-def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs, ids_ahead, monkeypatch):
-    if ids_ahead:  # the tuning variant, at 3 stages (where it keeps a tile in flight)
-        monkeypatch.setattr(decode_module, "IDS_AHEAD", True)
-        monkeypatch.setattr(decode_config, "_TILE_OVERRIDE", (64, 4, 3))
+def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs):
     torch.manual_seed(num_seqs)
     seq_lens = torch.randint(1, 8193, (num_seqs,)).tolist()
     seq_lens[0] = 8192

@@ -6,7 +6,6 @@ import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
 
 from kernels import decode_attention as decode_module
-from kernels import decode_config
 from kernels import reference
 from kernels.decode_attention import decode_attention_new_token
 
@@ -75,21 +74,6 @@ def test_matches_rotary_then_attention(monkeypatch, dtype, num_q_heads, num_kv_h
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("num_splits", [1, 2])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_block_ids_a_tile_ahead(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, num_splits, prefetch):
-    """IDS_AHEAD (off by default) in the fused form: the loop over the tiles before the new
-    token's (PREFETCH) or over all of them (the new token's read back after the barrier)."""
-    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "IDS_AHEAD", True)
-    monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
-    monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
-    inputs = _inputs([1, 70, 33, 130, 2, 64, 150, 200], num_q_heads, num_kv_heads, head_dim, block_size,
-                     torch.bfloat16, padded_row=4)
-    _check(inputs, torch.bfloat16, None)
-
-
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("num_splits", [1, 2, 3])  # 2: a 150-token row's splits hold 2 tiles and 1
 def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
@@ -109,13 +93,9 @@ def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, 
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("batch, context", [(1, 256), (64, 256), (128, 416)])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
-@pytest.mark.parametrize("ids_ahead_stages", [None, 3, 4])
-def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, ids_ahead_stages, monkeypatch):
+def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, monkeypatch):
     monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
     monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
-    if ids_ahead_stages is not None:  # the tuning variant, as scripts/decode_ab.py runs it
-        monkeypatch.setattr(decode_module, "IDS_AHEAD", True)
-        monkeypatch.setattr(decode_config, "_TILE_OVERRIDE", (64, 4, ids_ahead_stages))
     lens = [context - 7 * i % 50 for i in range(batch)]
     inputs = _inputs(lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16, padded_row=None)
     _check(inputs, torch.bfloat16, None)

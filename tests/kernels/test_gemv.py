@@ -117,18 +117,25 @@ def _like(shape, stride=None, cuda=True, dtype=torch.bfloat16):
                                  stride=lambda i=None: stride if i is None else stride[i])
 
 
-def test_dispatch_sends_only_gemv_layouts_to_the_gemv(monkeypatch):
+def test_dispatch_sends_only_their_layouts_to_the_gemv_and_the_skinny_gemm(monkeypatch):
     from kernels import ops
 
     monkeypatch.delenv("TANDEM_GEMV", raising=False)
     w = _like((8, 16))
-    assert ops._use_gemv(_like((1, 16)), w, None)
-    assert ops._use_gemv(_like((1, 16)), w, _like((8,)))
-    assert not ops._use_gemv(_like((2, 16)), w, None)  # two tokens: cuBLAS
-    assert not ops._use_gemv(_like((1, 2, 16)), w, None)  # 3-D
-    assert not ops._use_gemv(_like((1, 16), cuda=False), w, None)
-    assert not ops._use_gemv(_like((1, 16), dtype=torch.float32), w, None)
-    assert not ops._use_gemv(_like((1, 16)), _like((8, 16), stride=(1, 8)), None)  # a transposed view
-    assert not ops._use_gemv(_like((1, 16)), w, _like((8,), stride=(2,)))
+    kind = ops._triton_matmul
+    assert kind(_like((1, 16)), w, None) == "gemv"
+    assert kind(_like((1, 16)), w, _like((8,))) == "gemv"
+    assert kind(_like((2, 16)), w, None) == "skinny"  # a decode batch
+    assert kind(_like((ops.SKINNY_GEMM_MAX_ROWS, 16)), w, _like((8,))) == "skinny"
+    assert kind(_like((ops.SKINNY_GEMM_MAX_ROWS + 1, 16)), w, None) is None  # cuBLAS
+    assert kind(_like((0, 16)), w, None) is None
+    assert kind(_like((4, 16), stride=(32, 2)), w, None) is None  # strided columns
+    assert kind(_like((1, 2, 16)), w, None) is None  # 3-D
+    assert kind(_like((1, 16), cuda=False), w, None) is None
+    assert kind(_like((4, 16), dtype=torch.float32), w, None) is None
+    assert kind(_like((1, 16)), _like((8, 16), stride=(1, 8)), None) is None  # a transposed view
+    assert kind(_like((4, 16)), w, _like((8,), stride=(2,))) is None
+    monkeypatch.setattr(ops, "SKINNY_GEMM_MAX_ROWS", 0)
+    assert kind(_like((2, 16)), w, None) is None
     monkeypatch.setenv("TANDEM_GEMV", "0")
-    assert not ops._use_gemv(_like((1, 16)), w, None)
+    assert kind(_like((1, 16)), w, None) is None

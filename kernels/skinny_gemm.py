@@ -1,0 +1,219 @@
+"""Skinny matrix products for decode batches (2 to 128 tokens), Triton.
+
+    linear:        y[m, n] = sum_k x[m, k] * W[n, k] (+ b[n])
+    silu-mul:      W = [gate; up] (2I rows): y[m, i] = silu(g[m, i]) * u[m, i],  g = x W[:I].T,  u = x W[I:].T
+
+At a few dozen tokens a projection is still a weight read: W is read once and
+used M times, x is a few hundred KB that stays in L2. The product is "swapped":
+the weight rows are the MMA's long side (64 rows fill one sm90 wgmma tile) and the
+tokens its short side (padded to >= 16), so each program streams BLOCK_N whole
+rows of W in BLOCK_K-wide tiles, contiguous along K, through a software-pipelined
+loop (num_stages tiles in flight), and keeps acc[BLOCK_N, BLOCK_M] = W x^T in fp32.
+Where the weight has too few row blocks to fill the SMs, K is split (grid axis 1):
+each split writes fp32 partial sums and a second small kernel adds them up and
+finishes (bias, SiLU·mul, cast). The silu-mul form computes the gate and up rows
+of the same outputs in one program, as kernels.gemv does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dot import dot, upcast_bf16_dot
+from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
+MAX_M = 128  # the x tile and the accumulators grow with M: beyond this, cuBLAS's own tiles
+_SMS = 132  # the H200's SMs: the rule splits K until the grid covers them
+_SMEM_BYTES = 220 << 10  # tile buffers per program (sm90 allows 227 KB)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, num_out, K, stride_xm, stride_wn, stride_ym, stride_ys, up_offset,
+    tiles_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """acc[n, m] = sum_k W[n, k] x[m, k] over this program's BLOCK_N rows and its split's K tiles
+    [s * tiles_per_split, (s + 1) * tiles_per_split) * BLOCK_K (clipped to K), fp32;
+    SILU_MUL also acc_up[n, m] = sum_k W[up_offset + n, k] x[m, k].
+    SPLIT_K == 1: y[m, n] = acc[n, m] (+ b[n]) or silu(acc[n, m]) * acc_up[n, m];
+    SPLIT_K > 1: y is the fp32 workspace [SPLIT_K, M, stride_ym]: ws[s, m, n] = acc[n, m] and
+    ws[s, m, up_offset + n] = acc_up[n, m], finished by _split_sum_kernel. No split is empty.
+
+    As in kernels.gemv, the first weight tile is loaded before waiting for the previous kernel
+    (kernels.pdl); x comes from it. The loop's addresses depend only on k0, so Triton can
+    issue the loads of the next num_stages - 1 tiles while this one is multiplied.
+    """
+    if USE_PDL:
+        gdc_launch_dependents()
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_out
+    rows = tl.where(row_mask, rows, 0).to(tl.int64)  # masked rows read row 0, never stored
+    tokens = tl.arange(0, BLOCK_M)
+    token_mask = tokens < M  # padding tokens read as 0, never stored
+    cols = tl.arange(0, BLOCK_K)
+    gate_ptrs = w_ptr + rows[:, None] * stride_wn + cols[None, :]
+    up_ptrs = w_ptr + (rows + up_offset)[:, None] * stride_wn + cols[None, :]  # int64 row offsets
+    x_ptrs = x_ptr + tokens[:, None] * stride_xm + cols[None, :]
+    k_lo = tl.program_id(1) * tiles_per_split * BLOCK_K
+    k_hi = tl.minimum(k_lo + tiles_per_split * BLOCK_K, K)
+    kmask = k_lo + cols < K  # only the last tile of K is ragged: splits start on tile boundaries
+    if EVEN_K:
+        w = tl.load(gate_ptrs + k_lo)
+    else:
+        w = tl.load(gate_ptrs + k_lo, mask=kmask[None, :], other=0.0)
+    u = w
+    if SILU_MUL:
+        if EVEN_K:
+            u = tl.load(up_ptrs + k_lo)
+        else:
+            u = tl.load(up_ptrs + k_lo, mask=kmask[None, :], other=0.0)
+    if USE_PDL:
+        gdc_wait()
+    x = tl.load(x_ptrs + k_lo, mask=token_mask[:, None] & kmask[None, :], other=0.0)
+    acc = dot(w, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
+    acc_up = acc
+    if SILU_MUL:
+        acc_up = dot(u, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(gate_ptrs + k0)
+            x = tl.load(x_ptrs + k0, mask=token_mask[:, None], other=0.0)
+        else:
+            in_k = k0 + cols < K
+            w = tl.load(gate_ptrs + k0, mask=in_k[None, :], other=0.0)
+            x = tl.load(x_ptrs + k0, mask=token_mask[:, None] & in_k[None, :], other=0.0)
+        acc += dot(w, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
+        if SILU_MUL:
+            if EVEN_K:
+                u = tl.load(up_ptrs + k0)
+            else:
+                u = tl.load(up_ptrs + k0, mask=in_k[None, :], other=0.0)
+            acc_up += dot(u, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
+    out_mask = row_mask[:, None] & token_mask[None, :]
+    out_ptrs = y_ptr + tokens[None, :] * stride_ym + rows[:, None]
+    if SPLIT_K > 1:
+        out_ptrs += tl.program_id(1).to(tl.int64) * stride_ys
+        tl.store(out_ptrs, acc, mask=out_mask)
+        if SILU_MUL:
+            tl.store(out_ptrs + up_offset, acc_up, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
+        if SILU_MUL:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_sum_kernel(
+    ws_ptr, b_ptr, y_ptr, num_out, stride_ws, stride_wm, stride_ym, up_offset,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """y[m, n] = sum_s ws[s, m, n] (+ b[n]);  SILU_MUL: y[m, n] = silu(g) * u with
+    g = sum_s ws[s, m, n], u = sum_s ws[s, m, up_offset + n]; fp32 until the cast."""
+    if USE_PDL:  # kernels.pdl: the partial sums are the previous kernel's output
+        gdc_launch_dependents()
+        gdc_wait()
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_out
+    part_ptrs = ws_ptr + m * stride_wm + cols
+    y = tl.zeros([BLOCK], dtype=tl.float32)
+    up = y
+    for s in tl.static_range(SPLIT_K):
+        y += tl.load(part_ptrs + s * stride_ws, mask=mask, other=0.0)
+        if SILU_MUL:
+            up += tl.load(part_ptrs + s * stride_ws + up_offset, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        y = y / (1.0 + tl.exp(-y)) * up
+    tl.store(y_ptr + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) for x [M, K] and a weight of N rows
+    (2I for silu_mul) from shapes only. NOT YET MEASURED: a first guess, to be replaced by the
+    results of bench.tune_skinny_gemm on an H200.
+
+    64 rows (one wgmma tile of 4 warps) by 128-wide K tiles (256 contiguous bytes per bf16 row),
+    64-wide where fewer than 3 stages would fit; as many stages, up to 4, as fit in shared memory:
+    a stage holds the weight tile(s) and the x tile, and the peeled first tile keeps one more set
+    allocated through the loop (seen in the sm90 TTGIR of Triton 3.9); K split until the grid has
+    ~one program per SM, each split keeping >= num_stages tiles.
+    """
+    block_n, block_m = 64, max(16, triton.next_power_of_2(M))
+    for block_k in (min(128, max(16, triton.next_power_of_2(K))), 64):
+        stage_bytes = ((2 if silu_mul else 1) * block_n + block_m) * block_k * elem_size
+        num_stages = max(2, min(4, _SMEM_BYTES // stage_bytes - 1))
+        if num_stages >= 3 or block_k <= 64:  # 2 stages leave no tile in flight during the wait
+            break
+    programs = triton.cdiv(N // 2 if silu_mul else N, block_n)
+    k_tiles = triton.cdiv(K, block_k)
+    split_k = 1
+    while split_k < 8 and programs * split_k < 0.9 * _SMS and k_tiles >= (split_k + 1) * num_stages:
+        split_k += 1
+    return block_n, block_k, 4, num_stages, split_k
+
+
+def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                   silu_mul: bool, config: tuple | None = None) -> None:
+    """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) instead of the shape rule
+    (tuning, tests). A split count that would leave splits empty runs as fewer, fuller splits."""
+    rows_w, K = weight.shape
+    assert x.dim() == 2 and x.shape[1] == K and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
+    M = x.shape[0]
+    assert M <= MAX_M, f"a skinny GEMM takes at most {MAX_M} rows"
+    assert weight.stride(1) == 1, "weight rows must be contiguous"
+    assert x.dtype == weight.dtype, "x and the weight must share a dtype"
+    num_out = rows_w // 2 if silu_mul else rows_w
+    assert not silu_mul or rows_w % 2 == 0, "a [gate; up] weight has an even number of rows"
+    assert y.shape == (M, num_out) and y.stride(1) == 1
+    assert bias is None or (not silu_mul and bias.shape == (rows_w,) and bias.stride(0) == 1)
+    if M == 0 or num_out == 0:
+        return
+    if K == 0:  # an empty sum (and silu(0) * 0 = 0)
+        y.copy_(bias.expand(M, num_out)) if bias is not None else y.zero_()
+        return
+    block_n, block_k, num_warps, num_stages, split_k = config or tile_config(M, rows_w, K, silu_mul,
+                                                                             x.element_size())
+    tiles_per_split = triton.cdiv(triton.cdiv(K, block_k), split_k)
+    split_k = triton.cdiv(triton.cdiv(K, block_k), tiles_per_split)  # e.g. 4 tiles in 3 splits: 2 + 2
+    # the workspace comes from the caching allocator: no sync, and fine inside CUDA graph capture
+    out = y if split_k == 1 else torch.empty((split_k, M, rows_w), dtype=torch.float32, device=y.device)
+    dummy_bias = bias if bias is not None else out  # never read without HAS_BIAS
+    _skinny_kernel[(triton.cdiv(num_out, block_n), split_k)](
+        x, weight, dummy_bias, out, M, num_out, K, x.stride(0), weight.stride(0), out.stride(-2),
+        out.stride(0) if split_k > 1 else 0, num_out, tiles_per_split,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=split_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT_UPCAST=upcast_bf16_dot(x.dtype),
+        num_warps=num_warps, num_stages=num_stages, **launch_options(x),
+    )
+    if split_k > 1:
+        block = min(1024, triton.next_power_of_2(num_out))
+        _split_sum_kernel[(M, triton.cdiv(num_out, block))](
+            out, dummy_bias, y, num_out, out.stride(0), out.stride(1), y.stride(0), num_out,
+            SPLIT_K=split_k, BLOCK=block, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=4,
+            **launch_options(x),
+        )
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K] (M <= 128); weight: [N, K] -> x @ weight.T (+ bias): [M, N]."""
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch_skinny(x, weight, bias, y, silu_mul=False)
+    return y
+
+
+def skinny_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [M, K] (M <= 128); weight: [2I, K] = [gate; up] -> silu(x @ gate.T) * (x @ up.T): [M, I]."""
+    y = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+    _launch_skinny(x, weight, None, y, silu_mul=True)
+    return y
