@@ -57,14 +57,18 @@ def silu_mul(x):
     return _pick("silu_mul", x)(x)
 
 
-# Decode batches of 2 to SKINNY_GEMM_MAX_ROWS tokens multiply through kernels.skinny_gemm (a weight
-# read at this size; cuBLAS reached 83% of copy bandwidth at 64 rows); 0 turns it off.
-SKINNY_GEMM_MAX_ROWS = 64
+# Decode batches multiply through kernels.skinny_gemm up to these many tokens (0 turns it off).
+# Measured on an H200 (docs/benchmarks.md, seventh session): at 8 tokens the step is 5.6% faster
+# on llama2-7b (4.62 -> 4.36 ms) and 3.9% on llama3-8b; at 64 only the long-K projections (K >= 2N:
+# down) beat cuBLAS (llama2-7b 30.9 -> 27.4 us per layer), the others tie or lose (qkv 30.1 -> 31.0,
+# gate_up and lm_head equal at best) and every projection loses at 128.
+SKINNY_GEMM_MAX_ROWS = 16
+SKINNY_GEMM_LONG_K_MAX_ROWS = 64
 
 
 def linear(x, weight, bias=None):
-    """x: [T, K] -> [T, N]. On CUDA one token goes through the Triton GEMV, a decode batch of up
-    to SKINNY_GEMM_MAX_ROWS tokens through the skinny GEMM; otherwise cuBLAS / torch."""
+    """x: [T, K] -> [T, N]. On CUDA one token goes through the Triton GEMV, a small decode batch
+    through the skinny GEMM (_triton_matmul); otherwise cuBLAS / torch."""
     kind = _triton_matmul(x, weight, bias)
     if kind == "gemv":
         return _pick("gemv", x)(x, weight, bias)
@@ -84,8 +88,9 @@ def gate_up_silu_mul(x, weight):
 
 
 def _triton_matmul(x, weight, bias) -> str | None:
-    """"gemv" (one row) or "skinny" (2 .. SKINNY_GEMM_MAX_ROWS rows) on CUDA, in the layouts those
-    kernels read (TANDEM_GEMV=0 turns both off); None: F.linear."""
+    """"gemv" (one row) or "skinny" (2 .. SKINNY_GEMM_MAX_ROWS rows, or .. SKINNY_GEMM_LONG_K_MAX_ROWS
+    for a weight with K >= 2N) on CUDA, in the layouts those kernels read (TANDEM_GEMV=0 turns
+    both off); None: F.linear."""
     if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] and x.shape[1] > 0 and x.stride(1) == 1
             and x.dtype == weight.dtype and weight.dim() == 2 and weight.stride(1) == 1
             and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1))
@@ -93,7 +98,9 @@ def _triton_matmul(x, weight, bias) -> str | None:
         return None
     if x.shape[0] == 1:
         return "gemv" if _triton_impl("gemv") is not None else None
-    if x.shape[0] <= SKINNY_GEMM_MAX_ROWS and _triton_impl("skinny_linear") is not None:
+    rows, (num_out, K) = x.shape[0], weight.shape
+    max_rows = SKINNY_GEMM_LONG_K_MAX_ROWS if K >= 2 * num_out else SKINNY_GEMM_MAX_ROWS
+    if rows <= max_rows and _triton_impl("skinny_linear") is not None:
         return "skinny"
     return None
 

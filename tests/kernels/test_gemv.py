@@ -121,21 +121,27 @@ def test_dispatch_sends_only_their_layouts_to_the_gemv_and_the_skinny_gemm(monke
     from kernels import ops
 
     monkeypatch.delenv("TANDEM_GEMV", raising=False)
-    w = _like((8, 16))
+    w = _like((12, 16))  # K < 2N
     kind = ops._triton_matmul
     assert kind(_like((1, 16)), w, None) == "gemv"
-    assert kind(_like((1, 16)), w, _like((8,))) == "gemv"
+    assert kind(_like((1, 16)), w, _like((12,))) == "gemv"
     assert kind(_like((2, 16)), w, None) == "skinny"  # a decode batch
-    assert kind(_like((ops.SKINNY_GEMM_MAX_ROWS, 16)), w, _like((8,))) == "skinny"
+    assert kind(_like((ops.SKINNY_GEMM_MAX_ROWS, 16)), w, _like((12,))) == "skinny"
     assert kind(_like((ops.SKINNY_GEMM_MAX_ROWS + 1, 16)), w, None) is None  # cuBLAS
+    long_k = _like((8, 17))  # K >= 2N (a down projection)
+    assert kind(_like((ops.SKINNY_GEMM_LONG_K_MAX_ROWS, 17)), long_k, None) == "skinny"
+    assert kind(_like((ops.SKINNY_GEMM_LONG_K_MAX_ROWS + 1, 17)), long_k, None) is None
     assert kind(_like((0, 16)), w, None) is None
     assert kind(_like((4, 16), stride=(32, 2)), w, None) is None  # strided columns
     assert kind(_like((1, 2, 16)), w, None) is None  # 3-D
     assert kind(_like((1, 16), cuda=False), w, None) is None
     assert kind(_like((4, 16), dtype=torch.float32), w, None) is None
-    assert kind(_like((1, 16)), _like((8, 16), stride=(1, 8)), None) is None  # a transposed view
-    assert kind(_like((4, 16)), w, _like((8,), stride=(2,))) is None
+    assert kind(_like((1, 16)), _like((12, 16), stride=(1, 12)), None) is None  # a transposed view
+    assert kind(_like((4, 16)), w, _like((12,), stride=(2,))) is None
     monkeypatch.setattr(ops, "SKINNY_GEMM_MAX_ROWS", 0)
     assert kind(_like((2, 16)), w, None) is None
+    assert kind(_like((2, 17)), long_k, None) == "skinny"
+    monkeypatch.setattr(ops, "SKINNY_GEMM_LONG_K_MAX_ROWS", 0)
+    assert kind(_like((2, 17)), long_k, None) is None
     monkeypatch.setenv("TANDEM_GEMV", "0")
     assert kind(_like((1, 16)), w, None) is None
