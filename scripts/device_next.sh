@@ -3,7 +3,7 @@
 #   bash scripts/device_next.sh skinny   skinny GEMM GPU tests, the engine against HF, the skinny GEMM
 #                                        sweep against cuBLAS (llama2-7b, 64 rows), then the engine
 #                                        decode A/B: skinny GEMM up to 64 rows / cuBLAS / skinny up
-#                                        to 128, at batch 8, 64, 128 (~6 min; at 6dd1bd4)
+#                                        to 128, at batch 8, 64, 128 (~6 min; at ea8f9db)
 #   bash scripts/device_next.sh ab       engine decode A/B: the rule (skinny GEMM up to 16 rows, long-K
 #                                        projections up to 64) / cuBLAS / skinny up to 32 / up to 64,
 #                                        batch 1-64, three models (~2 min)
