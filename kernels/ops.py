@@ -58,11 +58,11 @@ def silu_mul(x):
 
 
 # Decode batches multiply through kernels.skinny_gemm up to these many tokens (0 turns it off).
-# Measured on an H200 (docs/benchmarks.md, seventh session): at 8 tokens the step is 5.6% faster
-# on llama2-7b (4.62 -> 4.36 ms) and 3.9% on llama3-8b; at 64 only the long-K projections (K >= 2N:
-# down) beat cuBLAS (llama2-7b 30.9 -> 27.4 us per layer), the others tie or lose (qkv 30.1 -> 31.0,
-# gate_up and lm_head equal at best) and every projection loses at 128.
-SKINNY_GEMM_MAX_ROWS = 16
+# Measured on an H200 (engine A/B, docs/benchmarks.md, seventh session): at 8 tokens the step is
+# 5.4% faster on llama2-7b (4.61 -> 4.36 ms), 3.2% on llama3-8b, 3.7% on llama3.2-1b; at 32 tokens
+# 1-4%; at 64 only the long-K projections (K >= 2N: down) beat cuBLAS (llama2-7b 30.9 -> 27.4 us
+# per layer; with every projection the 7B step lost 0.22 ms), and at 128 every projection lost.
+SKINNY_GEMM_MAX_ROWS = 32
 SKINNY_GEMM_LONG_K_MAX_ROWS = 64
 
 
