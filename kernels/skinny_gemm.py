@@ -139,8 +139,12 @@ def _split_sum_kernel(
 
 def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) for x [M, K] and a weight of N rows
-    (2I for silu_mul) from shapes only. NOT YET MEASURED: a first guess, to be replaced by the
-    results of bench.tune_skinny_gemm on an H200.
+    (2I for silu_mul) from shapes only. Measured on an H200 (bench.tune_skinny_gemm --quick,
+    llama2-7b, 64 rows; docs/benchmarks.md, seventh session): best or within 2% of the best of
+    22 settings for the down projection (27.4-28.0 us against cuBLAS's 30.9) and the o projection;
+    on qkv and gate_up at 64 rows 64-wide K tiles were better (and only tied cuBLAS), where
+    kernels.ops sends them to cuBLAS; at 8 and 32 rows the engine A/B ran this rule (faster
+    than cuBLAS on three models).
 
     64 rows (one wgmma tile of 4 warps) by 128-wide K tiles (256 contiguous bytes per bf16 row),
     64-wide where fewer than 3 stages would fit; as many stages, up to 4, as fit in shared memory:
