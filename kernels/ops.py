@@ -22,6 +22,8 @@ _TRITON_MODULES = {
     "gemv_silu_mul": "kernels.gemv",
     "skinny_linear": "kernels.skinny_gemm",
     "skinny_silu_mul": "kernels.skinny_gemm",
+    "stream_k_linear": "kernels.skinny_stream_k",
+    "stream_k_silu_mul": "kernels.skinny_stream_k",
     "rotary_kv_write": "kernels.rotary",
     "prefill_attention": "kernels.prefill_attention",
     "decode_attention": "kernels.decode_attention",
@@ -64,6 +66,10 @@ def silu_mul(x):
 # per layer; with every projection the 7B step lost 0.22 ms), and at 128 every projection lost.
 SKINNY_GEMM_MAX_ROWS = 32
 SKINNY_GEMM_LONG_K_MAX_ROWS = 64
+SKINNY_GEMM_ROWS_LIMIT = 128  # kernels.skinny_gemm.MAX_M: the most rows its kernels take
+# The stream-K form of the skinny GEMM (kernels.skinny_stream_k: the work dealt evenly to one wave
+# of programs) instead: off until measured in the engine (TANDEM_STREAM_K=1 turns it on).
+SKINNY_STREAM_K = os.environ.get("TANDEM_STREAM_K", "0") == "1"
 
 
 def linear(x, weight, bias=None):
@@ -73,7 +79,7 @@ def linear(x, weight, bias=None):
     if kind == "gemv":
         return _pick("gemv", x)(x, weight, bias)
     if kind == "skinny":
-        return _pick("skinny_linear", x)(x, weight, bias)
+        return _pick("stream_k_linear" if SKINNY_STREAM_K else "skinny_linear", x)(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -83,7 +89,7 @@ def gate_up_silu_mul(x, weight):
     if kind == "gemv":
         return _pick("gemv_silu_mul", x)(x, weight)
     if kind == "skinny":
-        return _pick("skinny_silu_mul", x)(x, weight)
+        return _pick("stream_k_silu_mul" if SKINNY_STREAM_K else "skinny_silu_mul", x)(x, weight)
     return silu_mul(torch.nn.functional.linear(x, weight))
 
 
@@ -93,13 +99,15 @@ def _triton_matmul(x, weight, bias) -> str | None:
     both off); None: F.linear."""
     if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] and x.shape[1] > 0 and x.stride(1) == 1
             and x.dtype == weight.dtype and weight.dim() == 2 and weight.stride(1) == 1
-            and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1))
+            and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.dtype == x.dtype
+                                  and bias.shape[0] == weight.shape[0]))
             and os.environ.get("TANDEM_GEMV", "1") != "0"):
         return None
     if x.shape[0] == 1:
         return "gemv" if _triton_impl("gemv") is not None else None
     rows, (num_out, K) = x.shape[0], weight.shape
-    max_rows = SKINNY_GEMM_LONG_K_MAX_ROWS if K >= 2 * num_out else SKINNY_GEMM_MAX_ROWS
+    max_rows = max(SKINNY_GEMM_LONG_K_MAX_ROWS, SKINNY_GEMM_MAX_ROWS) if K >= 2 * num_out else SKINNY_GEMM_MAX_ROWS
+    max_rows = min(max_rows, SKINNY_GEMM_ROWS_LIMIT)
     if rows <= max_rows and _triton_impl("skinny_linear") is not None:
         return "skinny"
     return None

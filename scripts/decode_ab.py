@@ -2,7 +2,9 @@
 bench.engine) for variants of module settings, alternated on one GPU: the rule; decode attention
 without PREFETCH or with it at every fused batch (up to 8), at 3 stages; the decode-batch
 projections through cuBLAS instead of the skinny GEMM, or the skinny GEMM for every projection
-up to 32 or 64 rows (kernels.ops.SKINNY_GEMM_*; at 128 rows it lost everywhere, 7B 9.61 -> 10.53 ms).
+up to 64 rows (kernels.ops.SKINNY_GEMM_*; up to 32, the rule since 3e46018, was the variant
+skinny32; at 128 rows it lost everywhere, 7B 9.61 -> 10.53 ms); the stream-K form
+(kernels.skinny_stream_k) at the rule's limits, up to 64 rows, up to 128.
     python3 scripts/decode_ab.py [--models llama2-7b] [--batches 1,64] [--rounds 2] [--variants rule,cublas]
 (device: source scripts/device_env.sh first)"""
 import argparse
@@ -24,8 +26,11 @@ VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost
     "prefetch_b8": {(da, "PREFETCH_MAX_BATCH"): 8},
     "s3": {(dc, "_TILE_OVERRIDE"): (64, 4, 3)},  # the decode attention's stage count alone
     "cublas": {(ops, "SKINNY_GEMM_MAX_ROWS"): 0, (ops, "SKINNY_GEMM_LONG_K_MAX_ROWS"): 0},
-    "skinny32": {(ops, "SKINNY_GEMM_MAX_ROWS"): 32},
     "skinny64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64},
+    "streamk": {(ops, "SKINNY_STREAM_K"): True},  # the rule's row limits, stream-K kernels
+    "streamk64": {(ops, "SKINNY_STREAM_K"): True, (ops, "SKINNY_GEMM_MAX_ROWS"): 64},
+    "streamk128": {(ops, "SKINNY_STREAM_K"): True, (ops, "SKINNY_GEMM_MAX_ROWS"): 128,
+                   (ops, "SKINNY_GEMM_LONG_K_MAX_ROWS"): 128},
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 

@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
-# Seventh session's device calls (one H200; carry .devrun):
-#   bash scripts/device_next.sh skinny   skinny GEMM GPU tests, the engine against HF, the skinny GEMM
-#                                        sweep against cuBLAS (llama2-7b, 64 rows), then the engine
-#                                        decode A/B: skinny GEMM up to 64 rows / cuBLAS / skinny up
-#                                        to 128, at batch 8, 64, 128 (~6 min; at ea8f9db)
-#   bash scripts/device_next.sh ab       engine decode A/B: the rule (skinny GEMM up to 16 rows, long-K
-#                                        projections up to 64) / cuBLAS / skinny up to 32 / up to 64,
-#                                        batch 1-64, three models (~2 min)
-# Then `bash scripts/device_final.sh engine` and `... mixed` for the record.
+# Device calls for the stream-K skinny GEMM (one H200; carry .devrun). The seventh session's earlier
+# calls (docs/benchmarks-session7.json) ran this script's `skinny` and `ab` cases at ea8f9db / 6fbcc11.
+#   bash scripts/device_next.sh streamk   GPU tests of both skinny GEMMs (real shapes, the race between
+#       a row block's contributors, CUDA graph replay, through kernels.ops); the stream-K sweep against
+#       cuBLAS (llama2-7b, 64 rows); engine decode A/B rule / streamk / streamk64 / streamk128 at
+#       b8, b32, b64, b128 (llama2-7b, llama3-8b); then llama2-7b b64 through bench.engine with
+#       streamk64's settings, against the floor of that run (~5 min)
 set -o pipefail
 source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 case "$1" in
-  skinny)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_skinny_gemm.py tests/kernels/test_gemv.py \
-      tests/engine/test_engine_gpu.py -m gpu 2>&1 | tail -3
-    timeout 200 python3 -m bench.tune_skinny_gemm --quick --out "$OUT/tune_skinny_gemm.json" 2>&1 \
-      | tee "$OUT/tune_skinny_gemm.log" | grep -vE "^\s*$" | tail -14
-    timeout 240 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 8,64,128 --rounds 2 \
-      --variants rule,cublas,skinny128 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
-  ab)
-    timeout 300 python3 scripts/decode_ab.py --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,16,32,64 \
-      --rounds 1 --variants rule,cublas,skinny32,skinny64 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
-  *) echo "usage: $0 skinny|ab" >&2; exit 2 ;;
+  streamk)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_skinny_stream_k.py \
+      tests/kernels/test_skinny_gemm.py -m gpu 2>&1 | tail -3
+    timeout 150 python3 -m bench.tune_skinny_gemm --quick --stream-k --out "$OUT/tune_stream_k.json" 2>&1 \
+      | tee "$OUT/tune_stream_k.log" | grep -vE "^\s*$" | tail -8
+    timeout 150 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 8,32,64,128 --rounds 1 \
+      --variants rule,streamk,streamk64,streamk128 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step"
+    timeout 90 python3 -c "
+import argparse, sys
+import kernels.ops as ops
+from bench.engine import add_arguments, main
+ops.SKINNY_STREAM_K, ops.SKINNY_GEMM_MAX_ROWS = True, 64
+parser = argparse.ArgumentParser()
+add_arguments(parser)
+sys.exit(main(parser.parse_args(['--models', 'llama2-7b', '--batches', '64', '--anchors', '',
+                                 '--out', '$OUT/engine_streamk64.json'])))
+" 2>&1 | grep -E "decode_b64|ceilings" ;;
+  *) echo "usage: $0 streamk" >&2; exit 2 ;;
 esac

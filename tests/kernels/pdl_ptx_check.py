@@ -21,13 +21,17 @@ from kernels.gemv import _gemv_kernel  # noqa: E402
 from kernels.rms_norm import _fused_add_rms_norm_kernel  # noqa: E402
 from kernels.rotary import _rotary_kv_write_kernel  # noqa: E402
 from kernels.skinny_gemm import _skinny_kernel, _split_sum_kernel  # noqa: E402
+from kernels.skinny_stream_k import _stream_k_kernel  # noqa: E402
 
 _POINTER_TYPES = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
                   "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "partial_out_ptr": "*fp32",
-                  "partial_lse_ptr": "*fp32", "ws_ptr": "*fp32"}
+                  "partial_lse_ptr": "*fp32", "ws_ptr": "*fp32", "slots_ptr": "*fp32", "counts_ptr": "*i32"}
+_SKINNY_DIVISIBLE = ("K", "stride_xm", "stride_wn", "stride_ym")
 
 
-def _ptx(fn, constexprs) -> tuple[list[str], list[str]]:
+def _ptx(fn, constexprs, divisible=()) -> tuple[list[str], list[str]]:
+    """``divisible``: integer arguments specialized as multiples of 16, as a real launch's K and
+    strides are (Triton pipelines the skinny GEMMs' loops only then)."""
     signature, attrs = {}, {}
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     constexprs = {**{k: v for k, v in defaults.items() if k != "USE_PDL"}, **constexprs}
@@ -39,6 +43,8 @@ def _ptx(fn, constexprs) -> tuple[list[str], list[str]]:
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name in ("eps", "qk_scale") else "i32"
+            if name in divisible:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     source = triton.compiler.ASTSource(fn, signature, {**constexprs, "USE_PDL": True}, attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, "num_warps": 4})
     lines = [line.split("//")[0].strip() for line in kernel.asm["ptx"].splitlines()]
@@ -110,15 +116,20 @@ _KERNELS = [
                                    (True, True, False, 4, 512), (True, False, False, 4, 512)]
 ] + [
     (_skinny_kernel, dict(BLOCK_M=m, BLOCK_N=64, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu, SPLIT_K=split,
-                          DOT_PRECISION="tf32", DOT_UPCAST=False), ("w_ptr",))
+                          DOT_PRECISION="tf32", DOT_UPCAST=False), ("w_ptr",), _SKINNY_DIVISIBLE)
     for m, k, even, bias, silu, split in [(64, 128, True, False, False, 1), (64, 128, False, True, False, 2),
                                           (64, 64, True, False, True, 1), (128, 64, False, False, True, 2)]
-] + [(_split_sum_kernel, dict(SPLIT_K=2, BLOCK=1024, HAS_BIAS=True, SILU_MUL=True), ())]
+] + [(_split_sum_kernel, dict(SPLIT_K=2, BLOCK=1024, HAS_BIAS=True, SILU_MUL=True), ())] + [
+    (_stream_k_kernel, dict(BLOCK_M=m, BLOCK_N=64, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu,
+                            SLOT=(2 if silu else 1) * 64 * m, DOT_PRECISION="tf32", DOT_UPCAST=False), (),
+     _SKINNY_DIVISIBLE)
+    for m, k, even, bias, silu in [(64, 128, True, True, False), (128, 64, False, False, True)]
+]
 
 
 def main() -> int:
-    for fn, constexprs, constant_params in _KERNELS:
-        lines, arg_names = _ptx(fn, constexprs)
+    for fn, constexprs, constant_params, *divisible in _KERNELS:
+        lines, arg_names = _ptx(fn, constexprs, *divisible)
         _check_waits_first(lines, arg_names, constant_params)
     print(f"ok: {len(_KERNELS)} kernels wait first")
     return 0

@@ -119,6 +119,9 @@ def _like(shape, stride=None, cuda=True, dtype=torch.bfloat16):
 
 def test_dispatch_sends_only_their_layouts_to_the_gemv_and_the_skinny_gemm(monkeypatch):
     from kernels import ops
+    from kernels.skinny_gemm import MAX_M
+
+    assert ops.SKINNY_GEMM_ROWS_LIMIT == MAX_M
 
     monkeypatch.delenv("TANDEM_GEMV", raising=False)
     w = _like((12, 16))  # K < 2N
@@ -138,6 +141,12 @@ def test_dispatch_sends_only_their_layouts_to_the_gemv_and_the_skinny_gemm(monke
     assert kind(_like((4, 16), dtype=torch.float32), w, None) is None
     assert kind(_like((1, 16)), _like((12, 16), stride=(1, 12)), None) is None  # a transposed view
     assert kind(_like((4, 16)), w, _like((12,), stride=(2,))) is None
+    assert kind(_like((4, 16)), w, _like((12,), dtype=torch.float32)) is None  # F.linear's own error or cast
+    assert kind(_like((4, 16)), w, _like((11,))) is None
+    monkeypatch.setattr(ops, "SKINNY_GEMM_MAX_ROWS", 1000)  # never past what the kernels take
+    assert kind(_like((ops.SKINNY_GEMM_ROWS_LIMIT, 16)), w, None) == "skinny"
+    assert kind(_like((ops.SKINNY_GEMM_ROWS_LIMIT + 1, 16)), w, None) is None
+    assert kind(_like((ops.SKINNY_GEMM_ROWS_LIMIT, 17)), long_k, None) == "skinny"  # the larger limit for long K
     monkeypatch.setattr(ops, "SKINNY_GEMM_MAX_ROWS", 0)
     assert kind(_like((2, 16)), w, None) is None
     assert kind(_like((2, 17)), long_k, None) == "skinny"

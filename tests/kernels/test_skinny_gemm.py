@@ -49,9 +49,10 @@ def test_split_k_strided_weight_and_bias(config, K):
     base = torch.randn(41, 300, device=DEVICE) / K**0.5
     base[:, K:] = float("nan")  # a weight read past K (an empty split's, say) poisons the sums
     w = base[:, :K]  # rows 300 apart
-    x, b = torch.randn(17, K, device=DEVICE), torch.randn(41, device=DEVICE)
+    x = torch.randn(17, 333, device=DEVICE)[:, :K]  # token rows 333 apart
+    b = torch.randn(41, device=DEVICE)
     for bias in (None, b):
-        y = poisoned((17, 41), torch.float32)
+        y = poisoned((17, 50), torch.float32)[:, :41]  # output rows 50 apart
         _launch_skinny(x, w, bias, y, silu_mul=False, config=config)
         assert_close(y, reference.gemv(x, w, bias), torch.float32)
 
@@ -61,7 +62,7 @@ def test_split_k_silu_mul_strided_weight(config):
     base = 2 * torch.randn(38, 300, device=DEVICE) / 200**0.5
     base[:, 200:] = float("nan")
     w = base[:, :200]  # rows 300 apart; I = 19: the up rows start mid-block
-    x = torch.randn(3, 200, device=DEVICE)
+    x = torch.randn(3, 256, device=DEVICE)[:, :200]  # token rows 256 apart
     y = poisoned((3, 19), torch.float32)
     _launch_skinny(x, w, None, y, silu_mul=True, config=config)
     assert_close(y, reference.gemv_silu_mul(x, w), torch.float32)
@@ -114,12 +115,31 @@ _SHAPES = [(12288, 4096, False), (4096, 4096, False), (22016, 4096, True), (4096
 
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("M", [8, 64, 128])
-@pytest.mark.parametrize("N, K, silu", _SHAPES)
+@pytest.mark.parametrize("M", [2, 8, 32, 64, 128])
+@pytest.mark.parametrize("N, K, silu", _SHAPES + [(128256, 4096, False)])
 def test_gpu_real_shapes_bf16(M, N, K, silu):
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = (2 * torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16)
+    b = None if silu else torch.randn(N, device="cuda", dtype=torch.bfloat16)
     y = poisoned((M, N // 2 if silu else N), torch.bfloat16, "cuda")
-    _launch_skinny(x, w, None, y, silu)
-    ref = (reference.gemv_silu_mul if silu else reference.gemv)(x.float(), w.float())
+    _launch_skinny(x, w, b, y, silu)
+    ref = (reference.gemv_silu_mul if silu else reference.gemv)(x.float(), w.float(), *([] if silu else [b.float()]))
     assert_close(y, ref, torch.bfloat16)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("M", [1, 2, 32, 64, 65])
+def test_gpu_through_ops(M):
+    """What the model calls: ops.linear and ops.gate_up_silu_mul at the dispatch's edges (the GEMV,
+    the skinny GEMM, down projections only at 64, cuBLAS past it) against fp32."""
+    from kernels import ops
+
+    x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
+    qkv = (torch.randn(12288, 4096, device="cuda") / 64).to(torch.bfloat16)
+    assert_close(ops.linear(x, qkv), reference.gemv(x.float(), qkv.float()), torch.bfloat16)
+    g = (2 * torch.randn(22016, 4096, device="cuda") / 64).to(torch.bfloat16)
+    assert_close(ops.gate_up_silu_mul(x, g), reference.gemv_silu_mul(x.float(), g.float()), torch.bfloat16)
+    down = (torch.randn(4096, 11008, device="cuda") / 105).to(torch.bfloat16)
+    xd = torch.randn(M, 11008, device="cuda", dtype=torch.bfloat16)
+    assert_close(ops.linear(xd, down), reference.gemv(xd.float(), down.float()), torch.bfloat16)
