@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 case "$1" in
   streamk)
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_skinny_stream_k.py \
-      tests/kernels/test_skinny_gemm.py -m gpu 2>&1 | tail -3
+      tests/kernels/test_skinny_gemm.py -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
     timeout 140 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 8,32,64,128 --rounds 1 \
       --variants rule,streamk,streamk64,streamk128 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step"
     timeout 75 python3 -c "
