@@ -1,7 +1,7 @@
 """The skinny GEMM against cuBLAS at decode batches (GPU), with a tile sweep.
 
-    python3 -m bench.tune_skinny_gemm [--quick] [--stream-k] [--batches 64,128]
-                                      [--models llama2-7b,llama3-8b,llama3.2-1b] [--out $OUT/tune_skinny_gemm.json]
+    python3 -m bench.tune_skinny_gemm [--quick] [--batches 64,128] [--models llama2-7b,llama3-8b,llama3.2-1b]
+                                      [--out $OUT/tune_skinny_gemm.json]
 
 For every projection of a decode step (qkv, o, gate_up with its SiLU·mul, down,
 lm_head) and every batch M, times torch's F.linear (cuBLAS; + the SiLU·mul kernel
@@ -12,7 +12,6 @@ the weight to leave the L2 cold. Bandwidth counts the weight bytes only (x and y
 are up to ~6% of them at M = 128: llama3.2-1b's o projection). Per model and batch,
 prints the predicted time of the projections of one decode step (x layers, + lm_head once).
 --quick: llama2-7b at M = 64 with a ~20-setting grid (about 2 minutes on an H200).
---stream-k: the same for kernels.skinny_stream_k (its rule and its own grid).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import torch.nn.functional as F
 from bench.timing import ceilings
 from bench.tune_gemv import ROTATE_BYTES, projections, time_rotating
 from kernels import ops, reference
-from kernels import skinny_stream_k
 from kernels.skinny_gemm import MAX_M, _launch_skinny, tile_config
 
 SMS, SMEM_BYTES = 132, 227 << 10  # H200
@@ -59,29 +57,7 @@ def settings(grid, M: int, rows: int, K: int, silu: bool) -> list[tuple]:
     return kept
 
 
-# --stream-k (kernels.skinny_stream_k): (BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM)
-STREAM_K_GRID = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4, 5, 6), (1, 2)))
-QUICK_STREAM_K_GRID = [c for c in STREAM_K_GRID if (c[0] == 128) == (c[2] == 8) and c[3] in (4, 5)]
-
-
-def stream_k_settings(grid, M: int, rows: int, K: int, silu: bool) -> list[tuple]:
-    """The grid less what does not fit the shared memory (all programs of an SM together) or
-    would run 8 warps on an accumulator small enough for 4."""
-    block_m = max(16, 1 << (M - 1).bit_length())
-    kept = []
-    for block_n, block_k, warps, stages, per_sm in grid:
-        stage_bytes = ((2 if silu else 1) * block_n + block_m) * block_k * 2
-        if per_sm * stages * stage_bytes > SMEM_BYTES or (warps == 8 and block_n * block_m < 128 * 64):
-            continue
-        kept.append((block_n, block_k, warps, stages, per_sm))
-    return kept
-
-
-def run_shape(proj, rows, K, silu, M, grid, copy_bw, stream_k=False):
-    launch, rule_config = _launch_skinny, tile_config
-    keep = stream_k_settings if stream_k else settings
-    if stream_k:
-        launch, rule_config = skinny_stream_k._launch_stream_k, skinny_stream_k.tile_config
+def run_shape(proj, rows, K, silu, M, grid, copy_bw):
     nbytes = rows * K * 2
     copies = max(2, -(-ROTATE_BYTES // nbytes))
     weights = [(torch.randn(rows, K, device="cuda") / K**0.5).to(torch.bfloat16) for _ in range(copies)]
@@ -94,17 +70,17 @@ def run_shape(proj, rows, K, silu, M, grid, copy_bw, stream_k=False):
         cublas = time_rotating(lambda w: (lambda: F.linear(x, w)), weights)
     shape = f"{proj} {rows}x{K} M={M}"
     results = []
-    for config in [None] + keep(grid, M, rows, K, silu):
+    for config in [None] + settings(grid, M, rows, K, silu):
         try:
             y.fill_(float("nan"))
-            launch(x, weights[0], None, y, silu, config)
+            _launch_skinny(x, weights[0], None, y, silu, config)
             err = (y.float() - ref).abs().max().item()
             if not err <= 0.05 * ref.abs().max().item() + 1e-2:  # NaN fails too
                 print(f"WRONG ANSWER {shape} {config or 'rule'}: max error {err}")
                 results.append({"config": config, "rule": config is None, "error": f"WRONG ANSWER: max error {err}"})
                 continue
-            ms = time_rotating(lambda w: (lambda: launch(x, w, None, y, silu, config)), weights)
-            results.append({"config": config or rule_config(M, rows, K, silu), "rule": config is None, "ms": ms})
+            ms = time_rotating(lambda w: (lambda: _launch_skinny(x, w, None, y, silu, config)), weights)
+            results.append({"config": config or tile_config(M, rows, K, silu), "rule": config is None, "ms": ms})
         except Exception as exc:  # a setting that does not compile (registers, shared memory)
             results.append({"config": config, "rule": config is None, "error": repr(exc)[:200]})
     del weights
@@ -131,17 +107,15 @@ def main() -> int:
     parser.add_argument("--models", default="llama2-7b,llama3-8b,llama3.2-1b")
     parser.add_argument("--batches", default="64,128", help="decode batches M, each 2..128 (8,16,32,64,128)")
     parser.add_argument("--quick", action="store_true", help="llama2-7b, M = 64, a ~20-setting grid")
-    parser.add_argument("--stream-k", action="store_true", help="sweep kernels.skinny_stream_k instead")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_skinny_gemm.json"))
     args = parser.parse_args()
-    models, grid = args.models.split(","), STREAM_K_GRID if args.stream_k else GRID
+    models, grid = args.models.split(","), GRID
     batches = [int(b) for b in args.batches.split(",")]
     if args.quick:
-        models, batches, grid = ["llama2-7b"], [64], QUICK_STREAM_K_GRID if args.stream_k else QUICK_GRID
+        models, batches, grid = ["llama2-7b"], [64], QUICK_GRID
     assert all(1 <= M <= MAX_M for M in batches), f"batches must be 1..{MAX_M}"
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
-    report, seen = {"copy_TBps": copy_bw / 1e12, "quick": args.quick, "stream_k": args.stream_k, "shapes": [],
-                    "models": {}}, {}
+    report, seen = {"copy_TBps": copy_bw / 1e12, "quick": args.quick, "shapes": [], "models": {}}, {}
     print(f"{'shape':<30}{'cuBLAS':>8}{'rule':>8}{'best':>8}  (% of copy bandwidth)  best config, settings")
     for name in models:
         for M in batches:
@@ -149,7 +123,7 @@ def main() -> int:
             for proj, rows, K, silu, count in projections(name):
                 key = (rows, K, silu, M)
                 if key not in seen:
-                    seen[key] = r = run_shape(proj, rows, K, silu, M, grid, copy_bw, args.stream_k)
+                    seen[key] = r = run_shape(proj, rows, K, silu, M, grid, copy_bw)
                     report["shapes"].append(r)
                     print(f"{proj + f' {rows}x{K} M={M}':<30}{_pct(r['cublas_of_copy_bw'])}{_pct(r['rule_of_copy_bw'])}"
                           f"{_pct(r['best_of_copy_bw'])}  {r['best_config']}, {r['settings']}", flush=True)

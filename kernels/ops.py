@@ -22,8 +22,6 @@ _TRITON_MODULES = {
     "gemv_silu_mul": "kernels.gemv",
     "skinny_linear": "kernels.skinny_gemm",
     "skinny_silu_mul": "kernels.skinny_gemm",
-    "stream_k_linear": "kernels.skinny_stream_k",
-    "stream_k_silu_mul": "kernels.skinny_stream_k",
     "rotary_kv_write": "kernels.rotary",
     "prefill_attention": "kernels.prefill_attention",
     "decode_attention": "kernels.decode_attention",
@@ -67,9 +65,6 @@ def silu_mul(x):
 SKINNY_GEMM_MAX_ROWS = 32
 SKINNY_GEMM_LONG_K_MAX_ROWS = 64
 SKINNY_GEMM_ROWS_LIMIT = 128  # kernels.skinny_gemm.MAX_M: the most rows its kernels take
-# The stream-K form of the skinny GEMM (kernels.skinny_stream_k: the work dealt evenly to one wave
-# of programs) instead: off until measured in the engine (TANDEM_STREAM_K=1 turns it on).
-SKINNY_STREAM_K = os.environ.get("TANDEM_STREAM_K", "0") == "1"
 
 
 def linear(x, weight, bias=None):
@@ -79,7 +74,7 @@ def linear(x, weight, bias=None):
     if kind == "gemv":
         return _pick("gemv", x)(x, weight, bias)
     if kind == "skinny":
-        return _pick("stream_k_linear" if SKINNY_STREAM_K else "skinny_linear", x)(x, weight, bias)
+        return _pick("skinny_linear", x)(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -89,7 +84,7 @@ def gate_up_silu_mul(x, weight):
     if kind == "gemv":
         return _pick("gemv_silu_mul", x)(x, weight)
     if kind == "skinny":
-        return _pick("stream_k_silu_mul" if SKINNY_STREAM_K else "skinny_silu_mul", x)(x, weight)
+        return _pick("skinny_silu_mul", x)(x, weight)
     return silu_mul(torch.nn.functional.linear(x, weight))
 
 

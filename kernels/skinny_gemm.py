@@ -167,8 +167,10 @@ def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2) -> t
     return block_n, block_k, 4, num_stages, split_k
 
 
-def check_skinny_args(x, weight, bias, y, silu_mul: bool) -> tuple[int, int, int]:
-    """Shapes and layouts both skinny GEMMs read (this one and kernels.skinny_stream_k): (M, N out, K)."""
+def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                   silu_mul: bool, config: tuple | None = None) -> None:
+    """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) instead of the shape rule
+    (tuning, tests). A split count that would leave splits empty runs as fewer, fuller splits."""
     rows_w, K = weight.shape
     assert x.dim() == 2 and x.shape[1] == K and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
     M = x.shape[0]
@@ -179,15 +181,6 @@ def check_skinny_args(x, weight, bias, y, silu_mul: bool) -> tuple[int, int, int
     assert not silu_mul or rows_w % 2 == 0, "a [gate; up] weight has an even number of rows"
     assert y.shape == (M, num_out) and y.stride(1) == 1
     assert bias is None or (not silu_mul and bias.shape == (rows_w,) and bias.stride(0) == 1)
-    return M, num_out, K
-
-
-def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-                   silu_mul: bool, config: tuple | None = None) -> None:
-    """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) instead of the shape rule
-    (tuning, tests). A split count that would leave splits empty runs as fewer, fuller splits."""
-    M, num_out, K = check_skinny_args(x, weight, bias, y, silu_mul)
-    rows_w = weight.shape[0]
     if M == 0 or num_out == 0:
         return
     if K == 0:  # an empty sum (and silu(0) * 0 = 0)

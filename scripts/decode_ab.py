@@ -3,8 +3,7 @@ bench.engine) for variants of module settings, alternated on one GPU: the rule; 
 without PREFETCH or with it at every fused batch (up to 8), at 3 stages; the decode-batch
 projections through cuBLAS instead of the skinny GEMM, or the skinny GEMM for every projection
 up to 64 rows (kernels.ops.SKINNY_GEMM_*; up to 32, the rule since 3e46018, was the variant
-skinny32; at 128 rows it lost everywhere, 7B 9.61 -> 10.53 ms); the stream-K form
-(kernels.skinny_stream_k) at the rule's limits, up to 64 rows, up to 128.
+skinny32; at 128 rows it lost everywhere, 7B 9.61 -> 10.53 ms).
     python3 scripts/decode_ab.py [--models llama2-7b] [--batches 1,64] [--rounds 2] [--variants rule,cublas]
 (device: source scripts/device_env.sh first)"""
 import argparse
@@ -20,17 +19,14 @@ from engine.block_allocator import BlockAllocator
 
 VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost in the engine A/B
     # (code removed): partly-filled tile first, 32-token tiles, the register-pipelined loop (this
-    # script at 2dc0936 and cfc08a0); block ids a tile ahead (IDS_AHEAD, at 1b9d36e)
+    # script at 2dc0936 and cfc08a0); block ids a tile ahead (IDS_AHEAD, at 1b9d36e); the stream-K
+    # skinny GEMM (streamk*, at 5c97901)
     "rule": {},
     "no_prefetch": {(da, "PREFETCH"): False},
     "prefetch_b8": {(da, "PREFETCH_MAX_BATCH"): 8},
     "s3": {(dc, "_TILE_OVERRIDE"): (64, 4, 3)},  # the decode attention's stage count alone
     "cublas": {(ops, "SKINNY_GEMM_MAX_ROWS"): 0, (ops, "SKINNY_GEMM_LONG_K_MAX_ROWS"): 0},
     "skinny64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64},
-    "streamk": {(ops, "SKINNY_STREAM_K"): True},  # the rule's row limits, stream-K kernels
-    "streamk64": {(ops, "SKINNY_STREAM_K"): True, (ops, "SKINNY_GEMM_MAX_ROWS"): 64},
-    "streamk128": {(ops, "SKINNY_STREAM_K"): True, (ops, "SKINNY_GEMM_MAX_ROWS"): 128,
-                   (ops, "SKINNY_GEMM_LONG_K_MAX_ROWS"): 128},
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 

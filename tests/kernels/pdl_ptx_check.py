@@ -21,11 +21,10 @@ from kernels.gemv import _gemv_kernel  # noqa: E402
 from kernels.rms_norm import _fused_add_rms_norm_kernel  # noqa: E402
 from kernels.rotary import _rotary_kv_write_kernel  # noqa: E402
 from kernels.skinny_gemm import _skinny_kernel, _split_sum_kernel  # noqa: E402
-from kernels.skinny_stream_k import _stream_k_kernel  # noqa: E402
 
 _POINTER_TYPES = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
                   "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "partial_out_ptr": "*fp32",
-                  "partial_lse_ptr": "*fp32", "ws_ptr": "*fp32", "slots_ptr": "*fp32", "counts_ptr": "*i32"}
+                  "partial_lse_ptr": "*fp32", "ws_ptr": "*fp32"}
 _SKINNY_DIVISIBLE = ("K", "stride_xm", "stride_wn", "stride_ym")
 
 
@@ -119,12 +118,7 @@ _KERNELS = [
                           DOT_PRECISION="tf32", DOT_UPCAST=False), ("w_ptr",), _SKINNY_DIVISIBLE)
     for m, k, even, bias, silu, split in [(64, 128, True, False, False, 1), (64, 128, False, True, False, 2),
                                           (64, 64, True, False, True, 1), (128, 64, False, False, True, 2)]
-] + [(_split_sum_kernel, dict(SPLIT_K=2, BLOCK=1024, HAS_BIAS=True, SILU_MUL=True), ())] + [
-    (_stream_k_kernel, dict(BLOCK_M=m, BLOCK_N=64, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu,
-                            SLOT=(2 if silu else 1) * 64 * m, DOT_PRECISION="tf32", DOT_UPCAST=False), (),
-     _SKINNY_DIVISIBLE)
-    for m, k, even, bias, silu in [(64, 128, True, True, False), (128, 64, False, False, True)]
-]
+] + [(_split_sum_kernel, dict(SPLIT_K=2, BLOCK=1024, HAS_BIAS=True, SILU_MUL=True), ())]
 
 
 def main() -> int:
