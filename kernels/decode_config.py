@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import triton
+
+from kernels.device_props import num_sms
 
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128  # below this the merge costs more than it saves
@@ -37,18 +38,10 @@ class DecodeWorkspace:
         return num_seqs <= n and num_q_heads == h and num_splits <= s and head_dim == d
 
 
-@cache
-def _num_sms(device_index: int | None) -> int:
-    if not torch.cuda.is_available():
-        return 4  # the interpreter: a few splits keep the split path tested
-    return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
-
-
 def num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
     """Splits per (sequence, KV head), from shapes only: enough programs to fill the GPU,
     no share shorter than MIN_TOKENS_PER_SPLIT of the longest possible context."""
-    num_sms = _num_sms(device.index if device.type == "cuda" else None)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms(device), max(num_seqs * num_kv_heads, 1))
     useful = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLITS))
 

@@ -21,17 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_props import num_sms
 from kernels.dot import dot, upcast_bf16_dot
 from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 MAX_M = 128  # the x tile and the accumulators grow with M: beyond this, cuBLAS's own tiles
-_SMS = 132  # the H200's SMs: the rule splits K until the grid covers them
 _SMEM_BYTES = 220 << 10  # tile buffers per program (sm90 allows 227 KB)
 
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, num_out, K, stride_xm, stride_wn, stride_ym, stride_ys, up_offset,
+    x_ptr, w_ptr, b_ptr, y_ptr, M, num_out, K, stride_xm, stride_wn, stride_ym, stride_ys,
     tiles_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -39,10 +39,10 @@ def _skinny_kernel(
 ):
     """acc[n, m] = sum_k W[n, k] x[m, k] over this program's BLOCK_N rows and its split's K tiles
     [s * tiles_per_split, (s + 1) * tiles_per_split) * BLOCK_K (clipped to K), fp32;
-    SILU_MUL also acc_up[n, m] = sum_k W[up_offset + n, k] x[m, k].
+    SILU_MUL also acc_up[n, m] = sum_k W[num_out + n, k] x[m, k] (the up rows).
     SPLIT_K == 1: y[m, n] = acc[n, m] (+ b[n]) or silu(acc[n, m]) * acc_up[n, m];
     SPLIT_K > 1: y is the fp32 workspace [SPLIT_K, M, stride_ym]: ws[s, m, n] = acc[n, m] and
-    ws[s, m, up_offset + n] = acc_up[n, m], finished by _split_sum_kernel. No split is empty.
+    ws[s, m, num_out + n] = acc_up[n, m], finished by _split_sum_kernel. No split is empty.
 
     As in kernels.gemv, the first weight tile is loaded before waiting for the previous kernel
     (kernels.pdl); x comes from it. The loop's addresses depend only on k0, so Triton can
@@ -57,7 +57,7 @@ def _skinny_kernel(
     token_mask = tokens < M  # padding tokens read as 0, never stored
     cols = tl.arange(0, BLOCK_K)
     gate_ptrs = w_ptr + rows[:, None] * stride_wn + cols[None, :]
-    up_ptrs = w_ptr + (rows + up_offset)[:, None] * stride_wn + cols[None, :]  # int64 row offsets
+    up_ptrs = w_ptr + (rows + num_out)[:, None] * stride_wn + cols[None, :]  # int64 row offsets
     x_ptrs = x_ptr + tokens[:, None] * stride_xm + cols[None, :]
     k_lo = tl.program_id(1) * tiles_per_split * BLOCK_K
     k_hi = tl.minimum(k_lo + tiles_per_split * BLOCK_K, K)
@@ -100,7 +100,7 @@ def _skinny_kernel(
         out_ptrs += tl.program_id(1).to(tl.int64) * stride_ys
         tl.store(out_ptrs, acc, mask=out_mask)
         if SILU_MUL:
-            tl.store(out_ptrs + up_offset, acc_up, mask=out_mask)
+            tl.store(out_ptrs + num_out, acc_up, mask=out_mask)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows).to(tl.float32)[:, None]
@@ -111,12 +111,12 @@ def _skinny_kernel(
 
 @triton.jit
 def _split_sum_kernel(
-    ws_ptr, b_ptr, y_ptr, num_out, stride_ws, stride_wm, stride_ym, up_offset,
+    ws_ptr, b_ptr, y_ptr, num_out, stride_ws, stride_wm, stride_ym,
     SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     """y[m, n] = sum_s ws[s, m, n] (+ b[n]);  SILU_MUL: y[m, n] = silu(g) * u with
-    g = sum_s ws[s, m, n], u = sum_s ws[s, m, up_offset + n]; fp32 until the cast."""
+    g = sum_s ws[s, m, n], u = sum_s ws[s, m, num_out + n]; fp32 until the cast."""
     if USE_PDL:  # kernels.pdl: the partial sums are the previous kernel's output
         gdc_launch_dependents()
         gdc_wait()
@@ -129,7 +129,7 @@ def _split_sum_kernel(
     for s in tl.static_range(SPLIT_K):
         y += tl.load(part_ptrs + s * stride_ws, mask=mask, other=0.0)
         if SILU_MUL:
-            up += tl.load(part_ptrs + s * stride_ws + up_offset, mask=mask, other=0.0)
+            up += tl.load(part_ptrs + s * stride_ws + num_out, mask=mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if SILU_MUL:
@@ -137,14 +137,15 @@ def _split_sum_kernel(
     tl.store(y_ptr + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2) -> tuple[int, int, int, int, int]:
+def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2,
+                sms: int = 132) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) for x [M, K] and a weight of N rows
-    (2I for silu_mul) from shapes only. Measured on an H200 (bench.tune_skinny_gemm --quick,
-    llama2-7b, 64 rows; docs/benchmarks.md, seventh session): best or within 2% of the best of
-    22 settings for the down projection (27.4-28.0 us against cuBLAS's 30.9) and the o projection;
-    on qkv and gate_up at 64 rows 64-wide K tiles were better (and only tied cuBLAS), where
-    kernels.ops sends them to cuBLAS; at 8 and 32 rows the engine A/B ran this rule (faster
-    than cuBLAS on three models).
+    (2I for silu_mul) from shapes and the device's SMs (``sms``, 132: an H200's) only. Measured
+    on an H200 (bench.tune_skinny_gemm --quick, llama2-7b, 64 rows; docs/benchmarks.md, seventh
+    session): best or within 2% of the best of 22 settings for the down projection (27.4-28.0 us
+    against cuBLAS's 30.9) and the o projection; on qkv and gate_up at 64 rows 64-wide K tiles
+    were better (and only tied cuBLAS), where kernels.ops sends them to cuBLAS; at 8 and 32 rows
+    the engine A/B ran this rule (faster than cuBLAS on three models).
 
     64 rows (one wgmma tile of 4 warps) by 128-wide K tiles (256 contiguous bytes per bf16 row),
     64-wide where fewer than 3 stages would fit; as many stages, up to 4, as fit in shared memory:
@@ -162,7 +163,7 @@ def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2) -> t
     programs = triton.cdiv(N // 2 if silu_mul else N, block_n)
     k_tiles = triton.cdiv(K, block_k)
     split_k = 1
-    while split_k < 8 and programs * split_k < 0.9 * _SMS and k_tiles >= (split_k + 1) * num_stages:
+    while split_k < 8 and programs * split_k < 0.9 * sms and k_tiles >= (split_k + 1) * num_stages:
         split_k += 1
     return block_n, block_k, 4, num_stages, split_k
 
@@ -186,8 +187,8 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if K == 0:  # an empty sum (and silu(0) * 0 = 0)
         y.copy_(bias.expand(M, num_out)) if bias is not None else y.zero_()
         return
-    block_n, block_k, num_warps, num_stages, split_k = config or tile_config(M, rows_w, K, silu_mul,
-                                                                             x.element_size())
+    block_n, block_k, num_warps, num_stages, split_k = config or tile_config(
+        M, rows_w, K, silu_mul, x.element_size(), num_sms(x.device))
     tiles_per_split = triton.cdiv(triton.cdiv(K, block_k), split_k)
     split_k = triton.cdiv(triton.cdiv(K, block_k), tiles_per_split)  # e.g. 4 tiles in 3 splits: 2 + 2
     # the workspace comes from the caching allocator: no sync, and fine inside CUDA graph capture
@@ -195,7 +196,7 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     dummy_bias = bias if bias is not None else out  # never read without HAS_BIAS
     _skinny_kernel[(triton.cdiv(num_out, block_n), split_k)](
         x, weight, dummy_bias, out, M, num_out, K, x.stride(0), weight.stride(0), out.stride(-2),
-        out.stride(0) if split_k > 1 else 0, num_out, tiles_per_split,
+        out.stride(0) if split_k > 1 else 0, tiles_per_split,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=split_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT_UPCAST=upcast_bf16_dot(x.dtype),
@@ -204,7 +205,7 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if split_k > 1:
         block = min(1024, triton.next_power_of_2(num_out))
         _split_sum_kernel[(M, triton.cdiv(num_out, block))](
-            out, dummy_bias, y, num_out, out.stride(0), out.stride(1), y.stride(0), num_out,
+            out, dummy_bias, y, num_out, out.stride(0), out.stride(1), y.stride(0),
             SPLIT_K=split_k, BLOCK=block, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=4,
             **launch_options(x),
         )
