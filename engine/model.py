@@ -43,18 +43,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
-        residual: torch.Tensor | None,  # [T, hidden], None before the first layer
+        hidden: torch.Tensor,  # [T, hidden], normed by this layer's input_layernorm
+        residual: torch.Tensor,  # [T, hidden], the stream before that norm
         positions: torch.Tensor,  # [T]
         cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
         kv_pool: KVCachePool,
         meta: AttentionMetadata,
+        next_norm: torch.Tensor,  # [hidden]: the next layer's input_layernorm, or the final norm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.input_layernorm, self.eps)
-        hidden = self._attention(hidden, positions, cos_sin_cache, kv_pool, meta)
-        hidden, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps)
+        """-> (the stream after this layer normed by ``next_norm``, the stream). Each residual
+        add and the norm after it are fused into the projection before them (kernels.ops)."""
+        attn = self._attention(hidden, positions, cos_sin_cache, kv_pool, meta)  # [T, q_size]
+        hidden, residual = ops.linear_add_rms_norm(attn, self.o_proj.weight, residual,
+                                                   self.post_attention_layernorm, self.eps)
         act = ops.gate_up_silu_mul(hidden, self.gate_up_proj.weight)  # [T, intermediate]
-        return ops.linear(act, self.down_proj.weight), residual
+        return ops.linear_add_rms_norm(act, self.down_proj.weight, residual, next_norm, self.eps)
 
     def _attention(self, hidden, positions, cos_sin_cache, kv_pool: KVCachePool, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
@@ -80,7 +83,7 @@ class DecoderLayer(nn.Module):
                     q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                     self.scale, self.sliding_window, chunk_kv=(k, v),  # the chunk's keys: contiguous reads
                 )
-        return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)  # [T, hidden]
+        return out.reshape(num_tokens, self.q_size)
 
 
 class LlamaFamilyModel(nn.Module):
@@ -109,10 +112,11 @@ class LlamaFamilyModel(nn.Module):
     ) -> torch.Tensor:
         """-> [T, hidden], final-normed hidden states of every new token."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv_pool, meta)
-        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
+        hidden, residual = ops.fused_add_rms_norm(hidden, None, self.layers[0].input_layernorm,
+                                                  self.config.rms_norm_eps)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv_pool, meta, next_norm)
         return hidden
 
     @property

@@ -22,6 +22,7 @@ _TRITON_MODULES = {
     "gemv_silu_mul": "kernels.gemv",
     "skinny_linear": "kernels.skinny_gemm",
     "skinny_silu_mul": "kernels.skinny_gemm",
+    "skinny_linear_add_rms_norm": "kernels.skinny_gemm",
     "rotary_kv_write": "kernels.rotary",
     "prefill_attention": "kernels.prefill_attention",
     "decode_attention": "kernels.decode_attention",
@@ -92,11 +93,7 @@ def _triton_matmul(x, weight, bias) -> str | None:
     """"gemv" (one row) or "skinny" (2 .. SKINNY_GEMM_MAX_ROWS rows, or .. SKINNY_GEMM_LONG_K_MAX_ROWS
     for a weight with K >= 2N) on CUDA, in the layouts those kernels read (TANDEM_GEMV=0 turns
     both off); None: F.linear."""
-    if not (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] and x.shape[1] > 0 and x.stride(1) == 1
-            and x.dtype == weight.dtype and weight.dim() == 2 and weight.stride(1) == 1
-            and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.dtype == x.dtype
-                                  and bias.shape[0] == weight.shape[0]))
-            and os.environ.get("TANDEM_GEMV", "1") != "0"):
+    if not _triton_layout(x, weight, bias):
         return None
     if x.shape[0] == 1:
         return "gemv" if _triton_impl("gemv") is not None else None
@@ -106,6 +103,33 @@ def _triton_matmul(x, weight, bias) -> str | None:
     if rows <= max_rows and _triton_impl("skinny_linear") is not None:
         return "skinny"
     return None
+
+
+def _triton_layout(x, weight, bias) -> bool:
+    """x [T > 0, K > 0] and weight [N, K] with contiguous rows, one dtype, a matching contiguous
+    bias or none, on CUDA, TANDEM_GEMV not 0: what the GEMV and the skinny GEMM take."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] and x.shape[1] > 0 and x.stride(1) == 1
+            and x.dtype == weight.dtype and weight.dim() == 2 and weight.stride(1) == 1
+            and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.dtype == x.dtype
+                                  and bias.shape[0] == weight.shape[0]))
+            and os.environ.get("TANDEM_GEMV", "1") != "0")
+
+
+# A decode batch's o and down projections end in the skinny GEMM's finishing kernel, which also
+# adds the residual and applies the next RMSNorm (one kernel less per projection), from 2 up to
+# this many tokens (0: off; engine A/B pending).
+FUSED_NORM_MAX_ROWS = 64
+
+
+def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
+    """fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps) -> (normed, new residual).
+    On CUDA, for 2 .. FUSED_NORM_MAX_ROWS tokens, one skinny GEMM whose finishing kernel adds and norms."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if (2 <= rows <= min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT) and _triton_layout(x, weight, None)
+            and residual is not None and residual.shape == (rows, weight.shape[0]) and residual.dtype == x.dtype
+            and _triton_impl("skinny_linear_add_rms_norm") is not None):
+        return _triton_impl("skinny_linear_add_rms_norm")(x, weight, residual, norm_weight, eps)
+    return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps)
 
 
 def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):

@@ -45,6 +45,14 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def skinny_linear_add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K]; weight: [N, K]; residual [M, N] -> fused_add_rms_norm(x @ weight.T, residual, ...):
+    the product in fp32, rounded to x's dtype (as gemv), then added and normed."""
+    return fused_add_rms_norm(gemv(x, weight), residual, norm_weight, eps)
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * inter] (gate | up) -> silu(gate) * up: [num_tokens, inter]."""
     gate, up = x.chunk(2, dim=-1)

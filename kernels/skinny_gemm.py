@@ -13,20 +13,36 @@ Where the weight has too few row blocks to fill the SMs, K is split (grid axis 1
 each split writes fp32 partial sums and a second small kernel adds them up and
 finishes (bias, SiLU·mul, cast). The silu-mul form computes the gate and up rows
 of the same outputs in one program, as kernels.gemv does.
+
+    linear + add + RMSNorm:  y = x W.T (rounded to x's dtype),  h = y + residual,
+                             out = h / sqrt(mean(h^2) + eps) * norm_weight   -> (out, h)
+
+The o and down projections of a decoder layer are followed by the residual add and
+the next RMSNorm: there the finishing kernel (always run, one program per token
+row) does both, so the norm costs no kernel of its own.
+
+L2_PREFETCH: before waiting for the previous kernel (kernels.pdl), each program asks
+the L2 for its whole weight slab (one bulk prefetch per row: sm90's
+cp.async.bulk.prefetch.L2), so the weight read starts while the previous kernel's
+last programs still run.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import l2_prefetch
 from kernels.device_props import num_sms
 from kernels.dot import dot, upcast_bf16_dot
 from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 MAX_M = 128  # the x tile and the accumulators grow with M: beyond this, cuBLAS's own tiles
 _SMEM_BYTES = 220 << 10  # tile buffers per program (sm90 allows 227 KB)
+L2_PREFETCH = False  # kernels.l2_prefetch before the PDL wait (engine A/B pending)
 
 
 @triton.jit
@@ -34,14 +50,15 @@ def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, num_out, K, stride_xm, stride_wn, stride_ym, stride_ys,
     tiles_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, WORKSPACE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr = False,
+    L2_PREFETCH: tl.constexpr = False, ELEM_BYTES: tl.constexpr = 2,
 ):
     """acc[n, m] = sum_k W[n, k] x[m, k] over this program's BLOCK_N rows and its split's K tiles
     [s * tiles_per_split, (s + 1) * tiles_per_split) * BLOCK_K (clipped to K), fp32;
     SILU_MUL also acc_up[n, m] = sum_k W[num_out + n, k] x[m, k] (the up rows).
-    SPLIT_K == 1: y[m, n] = acc[n, m] (+ b[n]) or silu(acc[n, m]) * acc_up[n, m];
-    SPLIT_K > 1: y is the fp32 workspace [SPLIT_K, M, stride_ym]: ws[s, m, n] = acc[n, m] and
+    Not WORKSPACE (one split): y[m, n] = acc[n, m] (+ b[n]) or silu(acc[n, m]) * acc_up[n, m];
+    WORKSPACE: y is the fp32 workspace [splits, M, stride_ym]: ws[s, m, n] = acc[n, m] and
     ws[s, m, num_out + n] = acc_up[n, m], finished by _split_sum_kernel. No split is empty.
 
     As in kernels.gemv, the first weight tile is loaded before waiting for the previous kernel
@@ -62,6 +79,11 @@ def _skinny_kernel(
     k_lo = tl.program_id(1) * tiles_per_split * BLOCK_K
     k_hi = tl.minimum(k_lo + tiles_per_split * BLOCK_K, K)
     kmask = k_lo + cols < K  # only the last tile of K is ragged: splits start on tile boundaries
+    if L2_PREFETCH:  # the program's rows over [k_lo, k_hi) (launcher: 16-byte aligned, K * size % 16 == 0)
+        nbytes = (k_hi - k_lo) * ELEM_BYTES
+        l2_prefetch.prefetch_l2(w_ptr + rows * stride_wn + k_lo, nbytes)
+        if SILU_MUL:
+            l2_prefetch.prefetch_l2(w_ptr + (rows + num_out) * stride_wn + k_lo, nbytes)
     if EVEN_K:
         w = tl.load(gate_ptrs + k_lo)
     else:
@@ -96,7 +118,7 @@ def _skinny_kernel(
             acc_up += dot(u, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
     out_mask = row_mask[:, None] & token_mask[None, :]
     out_ptrs = y_ptr + tokens[None, :] * stride_ym + rows[:, None]
-    if SPLIT_K > 1:
+    if WORKSPACE:
         out_ptrs += tl.program_id(1).to(tl.int64) * stride_ys
         tl.store(out_ptrs, acc, mask=out_mask)
         if SILU_MUL:
@@ -111,12 +133,16 @@ def _skinny_kernel(
 
 @triton.jit
 def _split_sum_kernel(
-    ws_ptr, b_ptr, y_ptr, num_out, stride_ws, stride_wm, stride_ym,
+    ws_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, new_res_ptr, num_out, stride_ws, stride_wm, stride_ym,
+    stride_rm, stride_nrm, eps,
     SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    ADD_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     """y[m, n] = sum_s ws[s, m, n] (+ b[n]);  SILU_MUL: y[m, n] = silu(g) * u with
-    g = sum_s ws[s, m, n], u = sum_s ws[s, m, num_out + n]; fp32 until the cast."""
+    g = sum_s ws[s, m, n], u = sum_s ws[s, m, num_out + n]; fp32 until the cast.
+    ADD_NORM (one program per row, BLOCK >= num_out): with p = y[m] rounded to y's dtype (what
+    linear returns), h = p + residual[m] rounded the same way, new_residual[m] = h and
+    y[m] = h * rsqrt(sum(h^2) / num_out + eps) * norm_weight, as kernels.rms_norm computes it."""
     if USE_PDL:  # kernels.pdl: the partial sums are the previous kernel's output
         gdc_launch_dependents()
         gdc_wait()
@@ -134,6 +160,13 @@ def _split_sum_kernel(
         y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if SILU_MUL:
         y = y / (1.0 + tl.exp(-y)) * up
+    if ADD_NORM:
+        r = tl.load(res_ptr + m * stride_rm + cols, mask=mask, other=0.0)
+        h = (y.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        tl.store(new_res_ptr + m * stride_nrm + cols, h, mask=mask)
+        hf = h.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / num_out + eps)
+        y = hf * inv_rms * tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -168,10 +201,20 @@ def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2,
     return block_n, block_k, 4, num_stages, split_k
 
 
+class AddNorm(NamedTuple):
+    """The residual add and RMSNorm the finishing kernel applies (``skinny_linear_add_rms_norm``)."""
+
+    residual: torch.Tensor  # [M, N], x's dtype
+    norm_weight: torch.Tensor  # [N]
+    eps: float
+    new_residual: torch.Tensor  # [M, N], written: the projection plus the residual
+
+
 def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-                   silu_mul: bool, config: tuple | None = None) -> None:
+                   silu_mul: bool, config: tuple | None = None, add_norm: AddNorm | None = None) -> None:
     """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) instead of the shape rule
-    (tuning, tests). A split count that would leave splits empty runs as fewer, fuller splits."""
+    (tuning, tests). A split count that would leave splits empty runs as fewer, fuller splits.
+    ``add_norm``: y gets the normed sum (the finishing kernel runs even for one split)."""
     rows_w, K = weight.shape
     assert x.dim() == 2 and x.shape[1] == K and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
     M = x.shape[0]
@@ -182,33 +225,52 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     assert not silu_mul or rows_w % 2 == 0, "a [gate; up] weight has an even number of rows"
     assert y.shape == (M, num_out) and y.stride(1) == 1
     assert bias is None or (not silu_mul and bias.shape == (rows_w,) and bias.stride(0) == 1)
+    if add_norm is not None:
+        assert not silu_mul, "the add-norm finish follows a plain projection"
+        for t in (add_norm.residual, add_norm.new_residual):
+            assert t.shape == (M, num_out) and t.stride(1) == 1 and t.dtype == x.dtype
+        assert add_norm.norm_weight.shape == (num_out,) and add_norm.norm_weight.stride(0) == 1
     if M == 0 or num_out == 0:
         return
     if K == 0:  # an empty sum (and silu(0) * 0 = 0)
         y.copy_(bias.expand(M, num_out)) if bias is not None else y.zero_()
+        assert add_norm is None, "the add-norm finish needs K > 0"
         return
     block_n, block_k, num_warps, num_stages, split_k = config or tile_config(
         M, rows_w, K, silu_mul, x.element_size(), num_sms(x.device))
     tiles_per_split = triton.cdiv(triton.cdiv(K, block_k), split_k)
     split_k = triton.cdiv(triton.cdiv(K, block_k), tiles_per_split)  # e.g. 4 tiles in 3 splits: 2 + 2
+    workspace = split_k > 1 or add_norm is not None
     # the workspace comes from the caching allocator: no sync, and fine inside CUDA graph capture
-    out = y if split_k == 1 else torch.empty((split_k, M, rows_w), dtype=torch.float32, device=y.device)
+    out = torch.empty((split_k, M, rows_w), dtype=torch.float32, device=y.device) if workspace else y
     dummy_bias = bias if bias is not None else out  # never read without HAS_BIAS
+    row_bytes = weight.stride(0) * weight.element_size()
+    prefetch = (L2_PREFETCH and l2_prefetch.supported(x) and weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0
+                and K * weight.element_size() % 16 == 0 and block_k * weight.element_size() % 16 == 0)
     _skinny_kernel[(triton.cdiv(num_out, block_n), split_k)](
         x, weight, dummy_bias, out, M, num_out, K, x.stride(0), weight.stride(0), out.stride(-2),
-        out.stride(0) if split_k > 1 else 0, tiles_per_split,
+        out.stride(0) if workspace else 0, tiles_per_split,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=split_k,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, WORKSPACE=workspace,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT_UPCAST=upcast_bf16_dot(x.dtype),
+        L2_PREFETCH=prefetch, ELEM_BYTES=weight.element_size(),
         num_warps=num_warps, num_stages=num_stages, **launch_options(x),
     )
-    if split_k > 1:
+    if not workspace:
+        return
+    if add_norm is None:
         block = min(1024, triton.next_power_of_2(num_out))
-        _split_sum_kernel[(M, triton.cdiv(num_out, block))](
-            out, dummy_bias, y, num_out, out.stride(0), out.stride(1), y.stride(0),
-            SPLIT_K=split_k, BLOCK=block, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=4,
-            **launch_options(x),
-        )
+        norm_args, finish_warps = (y, y, y, 0, 0, 0.0), 4  # unused without ADD_NORM
+    else:
+        block = triton.next_power_of_2(num_out)  # the whole row: its sum of squares
+        res, new_res = add_norm.residual, add_norm.new_residual
+        norm_args = (res, add_norm.norm_weight, new_res, res.stride(0), new_res.stride(0), float(add_norm.eps))
+        finish_warps = max(4, min(16, block // 256))
+    _split_sum_kernel[(M, triton.cdiv(num_out, block))](
+        out, dummy_bias, y, *norm_args[:3], num_out, out.stride(0), out.stride(1), y.stride(0), *norm_args[3:],
+        SPLIT_K=split_k, BLOCK=block, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
+        num_warps=finish_warps, **launch_options(x),
+    )
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,6 +278,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch_skinny(x, weight, bias, y, silu_mul=False)
     return y
+
+
+def skinny_linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                               norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] (M <= 128); weight: [N, K]; residual: [M, N] -> (rms_norm(h) * norm_weight, h) with
+    h = x @ weight.T + residual (each rounded to x's dtype): a projection, the residual add and
+    the next RMSNorm, in the GEMM and its finishing kernel."""
+    M, num_out = x.shape[0], weight.shape[0]
+    y = torch.empty((M, num_out), dtype=x.dtype, device=x.device)
+    new_residual = torch.empty((M, num_out), dtype=x.dtype, device=x.device)
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    _launch_skinny(x, weight, None, y, silu_mul=False,
+                   add_norm=AddNorm(residual, norm_weight.contiguous(), float(eps), new_residual))
+    return y, new_residual
 
 
 def skinny_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

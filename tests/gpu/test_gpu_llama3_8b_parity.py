@@ -36,14 +36,25 @@ def test_llama3_8b_bf16_logits_match_hf():
     runner.enable_cuda_graphs(max_batch_size=4, max_seq_len=1024)
 
     prompt = torch.randint(3, config.vocab_size, (200,)).tolist()
-    blocks = list(range(20))
-    runner.forward([SeqChunk(prompt[:128], 0, blocks)])  # chunked prefill: 128 + 72 tokens
-    ours = [runner.forward([SeqChunk(prompt[128:], 128, blocks)])[0]]
+    # the same sequence twice, in two sets of blocks, so that decode runs as a batch of 2 (the
+    # skinny GEMM with its add-norm finish) as well as 1 (the GEMV, second half of the steps)
+    blocks, twin = list(range(20)), list(range(20, 40))
+    runner.forward([SeqChunk(prompt[:128], 0, blocks), SeqChunk(prompt[:128], 0, twin)])  # chunked: 128 + 72
+    first = runner.forward([SeqChunk(prompt[128:], 128, blocks), SeqChunk(prompt[128:], 128, twin)])
+    ours, twins = [first[0]], [first[1]]
     tokens = list(prompt)
-    for _ in range(32):  # decode steps through the CUDA graphs
+    for step in range(32):  # decode steps through the CUDA graphs
         tokens.append(int(ours[-1].argmax()))
-        ours.append(runner.forward([SeqChunk([tokens[-1]], len(tokens) - 1, blocks)])[0])
+        chunks = [SeqChunk([tokens[-1]], len(tokens) - 1, blocks)]
+        if step < 16:
+            chunks.append(SeqChunk([tokens[-1]], len(tokens) - 1, twin))
+        logits = runner.forward(chunks)
+        ours.append(logits[0])
+        if step < 16:
+            twins.append(logits[1])
     ours = torch.stack(ours)  # [33, vocab]
+    twin_cos = torch.nn.functional.cosine_similarity(torch.stack(twins), ours[:len(twins)], dim=-1)
+    assert twin_cos.min().item() >= 0.9999  # rows of a batch do not mix
     ids = torch.tensor([tokens], device="cuda")
     start = len(prompt) - 1
     hf_bf16 = hf(ids).logits[0, start:].float()

@@ -1,0 +1,128 @@
+"""The skinny GEMM's add-norm finish (a projection, the residual add and the next RMSNorm) and
+its L2 prefetch, against the torch references; the dispatch in kernels.ops."""
+
+import pytest
+import torch
+from kernel_testing import DEVICE, DTYPES, assert_close, gpu, poisoned, requires_cuda
+
+from kernels import ops, reference
+from kernels import skinny_gemm as sg
+
+CONFIGS = [None, (16, 32, 4, 2, 1), (32, 64, 4, 3, 2), (16, 32, 4, 3, 3)]
+
+
+def _case(M, N, K, dtype, device=DEVICE):
+    x = torch.randn(M, K, device=device).to(dtype)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
+    residual = torch.randn(M, N, device=device).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(N, device=device)).to(dtype)
+    return x, w, residual, norm_w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, N, K", [(2, 37, 200), (17, 64, 96), (64, 130, 128)])
+def test_matches_reference(dtype, M, N, K):
+    x, w, residual, norm_w = _case(M, N, K, dtype)
+    out, h = sg.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-5)
+    ref_out, ref_h = reference.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-5)
+    assert out.dtype == h.dtype == dtype and out.shape == h.shape == (M, N)
+    assert_close(h, ref_h, dtype)
+    assert_close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_splits_and_strided_operands(config):
+    """One split (the finish still runs), two, three; x, residual and outputs with row strides;
+    NaN past K and past each row's end, so a read outside them shows."""
+    base = torch.randn(41, 300, device=DEVICE) / 200**0.5
+    base[:, 200:] = float("nan")
+    w = base[:, :200]
+    x = torch.randn(5, 333, device=DEVICE)[:, :200]
+    res_base = torch.randn(5, 50, device=DEVICE)
+    res_base[:, 41:] = float("nan")
+    residual = res_base[:, :41]
+    norm_w = torch.randn(41, device=DEVICE)
+    y, new_res = poisoned((5, 60), torch.float32)[:, :41], poisoned((5, 70), torch.float32)[:, :41]
+    sg._launch_skinny(x, w, None, y, silu_mul=False, config=config,
+                      add_norm=sg.AddNorm(residual, norm_w, 1e-6, new_res))
+    ref_out, ref_h = reference.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-6)
+    assert_close(new_res, ref_h, torch.float32)
+    assert_close(y, ref_out, torch.float32)
+
+
+def test_bad_operands_are_refused_before_any_write():
+    x, w, residual, norm_w = _case(3, 8, 16, torch.float32)
+    y, new_res = poisoned((3, 8), torch.float32), poisoned((3, 8), torch.float32)
+    bad = [
+        sg.AddNorm(residual[:, :7], norm_w, 1e-5, new_res),  # residual of another width
+        sg.AddNorm(residual, norm_w[:7], 1e-5, new_res),
+        sg.AddNorm(residual.half(), norm_w, 1e-5, new_res),  # another dtype
+        sg.AddNorm(residual.T.contiguous().T, norm_w, 1e-5, new_res),  # columns contiguous
+    ]
+    for add_norm in bad:
+        with pytest.raises(AssertionError):
+            sg._launch_skinny(x, w, None, y, silu_mul=False, add_norm=add_norm)
+    with pytest.raises(AssertionError):  # a SiLU·mul projection has no add-norm finish
+        sg._launch_skinny(x, torch.randn(16, 16, device=DEVICE), None, y, silu_mul=True,
+                          add_norm=sg.AddNorm(residual, norm_w, 1e-5, new_res))
+    assert torch.isnan(y).all() and torch.isnan(new_res).all()
+
+
+def test_ops_falls_back_off_the_gpu_and_outside_the_rows():
+    """On the CPU (and for one token, or more than FUSED_NORM_MAX_ROWS) the op is the unfused pair."""
+    for M in (1, 3, ops.FUSED_NORM_MAX_ROWS + 1):
+        x, w, residual, norm_w = _case(M, 24, 40, torch.float32, "cpu")
+        out, h = ops.linear_add_rms_norm(x, w, residual, norm_w, 1e-5)
+        ref_out, ref_h = reference.fused_add_rms_norm(torch.nn.functional.linear(x, w), residual, norm_w, 1e-5)
+        assert torch.equal(out, ref_out) and torch.equal(h, ref_h)
+
+
+_SHAPES = [(4096, 4096), (4096, 11008), (4096, 14336), (2048, 8192), (2048, 2048)]  # o and down: 7B, 8B, 1B
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("M", [2, 8, 32, 64])
+@pytest.mark.parametrize("N, K", _SHAPES)
+def test_gpu_real_shapes_bf16(M, N, K):
+    x, w, residual, norm_w = _case(M, N, K, torch.bfloat16, "cuda")
+    out, h = sg.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-5)
+    ref_out, ref_h = reference.skinny_linear_add_rms_norm(x.float(), w.float(), residual.float(), norm_w.float(),
+                                                          1e-5)
+    assert_close(h, ref_h, torch.bfloat16)
+    assert_close(out, ref_out, torch.bfloat16)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("M", [2, 64])
+def test_gpu_l2_prefetch_changes_no_bit(monkeypatch, M):
+    """The prefetch is a hint: every form (plain with bias, SiLU·mul, add-norm; split and not)
+    gives the same bits with it on and off."""
+    x, w, residual, norm_w = _case(M, 4096, 4096, torch.bfloat16, "cuda")
+    gate_up = (torch.randn(2 * 11008, 4096, device="cuda") / 64).to(torch.bfloat16)
+    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    xd = torch.randn(M, 11008, device="cuda", dtype=torch.bfloat16)
+    down = (torch.randn(4096, 11008, device="cuda") / 105).to(torch.bfloat16)
+
+    def run():
+        return [sg.skinny_linear(x, w, bias), sg.skinny_silu_mul(x, gate_up), sg.skinny_linear(xd, down),
+                *sg.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-5)]
+
+    monkeypatch.setattr(sg, "L2_PREFETCH", False)
+    plain = run()
+    monkeypatch.setattr(sg, "L2_PREFETCH", True)
+    for a, b in zip(plain, run()):
+        assert torch.equal(a, b)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("M", [1, 2, 64, 65])
+def test_gpu_through_ops(M):
+    x, w, residual, norm_w = _case(M, 4096, 11008, torch.bfloat16, "cuda")
+    out, h = ops.linear_add_rms_norm(x, w, residual, norm_w, 1e-5)
+    ref_out, ref_h = reference.skinny_linear_add_rms_norm(x.float(), w.float(), residual.float(), norm_w.float(),
+                                                          1e-5)
+    assert_close(h, ref_h, torch.bfloat16)
+    assert_close(out, ref_out, torch.bfloat16)
