@@ -13,5 +13,11 @@ case "$1" in
       -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
     timeout 150 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 8,32,64 --rounds 1 \
       --variants rule,cublas 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
-  *) echo "usage: $0 check" >&2; exit 2 ;;
+  ab8)  # eighth session: the add-norm finish and the L2 prefetch (~7 min)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_skinny_add_norm.py \
+      tests/kernels/test_skinny_gemm.py tests/engine/test_engine_gpu.py tests/gpu/test_gpu_llama3_8b_parity.py \
+      -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
+    timeout 330 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 8,64 --rounds 1 \
+      --variants rule,unfused,l2,fused32,all64_l2 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
+  *) echo "usage: $0 check|ab8" >&2; exit 2 ;;
 esac
