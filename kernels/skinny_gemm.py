@@ -20,11 +20,6 @@ of the same outputs in one program, as kernels.gemv does.
 The o and down projections of a decoder layer are followed by the residual add and
 the next RMSNorm: there the finishing kernel (always run, one program per token
 row) does both, so the norm costs no kernel of its own.
-
-L2_PREFETCH: before waiting for the previous kernel (kernels.pdl), each program asks
-the L2 for its whole weight slab (one bulk prefetch per row: sm90's
-cp.async.bulk.prefetch.L2), so the weight read starts while the previous kernel's
-last programs still run.
 """
 
 from __future__ import annotations
@@ -35,14 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import l2_prefetch
 from kernels.device_props import num_sms
 from kernels.dot import dot, upcast_bf16_dot
 from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 MAX_M = 128  # the x tile and the accumulators grow with M: beyond this, cuBLAS's own tiles
 _SMEM_BYTES = 220 << 10  # tile buffers per program (sm90 allows 227 KB)
-L2_PREFETCH = False  # kernels.l2_prefetch before the PDL wait (engine A/B pending)
 
 
 @triton.jit
@@ -52,7 +45,6 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, WORKSPACE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr = False,
-    L2_PREFETCH: tl.constexpr = False, ELEM_BYTES: tl.constexpr = 2,
 ):
     """acc[n, m] = sum_k W[n, k] x[m, k] over this program's BLOCK_N rows and its split's K tiles
     [s * tiles_per_split, (s + 1) * tiles_per_split) * BLOCK_K (clipped to K), fp32;
@@ -79,11 +71,6 @@ def _skinny_kernel(
     k_lo = tl.program_id(1) * tiles_per_split * BLOCK_K
     k_hi = tl.minimum(k_lo + tiles_per_split * BLOCK_K, K)
     kmask = k_lo + cols < K  # only the last tile of K is ragged: splits start on tile boundaries
-    if L2_PREFETCH:  # the program's rows over [k_lo, k_hi) (launcher: 16-byte aligned, K * size % 16 == 0)
-        nbytes = (k_hi - k_lo) * ELEM_BYTES
-        l2_prefetch.prefetch_l2(w_ptr + rows * stride_wn + k_lo, nbytes)
-        if SILU_MUL:
-            l2_prefetch.prefetch_l2(w_ptr + (rows + num_out) * stride_wn + k_lo, nbytes)
     if EVEN_K:
         w = tl.load(gate_ptrs + k_lo)
     else:
@@ -244,16 +231,12 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     # the workspace comes from the caching allocator: no sync, and fine inside CUDA graph capture
     out = torch.empty((split_k, M, rows_w), dtype=torch.float32, device=y.device) if workspace else y
     dummy_bias = bias if bias is not None else out  # never read without HAS_BIAS
-    row_bytes = weight.stride(0) * weight.element_size()
-    prefetch = (L2_PREFETCH and l2_prefetch.supported(x) and weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0
-                and K * weight.element_size() % 16 == 0 and block_k * weight.element_size() % 16 == 0)
     _skinny_kernel[(triton.cdiv(num_out, block_n), split_k)](
         x, weight, dummy_bias, out, M, num_out, K, x.stride(0), weight.stride(0), out.stride(-2),
         out.stride(0) if workspace else 0, tiles_per_split,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, WORKSPACE=workspace,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT_UPCAST=upcast_bf16_dot(x.dtype),
-        L2_PREFETCH=prefetch, ELEM_BYTES=weight.element_size(),
         num_warps=num_warps, num_stages=num_stages, **launch_options(x),
     )
     if not workspace:

@@ -4,7 +4,7 @@ without PREFETCH or with it at every fused batch (up to 8), at 3 stages; the dec
 projections through cuBLAS instead of the skinny GEMM, or the skinny GEMM for every projection
 up to 64 rows (kernels.ops.SKINNY_GEMM_*; up to 32, the rule since 3e46018, was the variant
 skinny32; at 128 rows it lost everywhere, 7B 9.61 -> 10.53 ms); the o/down projections without
-the add-norm finish (unfused) or with it up to 32 rows only; the skinny GEMM's L2 prefetch.
+the add-norm finish (unfused) or with it up to 32 rows only.
     python3 scripts/decode_ab.py [--models llama2-7b] [--batches 1,64] [--rounds 2] [--variants rule,cublas]
 (device: source scripts/device_env.sh first)"""
 import argparse
@@ -15,14 +15,13 @@ import torch
 import kernels.decode_attention as da
 import kernels.decode_config as dc
 import kernels.ops as ops
-import kernels.skinny_gemm as sg
 from bench.engine import build_runner, decode_workload
 from engine.block_allocator import BlockAllocator
 
 VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost in the engine A/B
     # (code removed): partly-filled tile first, 32-token tiles, the register-pipelined loop (this
     # script at 2dc0936 and cfc08a0); block ids a tile ahead (IDS_AHEAD, at 1b9d36e); the stream-K
-    # skinny GEMM (streamk*, at 5c97901)
+    # skinny GEMM (streamk*, at 5c97901); the skinny GEMM's L2 bulk prefetch (l2, all64_l2, at a82129f)
     "rule": {},
     "no_prefetch": {(da, "PREFETCH"): False},
     "prefetch_b8": {(da, "PREFETCH_MAX_BATCH"): 8},
@@ -31,8 +30,6 @@ VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost
     "skinny64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64},
     "unfused": {(ops, "FUSED_NORM_MAX_ROWS"): 0},  # o/down then their own add + RMSNorm kernel
     "fused32": {(ops, "FUSED_NORM_MAX_ROWS"): 32},  # at 64 rows: o on cuBLAS, down skinny, norms apart
-    "l2": {(sg, "L2_PREFETCH"): True},
-    "all64_l2": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64, (sg, "L2_PREFETCH"): True},
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 

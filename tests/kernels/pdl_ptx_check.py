@@ -68,9 +68,8 @@ def _check_waits_first(lines, arg_names, constant_params):
             if name in derived:
                 derived[name].add(param.group(1))
             continue
-        assert not re.search(r"\b(st|red|atom)\.global|cp\.async(?!\.bulk\.prefetch\.L2)", line), \
-            f"a write before the wait: {line}"
-        if "ld.global" in line or "prefetch.L2" in line:  # a load, or a bulk L2 prefetch (kernels.l2_prefetch)
+        assert not re.search(r"\b(st|red|atom)\.global|cp\.async", line), f"a write before the wait: {line}"
+        if "ld.global" in line:
             address = re.search(r"\[\s*(%\w+)", line).group(1)
             assert address not in tainted, f"an activation read before the wait: {line}"
             loaded.update(name for name, regs in derived.items() if address in regs)
@@ -116,12 +115,9 @@ _KERNELS = [
                                    (True, True, False, 4, 512), (True, False, False, 4, 512)]
 ] + [
     (_skinny_kernel, dict(BLOCK_M=m, BLOCK_N=64, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu,
-                          WORKSPACE=split, DOT_PRECISION="tf32", DOT_UPCAST=False, L2_PREFETCH=l2),
-     ("w_ptr",), _SKINNY_DIVISIBLE)
-    for m, k, even, bias, silu, split, l2 in [
-        (64, 128, True, False, False, False, False), (64, 128, False, True, False, True, False),
-        (64, 64, True, False, True, False, False), (128, 64, False, False, True, True, False),
-        (64, 128, True, False, False, True, True), (64, 64, True, False, True, False, True)]
+                          WORKSPACE=split, DOT_PRECISION="tf32", DOT_UPCAST=False), ("w_ptr",), _SKINNY_DIVISIBLE)
+    for m, k, even, bias, silu, split in [(64, 128, True, False, False, False), (64, 128, False, True, False, True),
+                                          (64, 64, True, False, True, False), (128, 64, False, False, True, True)]
 ] + [(_split_sum_kernel, dict(SPLIT_K=2, BLOCK=1024, HAS_BIAS=True, SILU_MUL=True), ()),
      (_split_sum_kernel, dict(SPLIT_K=2, BLOCK=4096, HAS_BIAS=False, SILU_MUL=False, ADD_NORM=True), ())]
 
@@ -130,9 +126,6 @@ def main() -> int:
     for fn, constexprs, constant_params, *divisible in _KERNELS:
         lines, arg_names = _ptx(fn, constexprs, *divisible)
         _check_waits_first(lines, arg_names, constant_params)
-        if constexprs.get("L2_PREFETCH"):  # the weight slab is asked for before the wait
-            wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
-            assert any("cp.async.bulk.prefetch.L2.global" in line for line in lines[:wait]), "no L2 prefetch"
     print(f"ok: {len(_KERNELS)} kernels wait first")
     return 0
 
