@@ -15,6 +15,7 @@ import torch
 import kernels.decode_attention as da
 import kernels.decode_config as dc
 import kernels.ops as ops
+import kernels.skinny_gemm as sg
 from bench.engine import build_runner, decode_workload
 from engine.block_allocator import BlockAllocator
 
@@ -30,6 +31,9 @@ VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost
     "skinny64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64},
     "unfused": {(ops, "FUSED_NORM_MAX_ROWS"): 0},  # o/down then their own add + RMSNorm kernel
     "fused32": {(ops, "FUSED_NORM_MAX_ROWS"): 32},  # at 64 rows: o on cuBLAS, down skinny, norms apart
+    "all64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64, (sg, "FULL_GRID_TWO_PER_SM"): True},
+    "merge": {(da, "MERGE_LAST"): True},
+    "all64_merge": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64, (sg, "FULL_GRID_TWO_PER_SM"): True, (da, "MERGE_LAST"): True},
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 

@@ -40,6 +40,22 @@ def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_d
     assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # 32- and 64-token tiles
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+@pytest.mark.parametrize("merge", [False, True])
+def test_tile_edges(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits, merge):
+    """Contexts at, one past and one short of whole tiles of 32 and 64, shorter than a tile, and
+    empty, with and without MERGE_LAST (the partly filled last tile attended with the one before)."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "MERGE_LAST", merge)
+    seq_lens = [64, 65, 63, 128, 129, 31, 1, 0, 257, 192, 97]
+    inputs = _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    out = decode_attention(*inputs, head_dim**-0.5, window)
+    assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
+
+
 def test_launch_settings_reach_the_kernels(monkeypatch):
     """The grid order is passed on (both orders give the same answer, so the answer tests
     cannot see it); the fused form prefetches at batches of up to PREFETCH_MAX_BATCH only,
@@ -117,7 +133,9 @@ def test_num_splits_depends_on_shapes_only():
 @pytest.mark.parametrize("num_kv_heads", [8, 32])
 @pytest.mark.parametrize("window", [None, 1024])
 @pytest.mark.parametrize("num_seqs", [1, 7, 64])
-def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs):
+@pytest.mark.parametrize("merge", [False, True])
+def test_gpu_real_shapes_bf16(monkeypatch, num_kv_heads, window, num_seqs, merge):
+    monkeypatch.setattr(decode_module, "MERGE_LAST", merge)
     torch.manual_seed(num_seqs)
     seq_lens = torch.randint(1, 8193, (num_seqs,)).tolist()
     seq_lens[0] = 8192
