@@ -40,12 +40,13 @@ HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention 
 # 0.916 ms per step, llama3-8b 4.12 -> 4.06; batch 8 llama2-7b 4.56 -> 4.76, slower).
 PREFETCH = True
 PREFETCH_MAX_BATCH = 1
-# Where a share ends in a partly filled tile, that tile and the whole one before it are attended
-# as one tile of 2 * BLOCK_N: the program's loop is one iteration (one dependent round trip to
-# memory) shorter. Every program of a decode step runs about the same loop, in lockstep waves,
-# so an extra iteration that moves a few tokens costs nearly what a full one does (a 257-token
-# context took 85 us per layer against 74 at 256 on llama2-7b b64, fifth session). Engine A/B pending.
-MERGE_LAST = False
+# Programs whose KV head + sequence index is odd take their share's tiles last to first. Each
+# program's last tile is mostly partly filled (it moves few bytes but costs a whole round trip),
+# and all programs of a step run about the same loop in lockstep: in order, they would all be
+# on that tile at once, with the memory idle; staggered, half of them are on a full tile then.
+# (A 257-token context took 85 us per layer against 74 at 256, llama2-7b b64, fifth session.)
+# Engine A/B pending.
+STAGGER = 0  # 1: staggered; 2: the same index loop, every program in order (A/B control)
 
 
 @triton.jit
@@ -63,7 +64,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, MERGE_LAST: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, STAGGER: tl.constexpr = 0,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -80,9 +81,8 @@ def _decode_partial_kernel(
     block tables and lengths are not written by the kernels before it in the step). A decode
     row has seq_len >= 1. The GPU compiler may contract the multiply-adds differently from
     kernels.rotary: about 1 value in 50,000 differs by 1 bf16 ulp from the unfused path.
-    MERGE_LAST (not with PREFETCH): a share of n full tiles and a partial one runs n - 1 tiles in
-    the loop and the last 2 * BLOCK_N positions (partial) as one tile (online softmax: the same
-    sums, grouped differently).
+    STAGGER: programs with kv_head + seq odd take the loop's tiles in reverse order (online
+    softmax: the same sums in another order).
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
@@ -159,20 +159,20 @@ def _decode_partial_kernel(
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
                                             DOT_PRECISION, DOT_UPCAST)
         loop_end = last_tile
-    if MERGE_LAST:
-        count = tl.maximum(end - start, 0)
-        if count % BLOCK_N != 0:  # the loop stops before the last whole tile, or at once if none
-            loop_end = start + tl.maximum(count // BLOCK_N - 1, 0) * BLOCK_N
-    for start_n in range(start, loop_end, BLOCK_N):
-        k, v, offs_n, kv_valid = _load_kv_tile(
-            k_base, v_base, block_table_row, start_n, end,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
-        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
-    if MERGE_LAST:
-        if loop_end < end:  # [loop_end, end): fewer than 2 * BLOCK_N positions
+    if STAGGER:
+        n_tiles = tl.cdiv(tl.maximum(loop_end - start, 0), BLOCK_N)
+        backwards = ((kv_head + seq) % 2 == 1) & (STAGGER == 1)  # 2: the same loop, in order (A/B)
+        for t in range(0, n_tiles):
+            start_n = start + tl.where(backwards, n_tiles - 1 - t, t) * BLOCK_N
             k, v, offs_n, kv_valid = _load_kv_tile(
-                k_base, v_base, block_table_row, loop_end, end,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, 2 * BLOCK_N, HEAD_DIM)
+                k_base, v_base, block_table_row, start_n, end,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
+            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
+    else:
+        for start_n in range(start, loop_end, BLOCK_N):
+            k, v, offs_n, kv_valid = _load_kv_tile(
+                k_base, v_base, block_table_row, start_n, end,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
@@ -292,7 +292,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
-        PREFETCH=prefetch, MERGE_LAST=MERGE_LAST and not prefetch,
+        PREFETCH=prefetch, STAGGER=STAGGER,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     if not direct:

@@ -36,11 +36,6 @@ from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 MAX_M = 128  # the x tile and the accumulators grow with M: beyond this, cuBLAS's own tiles
 _SMEM_BYTES = 220 << 10  # tile buffers per program (sm90 allows 227 KB)
-# Above 32 rows, a weight whose row blocks alone fill the SMs (qkv, gate_up, lm_head) takes
-# 64-wide K tiles and as many stages as leave room for two programs per SM: in the seventh
-# session's sweep at 64 rows the best settings for qkv and gate_up (31.0 and 53.0 us against
-# cuBLAS's 30.1 and 52.9 + the SiLU·mul kernel; the 128-wide rule: 33.5 and 60.8). Engine A/B pending.
-FULL_GRID_TWO_PER_SM = False
 
 
 @triton.jit
@@ -186,9 +181,6 @@ def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2,
         if num_stages >= 3 or block_k <= 64:  # 2 stages leave no tile in flight during the wait
             break
     programs = triton.cdiv(N // 2 if silu_mul else N, block_n)
-    if FULL_GRID_TWO_PER_SM and M > 32 and programs >= sms:
-        stage_bytes = ((2 if silu_mul else 1) * block_n + block_m) * 64 * elem_size
-        return block_n, 64, 4, max(2, min(4, _SMEM_BYTES // 2 // stage_bytes - 1)), 1
     k_tiles = triton.cdiv(K, block_k)
     split_k = 1
     while split_k < 8 and programs * split_k < 0.9 * sms and k_tiles >= (split_k + 1) * num_stages:

@@ -15,14 +15,13 @@ import torch
 import kernels.decode_attention as da
 import kernels.decode_config as dc
 import kernels.ops as ops
-import kernels.skinny_gemm as sg
 from bench.engine import build_runner, decode_workload
 from engine.block_allocator import BlockAllocator
 
 VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost in the engine A/B
     # (code removed): partly-filled tile first, 32-token tiles, the register-pipelined loop (this
     # script at 2dc0936 and cfc08a0); block ids a tile ahead (IDS_AHEAD, at 1b9d36e); the stream-K
-    # skinny GEMM (streamk*, at 5c97901); the skinny GEMM's L2 bulk prefetch (l2, all64_l2, at a82129f)
+    # skinny GEMM (streamk*, at 5c97901); the skinny GEMM's L2 bulk prefetch (l2, all64_l2, at a82129f); 64-wide K tiles for qkv/gate_up at 64 rows (all64) and the partial last decode tile merged with the one before (merge), both at f113132
     "rule": {},
     "no_prefetch": {(da, "PREFETCH"): False},
     "prefetch_b8": {(da, "PREFETCH_MAX_BATCH"): 8},
@@ -31,9 +30,8 @@ VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost
     "skinny64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64},
     "unfused": {(ops, "FUSED_NORM_MAX_ROWS"): 0},  # o/down then their own add + RMSNorm kernel
     "fused32": {(ops, "FUSED_NORM_MAX_ROWS"): 32},  # at 64 rows: o on cuBLAS, down skinny, norms apart
-    "all64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64, (sg, "FULL_GRID_TWO_PER_SM"): True},
-    "merge": {(da, "MERGE_LAST"): True},
-    "all64_merge": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64, (sg, "FULL_GRID_TWO_PER_SM"): True, (da, "MERGE_LAST"): True},
+    "stagger": {(da, "STAGGER"): 1},
+    "tloop": {(da, "STAGGER"): 2},  # stagger's loop form without the staggering
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 

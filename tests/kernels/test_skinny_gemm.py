@@ -100,19 +100,6 @@ def test_bad_shapes_are_refused():
         _launch_skinny(x, w, torch.randn(4, device=DEVICE), poisoned((2, 2), torch.float32), silu_mul=True)
 
 
-def test_full_grid_rule_at_wide_batches(monkeypatch):
-    from kernels import skinny_gemm
-
-    monkeypatch.setattr(skinny_gemm, "FULL_GRID_TWO_PER_SM", True)
-    assert tile_config(64, 12288, 4096, False) == (64, 64, 4, 4, 1)  # qkv: 192 row blocks
-    assert tile_config(64, 22016, 4096, True) == (64, 64, 4, 3, 1)  # gate_up: two programs' stages fit
-    assert tile_config(64, 4096, 4096, False)[4] == 2  # o: 64 row blocks, split as before
-    assert tile_config(32, 12288, 4096, False)[1] == 128  # 32 rows: the rule as before
-    for M, N, silu in ((64, 12288, False), (64, 22016, True), (128, 28672, True)):
-        block_n, block_k, _, stages, _ = tile_config(M, N, 4096, silu)
-        assert 2 * ((2 if silu else 1) * block_n + max(16, M)) * block_k * 2 * (stages + 1) <= 227 << 10
-
-
 def test_tile_rule_fills_the_grid_and_shared_memory():
     assert tile_config(64, 4096, 4096, False)[4] == 2  # 64 row blocks: 128 programs
     assert tile_config(64, 12288, 4096, False)[4] == 1  # 192 row blocks
@@ -157,13 +144,3 @@ def test_gpu_through_ops(M):
     xd = torch.randn(M, 11008, device="cuda", dtype=torch.bfloat16)
     assert_close(ops.linear(xd, down), reference.gemv(xd.float(), down.float()), torch.bfloat16)
 
-
-@gpu
-@requires_cuda
-@pytest.mark.parametrize("M", [33, 64, 128])
-@pytest.mark.parametrize("N, K, silu", _SHAPES + [(128256, 4096, False)])
-def test_gpu_full_grid_rule(monkeypatch, M, N, K, silu):
-    from kernels import skinny_gemm
-
-    monkeypatch.setattr(skinny_gemm, "FULL_GRID_TWO_PER_SM", True)
-    test_gpu_real_shapes_bf16(M, N, K, silu)
