@@ -46,7 +46,7 @@ PREFETCH_MAX_BATCH = 1
 # on that tile at once, with the memory idle; staggered, half of them are on a full tile then.
 # (A 257-token context took 85 us per layer against 74 at 256, llama2-7b b64, fifth session.)
 # Engine A/B pending.
-STAGGER = 0  # 1: staggered; 2: the same index loop, every program in order (A/B control)
+STAGGER = 0  # 1: odd programs' loop backwards, its form kept; 2: the same as an index loop (A/B)
 
 
 @triton.jit
@@ -81,8 +81,8 @@ def _decode_partial_kernel(
     block tables and lengths are not written by the kernels before it in the step). A decode
     row has seq_len >= 1. The GPU compiler may contract the multiply-adds differently from
     kernels.rotary: about 1 value in 50,000 differs by 1 bf16 ulp from the unfused path.
-    STAGGER: programs with kv_head + seq odd take the loop's tiles in reverse order (online
-    softmax: the same sums in another order).
+    STAGGER: programs with kv_head + seq odd take their share's tiles last to first (online
+    softmax: the same sums in another order); 1 and 2 differ in the loop's form only.
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
@@ -159,9 +159,13 @@ def _decode_partial_kernel(
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
                                             DOT_PRECISION, DOT_UPCAST)
         loop_end = last_tile
-    if STAGGER:
+    if STAGGER == 1:  # odd programs: tile start + i at iteration n - 1 - i (affine in the loop variable)
+        odd = (kv_head + seq) % 2
+        mirror = odd * (2 * start + tl.maximum(tl.cdiv(loop_end - start, BLOCK_N) - 1, 0) * BLOCK_N)
+        sign = 1 - 2 * odd
+    if STAGGER == 2:  # odd programs take the tiles last to first (an index loop)
         n_tiles = tl.cdiv(tl.maximum(loop_end - start, 0), BLOCK_N)
-        backwards = ((kv_head + seq) % 2 == 1) & (STAGGER == 1)  # 2: the same loop, in order (A/B)
+        backwards = (kv_head + seq) % 2 == 1
         for t in range(0, n_tiles):
             start_n = start + tl.where(backwards, n_tiles - 1 - t, t) * BLOCK_N
             k, v, offs_n, kv_valid = _load_kv_tile(
@@ -170,6 +174,8 @@ def _decode_partial_kernel(
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
     else:
         for start_n in range(start, loop_end, BLOCK_N):
+            if STAGGER == 1:
+                start_n = mirror + sign * start_n
             k, v, offs_n, kv_valid = _load_kv_tile(
                 k_base, v_base, block_table_row, start_n, end,
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)

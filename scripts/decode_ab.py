@@ -30,8 +30,8 @@ VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost
     "skinny64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64},
     "unfused": {(ops, "FUSED_NORM_MAX_ROWS"): 0},  # o/down then their own add + RMSNorm kernel
     "fused32": {(ops, "FUSED_NORM_MAX_ROWS"): 32},  # at 64 rows: o on cuBLAS, down skinny, norms apart
-    "stagger": {(da, "STAGGER"): 1},
-    "tloop": {(da, "STAGGER"): 2},  # stagger's loop form without the staggering
+    "stagger": {(da, "STAGGER"): 1},  # odd programs' loop backwards, the loop's form kept
+    "stagger_rev": {(da, "STAGGER"): 2},  # the same as an index loop (call 3: 7B b64 = rule)
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 

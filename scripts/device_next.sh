@@ -20,10 +20,10 @@ case "$1" in
     timeout 330 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 8,64 --rounds 1 \
       --variants rule,unfused,l2,fused32,all64_l2 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
   ab8c)  # eighth session, call 3: staggered decode tiles (~5 min)
-    timeout 330 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 8,64 --rounds 1 \
-      --variants rule,stagger,tloop 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step"
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
-      tests/kernels/test_decode_attention_new_token.py -m gpu -k "stagger or graph" 2>&1 \
+    timeout 330 python3 scripts/decode_ab.py --models llama2-7b --batches 8,64 --rounds 2 \
+      --variants rule,stagger,stagger_rev 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step"
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_decode_attention.py \
+      tests/kernels/test_decode_attention_new_token.py -m gpu -k "real_shapes or graph" 2>&1 \
       | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8 ;;
   *) echo "usage: $0 check|ab8|ab8c" >&2; exit 2 ;;
 esac
