@@ -40,13 +40,6 @@ HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention 
 # 0.916 ms per step, llama3-8b 4.12 -> 4.06; batch 8 llama2-7b 4.56 -> 4.76, slower).
 PREFETCH = True
 PREFETCH_MAX_BATCH = 1
-# Programs whose KV head + sequence index is odd take their share's tiles last to first. Each
-# program's last tile is mostly partly filled (it moves few bytes but costs a whole round trip),
-# and all programs of a step run about the same loop in lockstep: in order, they would all be
-# on that tile at once, with the memory idle; staggered, half of them are on a full tile then.
-# (A 257-token context took 85 us per layer against 74 at 256, llama2-7b b64, fifth session.)
-# Engine A/B pending.
-STAGGER = 0  # 1: odd programs' loop backwards, its form kept; 2: the same as an index loop (A/B)
 
 
 @triton.jit
@@ -64,7 +57,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, STAGGER: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -81,8 +74,6 @@ def _decode_partial_kernel(
     block tables and lengths are not written by the kernels before it in the step). A decode
     row has seq_len >= 1. The GPU compiler may contract the multiply-adds differently from
     kernels.rotary: about 1 value in 50,000 differs by 1 bf16 ulp from the unfused path.
-    STAGGER: programs with kv_head + seq odd take their share's tiles last to first (online
-    softmax: the same sums in another order); 1 and 2 differ in the loop's form only.
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
@@ -159,27 +150,11 @@ def _decode_partial_kernel(
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
                                             DOT_PRECISION, DOT_UPCAST)
         loop_end = last_tile
-    if STAGGER == 1:  # odd programs: tile start + i at iteration n - 1 - i (affine in the loop variable)
-        odd = (kv_head + seq) % 2
-        mirror = odd * (2 * start + tl.maximum(tl.cdiv(loop_end - start, BLOCK_N) - 1, 0) * BLOCK_N)
-        sign = 1 - 2 * odd
-    if STAGGER == 2:  # odd programs take the tiles last to first (an index loop)
-        n_tiles = tl.cdiv(tl.maximum(loop_end - start, 0), BLOCK_N)
-        backwards = (kv_head + seq) % 2 == 1
-        for t in range(0, n_tiles):
-            start_n = start + tl.where(backwards, n_tiles - 1 - t, t) * BLOCK_N
-            k, v, offs_n, kv_valid = _load_kv_tile(
-                k_base, v_base, block_table_row, start_n, end,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
-            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
-    else:
-        for start_n in range(start, loop_end, BLOCK_N):
-            if STAGGER == 1:
-                start_n = mirror + sign * start_n
-            k, v, offs_n, kv_valid = _load_kv_tile(
-                k_base, v_base, block_table_row, start_n, end,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
-            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
+    for start_n in range(start, loop_end, BLOCK_N):
+        k, v, offs_n, kv_valid = _load_kv_tile(
+            k_base, v_base, block_table_row, start_n, end,
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0
@@ -285,7 +260,6 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         po_strides = partial_out.stride()[:3]
         pl_strides = partial_lse.stride()[:2]
     grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
-    prefetch = PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH
     _decode_partial_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, out,
         k_new, v_new, positions, cos_sin, slots,
@@ -298,7 +272,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
-        PREFETCH=prefetch, STAGGER=STAGGER,
+        PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
     )
     if not direct:

@@ -21,7 +21,7 @@ from engine.block_allocator import BlockAllocator
 VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost in the engine A/B
     # (code removed): partly-filled tile first, 32-token tiles, the register-pipelined loop (this
     # script at 2dc0936 and cfc08a0); block ids a tile ahead (IDS_AHEAD, at 1b9d36e); the stream-K
-    # skinny GEMM (streamk*, at 5c97901); the skinny GEMM's L2 bulk prefetch (l2, all64_l2, at a82129f); 64-wide K tiles for qkv/gate_up at 64 rows (all64) and the partial last decode tile merged with the one before (merge), both at f113132
+    # skinny GEMM (streamk*, at 5c97901); the skinny GEMM's L2 bulk prefetch (l2, all64_l2, at a82129f); 64-wide K tiles for qkv/gate_up at 64 rows (all64) and the partial last decode tile merged with the one before (merge), both at f113132; half the programs' tiles in reverse order (stagger, stagger_rev, at 9713b49)
     "rule": {},
     "no_prefetch": {(da, "PREFETCH"): False},
     "prefetch_b8": {(da, "PREFETCH_MAX_BATCH"): 8},
@@ -30,8 +30,6 @@ VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost
     "skinny64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64},
     "unfused": {(ops, "FUSED_NORM_MAX_ROWS"): 0},  # o/down then their own add + RMSNorm kernel
     "fused32": {(ops, "FUSED_NORM_MAX_ROWS"): 32},  # at 64 rows: o on cuBLAS, down skinny, norms apart
-    "stagger": {(da, "STAGGER"): 1},  # odd programs' loop backwards, the loop's form kept
-    "stagger_rev": {(da, "STAGGER"): 2},  # the same as an index loop (call 3: 7B b64 = rule)
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 

@@ -44,12 +44,9 @@ def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_d
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("num_splits", [1, 2, 3])
-@pytest.mark.parametrize("stagger", [0, 1, 2])
-def test_tile_edges(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits, stagger):
-    """Contexts at, one past and one short of whole tiles of 32 and 64, shorter than a tile, and
-    empty, with and without STAGGER (half the programs take their tiles last to first)."""
+def test_tile_edges(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
+    """Contexts at, one past and one short of whole tiles of 32 and 64, shorter than a tile, and empty."""
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "STAGGER", stagger)
     seq_lens = [64, 65, 63, 128, 129, 31, 1, 0, 257, 192, 97]
     inputs = _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
     out = decode_attention(*inputs, head_dim**-0.5, window)
@@ -133,9 +130,7 @@ def test_num_splits_depends_on_shapes_only():
 @pytest.mark.parametrize("num_kv_heads", [8, 32])
 @pytest.mark.parametrize("window", [None, 1024])
 @pytest.mark.parametrize("num_seqs", [1, 7, 64])
-@pytest.mark.parametrize("stagger", [0, 1, 2])
-def test_gpu_real_shapes_bf16(monkeypatch, num_kv_heads, window, num_seqs, stagger):
-    monkeypatch.setattr(decode_module, "STAGGER", stagger)
+def test_gpu_real_shapes_bf16(monkeypatch, num_kv_heads, window, num_seqs):
     torch.manual_seed(num_seqs)
     seq_lens = torch.randint(1, 8193, (num_seqs,)).tolist()
     seq_lens[0] = 8192

@@ -88,27 +88,13 @@ def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, 
     _check(inputs, torch.bfloat16, window)
 
 
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_staggered_tiles(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, num_splits):
-    """STAGGER in the fused form (without PREFETCH): the new token's tile first or last."""
-    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "PREFETCH", False)
-    monkeypatch.setattr(decode_module, "STAGGER", 1)
-    inputs = _inputs([1, 70, 33, 130, 2, 64, 150, 65], num_q_heads, num_kv_heads, head_dim, block_size,
-                     torch.bfloat16, padded_row=4)
-    _check(inputs, torch.bfloat16, None)
-
-
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("stagger", [0, 1, 2])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("batch, context", [(1, 256), (64, 256), (128, 416)])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
-def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, stagger, monkeypatch):
+def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, monkeypatch):
     monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
-    monkeypatch.setattr(decode_module, "STAGGER", stagger)
     monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
     lens = [context - 7 * i % 50 for i in range(batch)]
     inputs = _inputs(lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16, padded_row=None)
