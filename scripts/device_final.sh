@@ -11,7 +11,7 @@ source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"/mixed
 case "$1" in
   engine)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/gpu tests/engine -m gpu 2>&1 \
+    timeout 230 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/gpu tests/engine -m gpu 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -4
     timeout 300 python3 -m bench.engine --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 \
       --anchors prefill,static --anchor-models llama2-7b --out "$OUT/benchmarks.json" 2>&1 | tee "$OUT/bench.log" \
