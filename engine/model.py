@@ -112,8 +112,8 @@ class LlamaFamilyModel(nn.Module):
     ) -> torch.Tensor:
         """-> [T, hidden], final-normed hidden states of every new token."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        hidden, residual = ops.fused_add_rms_norm(hidden, None, self.layers[0].input_layernorm,
-                                                  self.config.rms_norm_eps)
+        first_norm = self.layers[0].input_layernorm if len(self.layers) else self.norm
+        hidden, residual = ops.fused_add_rms_norm(hidden, None, first_norm, self.config.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv_pool, meta, next_norm)

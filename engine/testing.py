@@ -68,6 +68,10 @@ def make_tiny_checkpoint(path: str | os.PathLike, arch: str = "llama", seed: int
     with torch.random.fork_rng(devices=[]):  # seeded, without disturbing the caller's RNG
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # norm weights other than HF's all-ones default, so a mixed-up norm shows
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(1 + 0.1 * torch.randn_like(param))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -220,8 +220,8 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if M == 0 or num_out == 0:
         return
     if K == 0:  # an empty sum (and silu(0) * 0 = 0)
-        y.copy_(bias.expand(M, num_out)) if bias is not None else y.zero_()
         assert add_norm is None, "the add-norm finish needs K > 0"
+        y.copy_(bias.expand(M, num_out)) if bias is not None else y.zero_()
         return
     block_n, block_k, num_warps, num_stages, split_k = config or tile_config(
         M, rows_w, K, silu_mul, x.element_size(), num_sms(x.device))

@@ -130,7 +130,7 @@ def test_num_splits_depends_on_shapes_only():
 @pytest.mark.parametrize("num_kv_heads", [8, 32])
 @pytest.mark.parametrize("window", [None, 1024])
 @pytest.mark.parametrize("num_seqs", [1, 7, 64])
-def test_gpu_real_shapes_bf16(monkeypatch, num_kv_heads, window, num_seqs):
+def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs):
     torch.manual_seed(num_seqs)
     seq_lens = torch.randint(1, 8193, (num_seqs,)).tolist()
     seq_lens[0] = 8192

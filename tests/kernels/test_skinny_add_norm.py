@@ -50,6 +50,52 @@ def test_splits_and_strided_operands(config):
     assert_close(y, ref_out, torch.float32)
 
 
+def test_the_product_is_rounded_before_the_add():
+    """As linear then the add: 1024 + 1/16 is 1024 in fp16, so with a residual of -1024 the sum is
+    exactly 0 (not 1/16), and the norm sees that."""
+    x = torch.tensor([[1024.0, 0.0625], [3.0, 0.5]], device=DEVICE).half()
+    w = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 2.0]], device=DEVICE).half()
+    residual = torch.tensor([[-1024.0, 1.0, 2.0], [1.0, -2.0, 0.25]], device=DEVICE).half()
+    norm_w = torch.tensor([1.0, 0.5, 2.0], device=DEVICE).half()
+    out, h = sg.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-6)
+    ref_out, ref_h = reference.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-6)
+    assert h[0, 0].item() == 0.0 and torch.equal(h.cpu(), ref_h.cpu())
+    assert_close(out, ref_out, torch.float16)
+
+
+def test_eps_counts_for_small_rows():
+    """Rows of magnitude ~1e-3: mean(h^2) ~ 1e-6, so eps = 1e-5 dominates the scale."""
+    x, w, residual, norm_w = _case(4, 48, 64, torch.float32)
+    x, residual = x * 1e-3, residual * 1e-3
+    for eps in (1e-5, 1e-3):
+        out, _ = sg.skinny_linear_add_rms_norm(x, w, residual, norm_w, eps)
+        assert_close(out, reference.skinny_linear_add_rms_norm(x, w, residual, norm_w, eps)[0], torch.float32)
+
+
+def test_ops_sends_2_to_max_rows_to_the_fused_kernel(monkeypatch):
+    """The dispatch's row range (CUDA layouts faked: the kernel is a recorder here)."""
+    calls = []
+
+    def fused(x, weight, residual, norm_weight, eps):
+        calls.append(x.shape[0])
+        return "fused"
+
+    monkeypatch.setattr(ops, "_triton_layout", lambda x, weight, bias: True)
+    monkeypatch.setattr(ops, "_triton_impl", lambda name: fused if name == "skinny_linear_add_rms_norm" else None)
+    monkeypatch.setattr(ops, "fused_add_rms_norm", lambda y, residual, w, eps: "unfused")
+    monkeypatch.setattr(ops, "linear", lambda x, weight: x)
+    w = torch.empty(8, 4)
+    for rows, expected in ((1, "unfused"), (2, "fused"), (ops.FUSED_NORM_MAX_ROWS, "fused"),
+                           (ops.FUSED_NORM_MAX_ROWS + 1, "unfused")):
+        assert ops.linear_add_rms_norm(torch.empty(rows, 4), w, torch.empty(rows, 8), None, 1e-5) == expected
+    assert ops.linear_add_rms_norm(torch.empty(3, 4), w, None, None, 1e-5) == "unfused"  # no residual
+    assert ops.linear_add_rms_norm(torch.empty(3, 4), w, torch.empty(3, 7), None, 1e-5) == "unfused"
+    assert ops.linear_add_rms_norm(torch.empty(3, 4), w, torch.empty(3, 8).half(), None, 1e-5) == "unfused"
+    monkeypatch.setattr(ops, "FUSED_NORM_MAX_ROWS", 0)
+    assert ops.linear_add_rms_norm(torch.empty(2, 4), w, torch.empty(2, 8), None, 1e-5) == "unfused"
+    assert calls == [2, 64]
+
+
 def test_bad_operands_are_refused_before_any_write():
     x, w, residual, norm_w = _case(3, 8, 16, torch.float32)
     y, new_res = poisoned((3, 8), torch.float32), poisoned((3, 8), torch.float32)
@@ -96,9 +142,15 @@ def test_gpu_real_shapes_bf16(M, N, K):
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("M", [1, 2, 64, 65])
-def test_gpu_through_ops(M):
+def test_gpu_through_ops(monkeypatch, M):
+    calls = []
+    fused = sg.skinny_linear_add_rms_norm
+    monkeypatch.setattr(sg, "skinny_linear_add_rms_norm", lambda *args: calls.append(1) or fused(*args))
+    ops._triton_impl.cache_clear()
     x, w, residual, norm_w = _case(M, 4096, 11008, torch.bfloat16, "cuda")
     out, h = ops.linear_add_rms_norm(x, w, residual, norm_w, 1e-5)
+    ops._triton_impl.cache_clear()
+    assert len(calls) == (1 if 2 <= M <= ops.FUSED_NORM_MAX_ROWS else 0)
     ref_out, ref_h = reference.skinny_linear_add_rms_norm(x.float(), w.float(), residual.float(), norm_w.float(),
                                                           1e-5)
     assert_close(h, ref_h, torch.bfloat16)
