@@ -21,7 +21,10 @@ from engine.block_allocator import BlockAllocator
 VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost in the engine A/B
     # (code removed): partly-filled tile first, 32-token tiles, the register-pipelined loop (this
     # script at 2dc0936 and cfc08a0); block ids a tile ahead (IDS_AHEAD, at 1b9d36e); the stream-K
-    # skinny GEMM (streamk*, at 5c97901); the skinny GEMM's L2 bulk prefetch (l2, all64_l2, at a82129f); 64-wide K tiles for qkv/gate_up at 64 rows (all64) and the partial last decode tile merged with the one before (merge), both at f113132; half the programs' tiles in reverse order (stagger, stagger_rev, at 9713b49)
+    # skinny GEMM (streamk*, at 5c97901); the skinny GEMM's L2 bulk prefetch (l2, all64_l2, at
+    # a82129f); 64-wide K tiles for qkv/gate_up at 64 rows (all64) and the partial last decode tile
+    # merged with the one before (merge), both at f113132; half the decode attention programs'
+    # tiles in reverse order (stagger, stagger_rev, at 9713b49)
     "rule": {},
     "no_prefetch": {(da, "PREFETCH"): False},
     "prefetch_b8": {(da, "PREFETCH_MAX_BATCH"): 8},

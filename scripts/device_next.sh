@@ -4,7 +4,7 @@
 #   bash scripts/device_next.sh check
 # The seventh session's calls ran this script's earlier cases (docs/benchmarks-session7.json):
 # `tests`/`ab` at 1b9d36e (IDS_AHEAD), `skinny` at ea8f9db, `ab` at 6fbcc11, `streamk` at 5c97901;
-# the eighth session's `ab8` at d3226be, `ab8b` at f113132, `ab8c` at 521a206 and 9713b49.
+# the eighth session's `ab8` at a82129f, `ab8b` at f113132, `ab8c` at 521a206 and 9713b49.
 set -o pipefail
 source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
