@@ -128,10 +128,11 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
     """fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps) -> (normed, new residual).
     On CUDA, for 2 .. FUSED_NORM_MAX_ROWS tokens, one skinny GEMM whose finishing kernel adds and norms."""
     rows = x.shape[0] if x.dim() == 2 else 0
-    if (2 <= rows <= min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT) and _triton_layout(x, weight, None)
-            and residual is not None and residual.shape == (rows, weight.shape[0]) and residual.dtype == x.dtype
-            and _triton_impl("skinny_linear_add_rms_norm") is not None):
-        return _triton_impl("skinny_linear_add_rms_norm")(x, weight, residual, norm_weight, eps)
+    fused = _triton_impl("skinny_linear_add_rms_norm")
+    if (fused is not None and 2 <= rows <= min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT)
+            and _triton_layout(x, weight, None) and residual is not None
+            and residual.shape == (rows, weight.shape[0]) and residual.dtype == x.dtype):
+        return fused(x, weight, residual, norm_weight, eps)
     return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps)
 
 

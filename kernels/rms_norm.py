@@ -41,13 +41,20 @@ def _fused_add_rms_norm_kernel(
         tl.store(new_residual_ptr + row * stride_new_residual + cols, h, mask=mask)
     else:
         h = x
+    normed = rms_norm_row(h, weight_ptr, cols, mask, hidden, eps)
+    tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_row(h, weight_ptr, cols, mask, hidden, eps):
+    """One whole row h (masked lanes 0) -> h * rsqrt(sum(h^2) / hidden + eps) * weight[cols], fp32.
+    Also the skinny GEMM's add-norm finish (kernels.skinny_gemm): the same math in both."""
     hf = h.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (hf * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
+    return hf * inv_rms * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
 
 
-def _num_warps(block: int) -> int:
+def row_num_warps(block: int) -> int:
     # ~8 to 16 elements per thread
     return max(1, min(16, block // 256))
 
@@ -70,7 +77,7 @@ def _launch_fused_add_rms_norm(x2d, residual2d, weight, out, new_residual, eps):
         out.stride(0),
         new_residual.stride(0) if has_residual else 0,
         hidden, eps,
-        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=_num_warps(block), **launch_options(x2d),
+        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=row_num_warps(block), **launch_options(x2d),
     )
 
 

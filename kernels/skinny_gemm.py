@@ -33,6 +33,7 @@ import triton.language as tl
 from kernels.device_props import num_sms
 from kernels.dot import dot, upcast_bf16_dot
 from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from kernels.rms_norm import rms_norm_row, row_num_warps
 
 MAX_M = 128  # the x tile and the accumulators grow with M: beyond this, cuBLAS's own tiles
 _SMEM_BYTES = 220 << 10  # tile buffers per program (sm90 allows 227 KB)
@@ -151,9 +152,7 @@ def _split_sum_kernel(
         r = tl.load(res_ptr + m * stride_rm + cols, mask=mask, other=0.0)
         h = (y.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
         tl.store(new_res_ptr + m * stride_nrm + cols, h, mask=mask)
-        hf = h.to(tl.float32)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / num_out + eps)
-        y = hf * inv_rms * tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = rms_norm_row(h, norm_w_ptr, cols, mask, num_out, eps)
     tl.store(y_ptr + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -242,15 +241,16 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if not workspace:
         return
     if add_norm is None:
-        block = min(1024, triton.next_power_of_2(num_out))
-        norm_args, finish_warps = (y, y, y, 0, 0, 0.0), 4  # unused without ADD_NORM
+        block, finish_warps = min(1024, triton.next_power_of_2(num_out)), 4
+        res = norm_w = new_res = y  # unused without ADD_NORM
+        eps = 0.0
     else:
         block = triton.next_power_of_2(num_out)  # the whole row: its sum of squares
-        res, new_res = add_norm.residual, add_norm.new_residual
-        norm_args = (res, add_norm.norm_weight, new_res, res.stride(0), new_res.stride(0), float(add_norm.eps))
-        finish_warps = max(4, min(16, block // 256))
+        finish_warps = max(4, row_num_warps(block))
+        res, norm_w, eps, new_res = add_norm
     _split_sum_kernel[(M, triton.cdiv(num_out, block))](
-        out, dummy_bias, y, *norm_args[:3], num_out, out.stride(0), out.stride(1), y.stride(0), *norm_args[3:],
+        out, dummy_bias, y, res, norm_w, new_res, num_out, out.stride(0), out.stride(1), y.stride(0),
+        res.stride(0), new_res.stride(0), float(eps),
         SPLIT_K=split_k, BLOCK=block, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
         num_warps=finish_warps, **launch_options(x),
     )
