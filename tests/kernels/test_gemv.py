@@ -38,8 +38,8 @@ def test_gemv_silu_mul_matches_reference(dtype, inter, K):
 
 
 def test_strided_weight_rows_and_tile_overrides():
-    base = torch.randn(40, 300, device=DEVICE)
-    w = base[:, :256]  # rows 300 apart
+    base = torch.randn(40, 300, device=DEVICE) / 256**0.5
+    w = base[:, :256]  # rows 300 apart; sums O(1), within the fp32 tolerance
     x = torch.randn(256, device=DEVICE)
     for config in [(4, 64, 4, 1), (16, 128, 4, 2), (8, 512, 4, 3)]:
         y = torch.full((40,), float("nan"), device=DEVICE)
@@ -91,7 +91,8 @@ def test_gemv_k_loop_and_bias(dtype, N, K):
 
 
 def test_gemv_silu_mul_strided_weight_and_saturated_gates():
-    w = torch.randn(14, 300, device=DEVICE)[:, :256]  # rows 300 apart
+    torch.manual_seed(0)
+    w = (2 * torch.randn(14, 300, device=DEVICE) / 256**0.5)[:, :256]  # rows 300 apart; gates O(1)
     x = torch.randn(256, device=DEVICE)
     for config in [(4, 64, 4, 1), (4, 128, 4, 2), (2, 512, 4, 3)]:
         y = torch.full((7,), float("nan"), device=DEVICE)
