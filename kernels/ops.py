@@ -66,6 +66,9 @@ def silu_mul(x):
 SKINNY_GEMM_MAX_ROWS = 32
 SKINNY_GEMM_LONG_K_MAX_ROWS = 64
 SKINNY_GEMM_ROWS_LIMIT = 128  # kernels.skinny_gemm.MAX_M: the most rows its kernels take
+# gate/up with SiLU·mul fused through the skinny GEMM up to this many rows (its own rule: the
+# fused form also saves the SiLU·mul kernel that cuBLAS needs after it).
+SKINNY_SILU_MUL_MAX_ROWS = 32
 
 
 def linear(x, weight, bias=None):
@@ -81,7 +84,7 @@ def linear(x, weight, bias=None):
 
 def gate_up_silu_mul(x, weight):
     """x: [T, K], weight [2I, K] = [gate; up] -> silu(gate) * up: [T, I], one kernel on CUDA (as linear)."""
-    kind = _triton_matmul(x, weight, None)
+    kind = _triton_matmul(x, weight, None, SKINNY_SILU_MUL_MAX_ROWS)
     if kind == "gemv":
         return _pick("gemv_silu_mul", x)(x, weight)
     if kind == "skinny":
@@ -89,16 +92,17 @@ def gate_up_silu_mul(x, weight):
     return silu_mul(torch.nn.functional.linear(x, weight))
 
 
-def _triton_matmul(x, weight, bias) -> str | None:
+def _triton_matmul(x, weight, bias, max_rows: int | None = None) -> str | None:
     """"gemv" (one row) or "skinny" (2 .. SKINNY_GEMM_MAX_ROWS rows, or .. SKINNY_GEMM_LONG_K_MAX_ROWS
-    for a weight with K >= 2N) on CUDA, in the layouts those kernels read (TANDEM_GEMV=0 turns
-    both off); None: F.linear."""
+    for a weight with K >= 2N, or .. max_rows where given) on CUDA, in the layouts those kernels
+    read (TANDEM_GEMV=0 turns both off); None: F.linear."""
     if not _triton_layout(x, weight, bias):
         return None
     if x.shape[0] == 1:
         return "gemv" if _triton_impl("gemv") is not None else None
     rows, (num_out, K) = x.shape[0], weight.shape
-    max_rows = max(SKINNY_GEMM_LONG_K_MAX_ROWS, SKINNY_GEMM_MAX_ROWS) if K >= 2 * num_out else SKINNY_GEMM_MAX_ROWS
+    if max_rows is None:
+        max_rows = max(SKINNY_GEMM_LONG_K_MAX_ROWS, SKINNY_GEMM_MAX_ROWS) if K >= 2 * num_out else SKINNY_GEMM_MAX_ROWS
     max_rows = min(max_rows, SKINNY_GEMM_ROWS_LIMIT)
     if rows <= max_rows and _triton_impl("skinny_linear") is not None:
         return "skinny"

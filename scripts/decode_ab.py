@@ -15,6 +15,7 @@ import torch
 import kernels.decode_attention as da
 import kernels.decode_config as dc
 import kernels.ops as ops
+import kernels.skinny_gemm as sg
 from bench.engine import build_runner, decode_workload
 from engine.block_allocator import BlockAllocator
 
@@ -34,6 +35,22 @@ VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost
     "skinny64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64},
     "unfused": {(ops, "FUSED_NORM_MAX_ROWS"): 0},  # o/down then their own add + RMSNorm kernel
     "fused32": {(ops, "FUSED_NORM_MAX_ROWS"): 32},  # at 64 rows: o on cuBLAS, down skinny, norms apart
+}
+
+
+def _gate_up_tile(tile):
+    """tile_config with ``tile`` for the SiLU·mul (gate/up) GEMM above 32 rows."""
+    rule = sg.tile_config
+
+    def tile_config(M, N, K, silu_mul, *args, **kwargs):
+        return tile if silu_mul and M > 32 else rule(M, N, K, silu_mul, *args, **kwargs)
+    return tile_config
+
+
+VARIANTS |= {  # ninth session
+    "gate_up64": {(ops, "SKINNY_SILU_MUL_MAX_ROWS"): 64},  # gate/up + SiLU·mul skinny at 64 rows, rule tile
+    "gate_up64_w": {(ops, "SKINNY_SILU_MUL_MAX_ROWS"): 64, (sg, "tile_config"): _gate_up_tile((128, 64, 8, 4, 1))},
+    "gate_up64_w2": {(ops, "SKINNY_SILU_MUL_MAX_ROWS"): 64, (sg, "tile_config"): _gate_up_tile((128, 64, 8, 4, 2))},
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 
