@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from bench import cluster_timeline
 from bench.shapes import SHAPES, hf_config_dict
 
 
@@ -85,7 +86,7 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, s
                  "--max-input-len", "768", "--log-level", "info", *serve_args]
     log = open(os.path.join(out_dir, "cluster.log"), "w")
     cluster = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-                               env={**os.environ, "TANDEM_STATS_INTERVAL_S": "1"})
+                               env={**os.environ, "TANDEM_STATS_INTERVAL_S": "0.25"})  # bench.cluster_timeline
     try:
         deadline = time.monotonic() + 420
         for line in cluster.stdout:
@@ -139,9 +140,13 @@ def main() -> int:
                 rows.append(dict(workload=args.label, model=name, metric=f"{key}_{pct}", value=stats[pct],
                                  anchor=None, anchor_value=None, ratio=None))
 
+    with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "cluster.log")) as f:
+        timeline = cluster_timeline.parse(f)  # where the run's time went, worker by worker
+    print(cluster_timeline.format_table(timeline))
+
     def save():
         with open(args.out, "w") as f:
-            json.dump({"rows": rows, "serve": result}, f, indent=1)
+            json.dump({"rows": rows, "serve": result, "timeline": timeline}, f, indent=1)
 
     save()
     if not args.skip_hf:  # after the cluster, so a late timeout still leaves our numbers

@@ -1,0 +1,62 @@
+"""Where a cluster run's time went, from its workers' periodic stats lines.
+
+Each worker logs one JSON line per TANDEM_STATS_INTERVAL_S (cluster.step_stats): steps and
+tokens per second, the mean batch, forward and loop milliseconds, the busy fraction and its
+queues. This turns a cluster log into rows ordered by time, seconds from the first line, so
+one benchmark run shows the prefill phase, the decode batch growing and the tail.
+
+    python3 -m bench.cluster_timeline cluster.log
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+
+COLUMNS = ("tokens_per_s", "steps_per_s", "mean_batch", "forward_ms", "loop_ms", "busy_fraction")
+
+
+def parse(lines) -> list[dict]:
+    """The stats lines of a cluster log (other lines, JSON or not, are skipped), each as
+    {t_s, role, service, *COLUMNS, *gauges}, ordered by time; t_s counts from the first."""
+    rows = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        event = record.get("event") if isinstance(record, dict) else None
+        if not isinstance(event, str) or not event.endswith(" stats") or "timestamp" not in record:
+            continue
+        row = {k: v for k, v in record.items() if k not in ("event", "level", "timestamp")}
+        row["role"] = event[: -len(" stats")]
+        row["time"] = datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+        rows.append(row)
+    rows.sort(key=lambda r: r["time"])
+    start = rows[0]["time"] if rows else 0.0
+    for row in rows:
+        row["t_s"] = round(row.pop("time") - start, 3)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    gauges = sorted({k for r in rows for k in r} - {"t_s", "role", "service", *COLUMNS})
+    header = ["t_s", "role", *COLUMNS, *gauges]
+    lines = [" ".join(f"{h:>13s}" for h in header)]
+    for r in rows:
+        lines.append(" ".join(f"{str(r.get(h, '')):>13s}" for h in header))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        print(format_table(parse(f)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,44 @@
+"""bench.cluster_timeline reads the stats lines the workers really log (cluster.step_stats
+through cluster.service's structlog setup), written here by a process of their own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from bench.cluster_timeline import format_table, parse
+
+_WORKER = textwrap.dedent("""
+    import sys, time
+    from cluster.service import configure_logging
+    from cluster.step_stats import StepStats
+    configure_logging("info", sys.argv[1])
+    stats = StepStats(sys.argv[1], interval_s=0.05)
+    print("not json", file=sys.stderr)
+    for step in range(3):
+        stats.record(num_tokens=8 * (step + 1), forward_s=0.010, loop_s=0.012)
+        time.sleep(0.06)
+        stats.maybe_log(running=step + 1)
+""")
+
+
+def _log(service: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", _WORKER, service], capture_output=True, text=True, check=True)
+    return done.stderr.splitlines()
+
+
+def test_stats_lines_become_rows_in_time_order():
+    decode, prefill = _log("decode"), _log("prefill")
+    rows = parse(prefill + ["{\"event\": \"request done\", \"timestamp\": \"2026-01-01T00:00:00Z\"}"] + decode)
+    assert [r["role"] for r in rows] == ["decode"] * 3 + ["prefill"] * 3  # decode's process ran first
+    assert rows[0]["t_s"] == 0.0 and all(a["t_s"] <= b["t_s"] for a, b in zip(rows, rows[1:]))
+    first = rows[0]
+    assert first["mean_batch"] == 8.0 and first["forward_ms"] == 10.0 and first["loop_ms"] == 12.0
+    assert [r["running"] for r in rows[:3]] == [1, 2, 3]
+    table = format_table(rows).splitlines()
+    assert len(table) == 7 and "running" in table[0] and "mean_batch" in table[0]
+
+
+def test_a_log_without_stats_gives_no_rows():
+    assert parse(["", "plain text", "[1, 2]", "{\"event\": \"serving\"}"]) == []
