@@ -135,6 +135,9 @@ def test_dispatch_sends_only_their_layouts_to_the_gemv_and_the_skinny_gemm(monke
     long_k = _like((8, 17))  # K >= 2N (a down projection)
     assert kind(_like((ops.SKINNY_GEMM_LONG_K_MAX_ROWS, 17)), long_k, None) == "skinny"
     assert kind(_like((ops.SKINNY_GEMM_LONG_K_MAX_ROWS + 1, 17)), long_k, None) is None
+    assert kind(_like((48, 16)), w, None, 64) == "skinny"  # a rule of its own (gate/up + SiLU·mul)
+    assert kind(_like((65, 16)), w, None, 64) is None
+    assert kind(_like((2, 17)), long_k, None, 1) is None
     assert kind(_like((0, 16)), w, None) is None
     assert kind(_like((4, 16), stride=(32, 2)), w, None) is None  # strided columns
     assert kind(_like((1, 2, 16)), w, None) is None  # 3-D
