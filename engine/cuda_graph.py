@@ -19,7 +19,6 @@ queued from the other; an event guards each buffer's reuse.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, SeqChunk
