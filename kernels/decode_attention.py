@@ -40,6 +40,11 @@ HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention 
 # 0.916 ms per step, llama3-8b 4.12 -> 4.06; batch 8 llama2-7b 4.56 -> 4.76, slower).
 PREFETCH = True
 PREFETCH_MAX_BATCH = 1
+# A cap on the split phase's registers per thread (ptxas .maxnreg; None: the compiler's choice, the
+# rule). Programs per SM are what this kernel's bandwidth rides on (docs/gpu-notes.md): at 4 warps
+# an SM holds 4 programs above 102 registers, 5 at 96 or fewer (38 KB of shared memory each stops
+# it at 5). For the engine A/B (scripts/decode_ab.py reg96, reg80); CUDA launches only.
+MAX_REGISTERS: int | None = None
 
 
 @triton.jit
@@ -274,6 +279,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
         PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
+        **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS is not None and q.is_cuda else {}),
     )
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

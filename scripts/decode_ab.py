@@ -52,6 +52,10 @@ VARIANTS |= {  # ninth session: gate/up + SiLU·mul through the skinny GEMM at 6
     # cuBLAS 51.4 + the SiLU·mul kernel; the rule's tile 59.5)
     "gate_up64_w": {(ops, "SKINNY_SILU_MUL_MAX_ROWS"): 64, (sg, "tile_config"): _gate_up_tile((128, 64, 8, 4, 1))},
     "gate_up64_n": {(ops, "SKINNY_SILU_MUL_MAX_ROWS"): 64, (sg, "tile_config"): _gate_up_tile((64, 64, 4, 3, 1))},
+    # decode attention with its registers capped: 5 programs per SM instead of 4 where the compiler
+    # takes more than 102 (scripts/kernel_resources.py prints what it takes on the device)
+    "reg96": {(da, "MAX_REGISTERS"): 96},
+    "reg80": {(da, "MAX_REGISTERS"): 80},
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 

@@ -14,12 +14,15 @@ case "$1" in
       -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
     timeout 150 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 8,32,64 --rounds 1 \
       --variants rule,cublas 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
-  ab9)  # ninth session: registers/shared memory, gate/up + SiLU·mul skinny at 64 rows, a mixed run's log (~6 min)
+  ab9)  # ninth session: registers/shared memory, gate/up + SiLU·mul skinny at 64 rows, decode attention's
+        # registers capped, a mixed run's timeline (~8 min)
     python3 scripts/kernel_resources.py 2>&1 | tee "$OUT/resources.log" | grep -E "regs|Error"
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_skinny_gemm.py tests/kernels/test_gemv.py \
       -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
     timeout 200 python3 scripts/decode_ab.py --models llama2-7b --batches 64 --rounds 2 \
       --variants rule,gate_up64_w,gate_up64_n 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step"
+    timeout 200 python3 scripts/decode_ab.py --models llama2-7b --batches 64,128 --rounds 2 \
+      --variants rule,reg96,reg80 2>&1 | tee "$OUT/decode_ab_reg.log" | grep "ms/step"
     mkdir -p "$OUT/mixed"
     timeout 200 python3 -m bench.cluster_mixed --skip-hf --out "$OUT/mixed/cluster_mixed.json" > "$OUT/mixed/run.log" 2>&1
     grep -E "out_tok_per_s|ttft_ms_p50|ttft_ms_p99" "$OUT/mixed/run.log" ;;

@@ -26,7 +26,7 @@ def compiled(jit_fn, launch):
 
 
 def report(name, k):
-    print(f"{name:28s} regs {k.n_regs:4d}  shared {k.metadata.shared / 1024:6.1f} KB  "
+    print(f"{name:28s} regs {k.n_regs:4d}  spills {k.n_spills:4d}  shared {k.metadata.shared / 1024:6.1f} KB  "
           f"warps {k.metadata.num_warps}", flush=True)
 
 
@@ -38,9 +38,12 @@ tables = torch.arange(seqs * 24, device="cuda", dtype=torch.int32).view(seqs, 24
 lens = torch.full((seqs,), 257, device="cuda", dtype=torch.int32)
 q = torch.randn(seqs, heads, dim, device="cuda", dtype=torch.bfloat16)
 out = torch.empty_like(q)
-k = compiled(da._decode_partial_kernel, lambda: da._launch_decode_attention(
-    q, k_cache, v_cache, tables, lens, out, dim**-0.5, None, DecodeWorkspace.allocate(seqs, heads, dim)))
-report("decode attention (rule)", k)
+for cap in (None, 96, 80):
+    da.MAX_REGISTERS = cap
+    k = compiled(da._decode_partial_kernel, lambda: da._launch_decode_attention(
+        q, k_cache, v_cache, tables, lens, out, dim**-0.5, None, DecodeWorkspace.allocate(seqs, heads, dim)))
+    report(f"decode attention cap {cap}", k)
+da.MAX_REGISTERS = None
 x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(22016, 4096, device="cuda", dtype=torch.bfloat16)
 y = torch.empty(64, 11008, device="cuda", dtype=torch.bfloat16)

@@ -76,6 +76,11 @@ def test_launch_settings_reach_the_kernels(monkeypatch):
     decode_module._launch_decode_attention(*inputs, torch.empty_like(inputs[0]), 0.25, None, None,
                                            (64, 4, 3, 1, False))
     assert calls[-1][0] == (3, 2, 1) and calls[-1][1]["num_stages"] == 3
+    assert "maxnreg" not in calls[-1][1]  # the compiler's choice unless capped, and on CUDA only
+    monkeypatch.setattr(decode_module, "MAX_REGISTERS", 96)
+    decode_attention(*inputs, 0.25)
+    assert ("maxnreg" in calls[-1][1]) is inputs[0].is_cuda
+    monkeypatch.setattr(decode_module, "MAX_REGISTERS", None)
     q, k_cache, v_cache, block_tables, seq_lens = inputs
     new = (q[:, :2], q[:, :2], (seq_lens - 1).long(), torch.zeros(16, 32), torch.zeros(3, dtype=torch.long))
     for max_batch, rows, prefetch in ((1, 1, True), (1, 3, False), (3, 3, True), (3, 1, True)):
