@@ -46,13 +46,13 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         inp = await service.prepare_completion(body)
-        generation = await service.start(inp, prefix="cmpl")
+        generation = await service.start(inp, prefix="cmpl", client_gone=request.is_disconnected)
         return await _respond(request, body, generation, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         inp = await service.prepare_chat(body)
-        generation = await service.start(inp, prefix="chatcmpl")
+        generation = await service.start(inp, prefix="chatcmpl", client_gone=request.is_disconnected)
         return await _respond(request, body, generation, chat=True)
 
     @app.get("/v1/models")

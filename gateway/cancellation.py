@@ -8,6 +8,11 @@ iterator (a disconnect before the first byte).
 Non-streaming: ``until_disconnected`` runs the work next to a task that waits
 for ``http.disconnect`` (like vLLM's ``with_cancellation``) and cancels the
 work when the client leaves first.
+
+Before either, while a request waits in the admission queue, the queue asks
+``client_gone`` (the request's ``is_disconnected``) every ``CLIENT_CHECK_S``:
+a client that left gives up its place (and is never submitted), so it holds
+no room in the queue that live clients would be refused for.
 """
 
 from __future__ import annotations
@@ -20,15 +25,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError
+from gateway.errors import ClientDisconnected
 from gateway.generation import Generation
 
 T = TypeVar("T")
-
-
-class ClientDisconnected(GatewayError):
-    status_code = 499  # nginx's "client closed request": nobody reads it, the metrics do
-    type = "client_disconnected"
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

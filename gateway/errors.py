@@ -82,6 +82,11 @@ class ServerBusy(GatewayError):
     retry_after_s = RETRY_AFTER_S
 
 
+class ClientDisconnected(GatewayError):
+    status_code = 499  # nginx's "client closed request": nobody reads it, the metrics do
+    type = "client_disconnected"
+
+
 class RequestTimeout(GatewayError):
     status_code = 504
     type = "timeout_error"

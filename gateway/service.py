@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Coroutine
 
@@ -25,6 +26,7 @@ from redis.backoff import ExponentialBackoff
 from cluster.messages import GenerateRequest, WorkerInfo
 from cluster.settings import Settings
 from gateway.admission import AdmissionQueue
+from gateway.errors import ClientDisconnected
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.mux import OutputMux
@@ -78,13 +80,19 @@ class GatewayService:
     async def prepare_chat(self, body: ChatCompletionRequest) -> GenerationInput:
         return await self._off_loop(self.validator.chat, body)
 
-    async def start(self, inp: GenerationInput, prefix: str = "cmpl") -> Generation:
+    async def start(self, inp: GenerationInput, prefix: str = "cmpl",
+                    client_gone: Callable[[], Awaitable[bool]] | None = None) -> Generation:
         """Admit to a decode worker and submit; raises NoWorkerAvailable, ServerBusy (429) or
-        RedisError before any work starts."""
+        RedisError before any work starts, or ClientDisconnected where ``client_gone`` (asked
+        while queued and once more before submitting) says the client left."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         arrived_at = time.monotonic()
-        worker = await self.admission.admit(request_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority)
+        worker = await self.admission.admit(request_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority,
+                                            client_gone=client_gone)
+        if client_gone is not None and await client_gone():  # left while its room was being reserved
+            self.spawn(self.router.release(worker.worker_id, request_id))
+            raise ClientDisconnected("client disconnected before submission")
         generation = Generation(self, request_id, inp, worker, arrived_at)
         try:
             await self.submit(worker, request_id, inp, arrival_time=generation.arrival_time)

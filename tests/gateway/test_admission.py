@@ -14,9 +14,9 @@ from cluster import keys
 from cluster.admission import RESERVE_LUA, Reservations
 from cluster.messages import WorkerInfo
 from gateway.admission import AdmissionQueue
-from gateway.errors import ServerBusy
+from gateway.errors import ClientDisconnected, ServerBusy
 from gateway.metrics import GatewayMetrics
-from tests.gateway.conftest import token_script
+from tests.gateway.conftest import token_script, wait_for
 
 HOLD = token_script([5, 6, 7], "length", delay_s=0.4)  # a request that holds its room for ~1.2 s
 FILL = {"prompt": "hi", "max_tokens": 20}  # 1-2 prompt tokens + 20: two 16-token blocks, the whole pool below
@@ -141,6 +141,45 @@ def test_cancelled_waiter_leaves_the_queue():
         return queue.num_queued
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_waiter_whose_client_left_leaves_the_queue():
+    async def scenario():
+        router = FakeRouter()
+        queue = AdmissionQueue(router, max_queue_len=1, queue_timeout_s=5, poll_s=0.001)
+        gone = False
+
+        async def client_gone():
+            return gone
+
+        waiter = asyncio.create_task(queue.admit("a", 1, 1, client_gone=client_gone))
+        await asyncio.sleep(0.15)  # past a client check: still there, still queued
+        assert queue.num_queued == 1 and not waiter.done()
+        gone = True
+        with pytest.raises(ClientDisconnected):
+            await asyncio.wait_for(waiter, 1)
+        router.room = 1
+        return queue.num_queued, await queue.admit("b", 1, 1), router.taken
+
+    num_queued, worker, taken = asyncio.run(scenario())
+    assert num_queued == 0 and worker.worker_id == "w" and taken == ["b"]  # "a" was never admitted
+
+
+def test_client_that_leaves_while_queued_frees_its_place(serve, fake_worker):
+    """Its place in the queue goes to the next client at once (no 429 queue_full for it), and the
+    worker never receives it."""
+    worker = fake_worker(token_script([5, 6, 7], "length", delay_s=0.8), num_total_blocks=2)  # holds ~2.4 s
+    server = serve(max_queue_len=1, queue_timeout_s=10)
+    holder = fill_the_pool(server)
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, FILL, timeout=0.4)  # queued, then gone
+    queued = "tandem_gateway_requests_queued 0.0"
+    assert wait_for(lambda: queued in httpx.get(server.url + "/metrics").text, timeout_s=1.0)
+    assert holder.is_alive()  # the pool is still full: the next client queues in the freed place
+    response = post(server, FILL)
+    assert response.status_code == 200, response.text
+    holder.join()
+    assert len(worker.requests) == 2 and not worker.aborts
 
 
 def test_reconcile_releases_entries_the_worker_never_received(rclient):
