@@ -3,13 +3,17 @@
 Only the shape and per-field ranges are checked here; what needs the tokenizer
 or the length limits (prompt length, vocabulary, max_tokens against
 max_seq_len) is checked in ``gateway.validation``. Unknown fields are ignored
-like OpenAI does; fields we cannot honour (n > 1, echo, logprobs) are
-accepted only at their neutral value.
+like OpenAI does; fields we cannot honour (n > 1, echo, logprobs, tools and
+function calls, a JSON response format, tool calls in the messages) are
+accepted only at their neutral value, so a request that relies on them gets
+a 400 instead of an answer that silently ignored them. As in OpenAI and vLLM,
+/v1/completions generates 16 tokens when max_tokens is not given; chat (and an
+explicit null) generates up to the end of the context.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -119,6 +123,12 @@ class SamplingFields(_Strict):
             raise ValueError("logit_bias is not supported")
         return value
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream: true")
+        return self
+
     @property
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -130,7 +140,8 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -159,7 +170,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value: str | list) -> str | list:
-        if isinstance(value, list) and value and isinstance(value[0], str) and len(value) != 1:
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)) and len(value) != 1:
             raise ValueError(f"only one prompt per request is supported, got {len(value)}")
         return value
 
@@ -173,11 +184,20 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list | None) -> list | None:
+        if value:
+            raise ValueError("tool calls are not supported (no function calling)")
+        return value
 
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)  # as vLLM joins text parts
         return self.content or ""
 
 
@@ -208,8 +228,35 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs is not supported")
         return value
 
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list | None) -> list | None:
+        if value:
+            raise ValueError("tools and functions (function calling) are not supported")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict | None) -> str | dict | None:
+        if value not in (None, "none", "auto"):
+            raise ValueError("only 'none' or 'auto' is supported (no function calling)")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(f"only the 'text' response format is supported, got {value.get('type')!r}")
+        return value
+
     @model_validator(mode="after")
     def _one_max(self) -> "ChatCompletionRequest":
-        if self.max_tokens is None and self.max_completion_tokens is not None:
+        if self.max_completion_tokens is not None:  # the newer name wins, as in OpenAI and vLLM
             self.max_tokens = self.max_completion_tokens
         return self

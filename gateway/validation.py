@@ -41,12 +41,12 @@ class Validator:
     def completion(self, body: CompletionRequest) -> GenerationInput:
         self._check_model(body.model)
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            token_ids = self._encode(prompt, "prompt", add_special_tokens=True)
         else:
             token_ids = list(prompt)
             self._check_vocab(token_ids, "prompt")
@@ -59,8 +59,15 @@ class Validator:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja raises its own types (e.g. a template that rejects a role order)
             raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = self._encode(text, "messages", add_special_tokens=False)
         return self._build(body, token_ids)
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        try:
+            text.encode("utf-8")  # a lone surrogate ("\ud800" in the JSON) is not text the tokenizer takes
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"{param} cannot be tokenized: {exc}", param=param) from exc
 
     def _build(self, body: SamplingFields, prompt_token_ids: list[int]) -> GenerationInput:
         num_prompt = len(prompt_token_ids)

@@ -63,11 +63,31 @@ def test_completion_streaming_with_usage_and_token_ids(serve, fake_worker, text_
     assert worker.requests[0].prompt_token_ids == [5, 6, 7]  # token-id prompts get no BOS
 
 
-def test_default_max_tokens_fills_the_sequence(serve, fake_worker):
+def test_default_max_tokens_as_openai(serve, fake_worker):
+    """Completions: 16 tokens unless told (OpenAI, vLLM); chat and an explicit null: up to the end
+    of the context; max_completion_tokens wins over max_tokens."""
     worker = fake_worker(token_script([5], "length"))
     server = serve()
-    assert post(server, "/v1/completions", {"prompt": [5] * 10}).status_code == 200
-    assert worker.requests[0].max_tokens == MAX_POSITIONS - 10
+    chat = [{"role": "user", "content": "hi"}]
+    for route, body in [("/v1/completions", {"prompt": [5] * 10}),
+                        ("/v1/completions", {"prompt": [5] * 10, "max_tokens": None}),
+                        ("/v1/chat/completions", {"messages": chat}),
+                        ("/v1/chat/completions", {"messages": chat, "max_tokens": 7, "max_completion_tokens": 5})]:
+        assert post(server, route, body).status_code == 200, (route, body)
+    chat_prompt = len(worker.requests[2].prompt_token_ids)
+    assert [r.max_tokens for r in worker.requests] == [16, MAX_POSITIONS - 10, MAX_POSITIONS - chat_prompt, 5]
+
+
+def test_text_parts_are_joined_by_newlines_and_a_batch_of_one_prompt_is_one_prompt(serve, fake_worker, tokenizer):
+    worker = fake_worker(token_script([5], "length"))
+    server = serve()
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]}).status_code == 200
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "Hello\nworld"}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert worker.requests[0].prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    assert post(server, "/v1/completions", {"prompt": [[5, 6, 7]], "max_tokens": 1}).status_code == 200
+    assert worker.requests[1].prompt_token_ids == [5, 6, 7]
 
 
 def test_chat_non_streaming_and_streaming(serve, fake_worker, tokenizer, text_ids):

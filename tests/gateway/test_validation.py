@@ -38,7 +38,9 @@ def assert_openai_error(response, status, param=None, code=None, kind="invalid_r
 COMPLETION_CASES = {
     "prompt missing": ({"model": "tiny"}, "prompt"),
     "prompt wrong type": ({"prompt": 123}, "prompt"),
-    "prompt list of lists": ({"prompt": [[1, 2]]}, "prompt"),
+    "two token-id prompts": ({"prompt": [[1, 2], [3]]}, "prompt"),
+    "prompt list of lists of strings": ({"prompt": [["a"]]}, "prompt"),
+    "stream_options without stream": ({"prompt": "hi", "stream_options": {"include_usage": True}}, None),
     "prompt bool ids": ({"prompt": [True, 2]}, "prompt"),
     "two prompts": ({"prompt": ["a", "b"]}, "prompt"),
     "empty prompt": ({"prompt": ""}, "prompt"),
@@ -140,6 +142,15 @@ CHAT_CASES = {
     "logprobs": ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
     "temperature negative": ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
     "too long": ({"messages": [{"role": "user", "content": "word " * 200}]}, "prompt"),
+    "tools": ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}, "tools"),
+    "functions": ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions"),
+    "tool_choice required": ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+                             "tool_choice"),
+    "json response format": ({"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    "assistant tool calls": ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
 }
 
 
@@ -148,6 +159,23 @@ def test_chat_rejections(client, name):
     body, param = CHAT_CASES[name]
     assert_openai_error(client.post("/v1/chat/completions", json=body), 400, param=param,
                         code="context_length_exceeded" if name in LENGTH_CASES else None)
+
+
+def test_text_the_tokenizer_cannot_take_is_400_and_reaches_no_worker(serve, fake_worker):
+    """A lone surrogate is valid JSON ("\\ud800") but not text: 400, not the tokenizer's TypeError as a 500."""
+    import httpx
+
+    worker = fake_worker(token_script([5], "length"))
+    server = serve()
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=server.url) as http:
+        for route, body, param in [
+            ("/v1/completions", rb'{"prompt": "a\ud800b", "max_tokens": 2}', "prompt"),
+            ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "a\ud800b"}]}', "messages"),
+        ]:
+            error = assert_openai_error(http.post(route, content=body, headers=headers), 400, param=param)
+            assert "cannot be tokenized" in error["message"]
+    assert worker.requests == []
 
 
 def test_unknown_route_and_method_have_the_error_shape(client):
