@@ -80,13 +80,14 @@ class Validator:
                 param="prompt", code="context_length_exceeded",
             )
         max_tokens = body.max_tokens if body.max_tokens is not None else max_seq_len - num_prompt
+        name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
         if max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+            raise InvalidRequest(f"{name} must be at least 1, got {max_tokens}", param=name)
         if num_prompt + max_tokens > max_seq_len:
             raise InvalidRequest(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
+                f"prompt ({num_prompt} tokens) + {name} ({max_tokens}) exceeds the maximum "
                 f"sequence length {max_seq_len}",
-                param="max_tokens", code="context_length_exceeded",
+                param=name, code="context_length_exceeded",
             )
         stop_token_ids = list(body.stop_token_ids or [])
         self._check_vocab(stop_token_ids, "stop_token_ids")

@@ -77,7 +77,7 @@ COMPLETION_CASES = {
 }
 
 
-LENGTH_CASES = {"max_tokens huge", "prompt + max_tokens too long", "too long"}
+LENGTH_CASES = {"max_tokens huge", "prompt + max_tokens too long", "too long", "max_completion_tokens too long"}
 
 
 @pytest.mark.parametrize("name", list(COMPLETION_CASES))
@@ -139,6 +139,8 @@ CHAT_CASES = {
     "message not an object": ({"messages": ["hi"]}, "messages"),
     "max_completion_tokens zero": ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
                                    "max_completion_tokens"),
+    "max_completion_tokens too long": ({"messages": [{"role": "user", "content": "hi"}],
+                                        "max_completion_tokens": MAX_POSITIONS}, "max_completion_tokens"),
     "logprobs": ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
     "temperature negative": ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
     "too long": ({"messages": [{"role": "user", "content": "word " * 200}]}, "prompt"),
