@@ -1,8 +1,11 @@
 """A worker's inbox: a Redis stream read through a consumer group.
 
 Entries are read with NOACK (one round trip a read): a message counts as
-delivered once a worker has taken it. Reclaiming what a crashed worker had
-taken would need acknowledging after handling instead; it is not built.
+delivered once a worker has taken it, and is then deleted from the stream
+(which would otherwise keep every prompt ever sent). Reclaiming what a crashed
+worker had taken would need acknowledging after handling instead; it is not
+built. A Redis restarted without its data has lost the consumer group: the
+next read recreates it (NOGROUP) instead of failing for ever.
 """
 
 from __future__ import annotations
@@ -38,14 +41,54 @@ class Inbox:
 
     def read(self, block_ms: int | None, count: int = 256) -> list[Any]:
         """Take up to ``count`` new messages; wait up to ``block_ms`` if none (None = don't wait)."""
-        reply = self._client.xreadgroup(
-            keys.GROUP, self._consumer, {self.stream: ">"}, count=count, block=block_ms, noack=True
-        )
-        messages = []
+        try:
+            reply = self._client.xreadgroup(
+                keys.GROUP, self._consumer, {self.stream: ">"}, count=count, block=block_ms, noack=True
+            )
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("inbox consumer group gone (redis restarted without its data); recreating it",
+                        stream=self.stream)
+            self.ensure_group()
+            return []
+        messages, taken = [], []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
+                taken.append(entry_id)
                 try:
                     messages.append(decode(fields[FIELD]))
                 except (MessageError, KeyError) as exc:
                     log.error("dropping unreadable inbox entry", entry_id=entry_id, error=str(exc))
+        if taken:  # delivered (NOACK): nothing reads them again
+            try:
+                self._client.xdel(self.stream, *taken)
+            except redis.RedisError as exc:  # they stay in the stream, unread; what was read is kept
+                log.warning("could not delete read inbox entries", stream=self.stream, error=str(exc))
         return messages
+
+
+class Mailer:
+    """Control messages (PrefillDone, AbortRequest) on their way to other workers' inboxes:
+    kept across a Redis error and sent, in order, before anything newer (``flush`` at the start
+    of each loop turn). A message a lost reply makes us send twice is handled as a stale one
+    by its receiver."""
+
+    def __init__(self, client: redis.Redis):
+        self._client = client
+        self._pending: list[tuple[str, Any]] = []
+
+    def send(self, stream: str, msg: Any) -> None:
+        """Queue ``msg`` after anything still pending and try to deliver all; a RedisError keeps them."""
+        self._pending.append((stream, msg))
+        self.flush()
+
+    def flush(self) -> None:
+        while self._pending:
+            stream, msg = self._pending[0]
+            send(self._client, stream, msg)
+            self._pending.pop(0)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)

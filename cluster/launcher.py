@@ -170,8 +170,9 @@ def serve(args: argparse.Namespace) -> int:
             print("tandem: the cluster did not become healthy; stopping", file=sys.stderr)
             return 1
         print(f"tandem: serving {settings.model_name} at {base}/v1 (redis {settings.redis_url})", flush=True)
+        watched = procs + ([redis_server.proc] if redis_server is not None else [])  # its own redis too
         while not sleep_unless_stopped(stop, 0.5):
-            if any(p.poll() is not None for p in procs):
+            if any(p.poll() is not None for p in watched):
                 print("tandem: a service exited; stopping the cluster", file=sys.stderr)
                 return 1
         return 0

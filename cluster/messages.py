@@ -57,7 +57,7 @@ def decode(data: bytes) -> Any:
     if not isinstance(body, dict):
         raise MessageError("message is not a map")
     kind, version = body.pop("kind", None), body.pop("v", None)
-    cls = _REGISTRY.get(kind)
+    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise MessageError(f"unknown message kind {kind!r}")
     if not isinstance(version, int) or version > VERSION:
@@ -65,11 +65,20 @@ def decode(data: bytes) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in body.items() if k in names}
     if "sampling" in kwargs:
-        kwargs["sampling"] = SamplingParams(**kwargs["sampling"])
+        kwargs["sampling"] = _sampling(kwargs["sampling"])
     try:
         return cls(**kwargs)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise MessageError(f"bad {kind}: {exc}") from exc
+
+
+def _sampling(value: Any) -> SamplingParams:
+    """Sampling settings off the wire; fields this version does not know (a newer sender's) are
+    dropped, as a message's unknown fields are."""
+    if not isinstance(value, dict):
+        raise MessageError(f"sampling is not a map: {type(value).__name__}")
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    return SamplingParams(**{k: v for k, v in value.items() if k in names})
 
 
 @message

@@ -17,7 +17,7 @@ import structlog
 
 from cluster import keys
 from cluster.admission import Reservations
-from cluster.inbox import Inbox, send
+from cluster.inbox import Inbox, Mailer, send
 from cluster.messages import AbortRequest, GenerateRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
 from cluster.outputs import Outbox
 from cluster.worker_loop import run_steps, worker_info
@@ -77,6 +77,8 @@ class DecodeWorker:
         )
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
         self.outbox = Outbox(self.redis)
+        self.mailer = Mailer(self.redis)  # aborts for prefill workers, kept across a Redis error
+        self._unhandled: list = []  # inbox messages read in a turn that a Redis error cut short
         self.policies = LivePolicies(self.redis, settings)
         self.reservations = Reservations(self.redis, self.worker_id)
         self.reservations.clear()  # a new incarnation holds no admitted request
@@ -121,6 +123,7 @@ class DecodeWorker:
         if failure is not None:
             self._engine_failed(failure)  # its error events queue behind this step's tokens
         self.outbox.flush()  # in order: what an outage kept back, then this turn's events
+        self.mailer.flush()
         idle = not batch and not events and not self._busy()
         # holding: wait on the inbox a little (a PrefillDone ends the wait early) instead of spinning
         self._handle_messages(self.inbox.read(block_ms=20 if idle else HOLD_POLL_MS if held else None))
@@ -170,30 +173,40 @@ class DecodeWorker:
         return bool(self.scheduler.running or self.scheduler.prefilling or self.scheduler.waiting)
 
     def _handle_messages(self, messages: list) -> None:
-        for msg in messages:
-            if isinstance(msg, GenerateRequest):
-                if msg.request_id in self.scheduler.requests:
-                    log.error("duplicate request id ignored", request_id=msg.request_id)
-                    continue
-                done = len(msg.output_token_ids)
-                if done and (done >= msg.max_tokens or len(msg.prompt_token_ids) + done >= self.settings.max_seq_len):
-                    # a resumed request with nothing left to generate here: it ends at once
-                    self.outbox.send([(msg.reply_to, TokenEvent(msg.request_id, done, [], "length"))])
-                    self._ended_ids.append(msg.request_id)
-                    continue
-                self.scheduler.add(DecodeRequest(spec=msg, output_token_ids=list(msg.output_token_ids)))
-            elif isinstance(msg, PrefillDone):
-                self._on_prefill_done(msg)
-            elif isinstance(msg, AbortRequest):
-                self._abort(msg.request_id)  # blocks a step on the device uses are held until it is read
-            else:
-                log.error("unexpected message", kind=msg.kind)
+        """Handle what was read (NOACK: nobody delivers it again), after what a Redis error left
+        unhandled last turn; a Redis error keeps the messages not yet handled for the next turn."""
+        pending, self._unhandled = self._unhandled + messages, []
+        for i, msg in enumerate(pending):
+            try:
+                self._handle(msg)
+            except redis.RedisError:
+                self._unhandled = pending[i + 1:]
+                raise
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            if msg.request_id in self.scheduler.requests:
+                log.error("duplicate request id ignored", request_id=msg.request_id)
+                return
+            done = len(msg.output_token_ids)
+            if done and (done >= msg.max_tokens or len(msg.prompt_token_ids) + done >= self.settings.max_seq_len):
+                # a resumed request with nothing left to generate here: it ends at once
+                self._ended_ids.append(msg.request_id)
+                self.outbox.send([(msg.reply_to, TokenEvent(msg.request_id, done, [], "length"))])
+                return
+            self.scheduler.add(DecodeRequest(spec=msg, output_token_ids=list(msg.output_token_ids)))
+        elif isinstance(msg, PrefillDone):
+            self._on_prefill_done(msg)
+        elif isinstance(msg, AbortRequest):
+            self._abort(msg.request_id)  # blocks a step on the device uses are held until it is read
+        else:
+            log.error("unexpected message", kind=msg.kind)
 
     def _abort(self, request_id: str) -> None:
         request = self.scheduler.abort(request_id)
         if request is not None and request.status is RequestStatus.PREFILLING and request.prefill_worker_id:
             # the prefill worker still writes our blocks: they are freed on its PrefillDone
-            send(self.redis, keys.inbox("prefill", request.prefill_worker_id), AbortRequest(request_id))
+            self.mailer.send(keys.inbox("prefill", request.prefill_worker_id), AbortRequest(request_id))
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
         request = self.scheduler.prefilling.get(msg.request_id)
@@ -216,16 +229,17 @@ class DecodeWorker:
         self._peers_checked_at = now
         self._prefill_workers = live_workers(self.redis, "prefill")
         self.batch_wait.shared = shares_gpu(self._device_identity, self._prefill_workers)
-        alive = {w.worker_id for w in self._prefill_workers}
+        alive = {w.worker_id: w.started_at for w in self._prefill_workers}
         for request in list(self.scheduler.prefilling.values()):
             lost = request.prefill_worker_id
-            if lost is None or lost in alive:
-                continue  # never handed out (its handoff already failed), or still served
-            # the prefill worker's heartbeat expired: redo the prefill elsewhere. Should it
-            # only have missed beats, the abort stops it, and its late PrefillDone is ignored.
+            if lost is None or (lost in alive and alive[lost] == request.prefill_started_at):
+                continue  # never handed out (its handoff already failed), or still served by the same process
+            # the prefill worker's heartbeat expired, or it restarted under its id (the new process
+            # never saw the job: inbox reads are NOACK): redo the prefill. Should it only have
+            # missed beats, the abort stops it, and its late PrefillDone is ignored.
             log.warning("prefill worker lost, re-dispatching", request_id=request.request_id,
                         prefill_worker_id=lost)
-            send(self.redis, keys.inbox("prefill", lost), AbortRequest(request.request_id, "re-dispatched"))
+            self.mailer.send(keys.inbox("prefill", lost), AbortRequest(request.request_id, "re-dispatched"))
             if request.abort_requested:
                 request.receiver.fail("prefill worker lost")
             else:
@@ -255,7 +269,7 @@ class DecodeWorker:
         try:
             self._round_robin += 1
             target = choose_prefill_worker(workers, self._cached_prefixes(request, workers), self._round_robin)
-            request.prefill_worker_id = target.worker_id
+            request.prefill_worker_id, request.prefill_started_at = target.worker_id, target.started_at
             send(self.redis, target.inbox, self._prefill_job(request))
         except redis.RedisError as exc:
             request.prefill_worker_id = None  # nobody got the job: nobody writes the blocks
@@ -295,7 +309,8 @@ class DecodeWorker:
             if request.receiver.poll() is KVPoll.FAILED:
                 error = request.receiver.error or "kv handoff failed"
                 if request.prefill_worker_id:
-                    send(self.redis, keys.inbox("prefill", request.prefill_worker_id), AbortRequest(request.request_id))
+                    self.mailer.send(keys.inbox("prefill", request.prefill_worker_id),
+                                     AbortRequest(request.request_id))
                 self._end_handoff(request)  # before the blocks are freed: no late chunk lands in them
                 reason = self.scheduler.on_prefill_done(request, None, error)
                 log.error("kv handoff failed", request_id=request.request_id, error=error)

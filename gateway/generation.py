@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import structlog
+from redis.exceptions import RedisError
 
 from cluster.messages import WorkerInfo
 from gateway.detokenizer import IncrementalDetokenizer
@@ -161,7 +162,7 @@ class Generation:
         else:
             self.status = Status.ABORTED
         if not self._worker_done:
-            service.spawn(service.router.abort(self.worker_id, self._wire_id, self._abort_reason))
+            service.spawn(service.abort(self.worker_id, self._wire_id, self._abort_reason))
         metrics = service.metrics
         metrics.running.dec()
         metrics.generation_tokens.inc(len(self.output_token_ids))
@@ -207,7 +208,7 @@ class Generation:
         self._worker_done = True
         service.mux.unregister(self._wire_id)
         service.spawn(service.router.release(self.worker_id, self._wire_id))
-        service.spawn(service.router.abort(self.worker_id, self._wire_id, "worker lost"))
+        service.spawn(service.abort(self.worker_id, self._wire_id, "worker lost"))
 
     async def _fail_over(self, assembler: TokenAssembler) -> None:
         """The decode worker holding the request is gone: resubmit it, with the tokens the
@@ -236,4 +237,10 @@ class Generation:
                     failover=self._failovers)
 
     async def _worker_alive(self) -> bool:
-        return await self.service.router.is_alive("decode", self.worker_id, self._worker_started_at)
+        """Whether the decode worker still heartbeats. A Redis error says nothing about it (the
+        worker keeps its events in its outbox through an outage): keep waiting, the request's
+        deadline bounds the wait."""
+        try:
+            return await self.service.router.is_alive("decode", self.worker_id, self._worker_started_at)
+        except RedisError:
+            return True

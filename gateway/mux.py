@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from cluster import keys
-from cluster.messages import FIELD, MessageError, TokenBatch, TokenEvent, decode
+from cluster.messages import FIELD, TokenBatch, TokenEvent, decode
 
 log = structlog.get_logger(__name__)
 
@@ -93,10 +93,10 @@ class OutputMux:
         try:
             msg = decode(fields[FIELD])
             events = msg.unpack() if isinstance(msg, TokenBatch) else [msg]
-        except (MessageError, KeyError) as exc:
+            routed = [(self._queues.get(event.request_id), event) for event in events]
+        except Exception as exc:  # MessageError, or a well-formed message with ill-typed fields
             log.error("dropping unreadable output entry", entry_id=entry_id, error=str(exc))
             return
-        for event in events:
-            queue = self._queues.get(event.request_id)
+        for queue, event in routed:
             if queue is not None:
                 queue.put_nowait(event)

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
 
 from cluster.messages import GenerateRequest, WorkerInfo
 from cluster.settings import Settings
@@ -42,6 +43,7 @@ MAX_REDIS_CONNECTIONS = 4096
 REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_POOL_WAIT_S = 30.0
 STARTUP_WAIT_S = REDIS_CONNECT_TIMEOUT_S  # longest startup waits for the admission scripts to load
+ABORT_RETRY_S = 60.0  # how long an abort is retried through a Redis outage
 
 
 def make_redis(url: str) -> aioredis.Redis:
@@ -126,6 +128,20 @@ class GatewayService:
             # it never reached the worker: give its room back (if this fails too, the worker's reconcile does)
             self.spawn(self.router.release(worker.worker_id, wire_id))
             raise
+
+    async def abort(self, worker_id: str, wire_id: str, reason: str) -> None:
+        """Tell the worker to stop the request, retrying through a Redis outage for up to
+        ABORT_RETRY_S: until it reads the abort it generates on and holds the request's blocks."""
+        deadline, delay = time.monotonic() + ABORT_RETRY_S, 0.05
+        while True:
+            try:
+                await self.router.abort(worker_id, wire_id, reason)
+                return
+            except RedisError:
+                if time.monotonic() + delay > deadline:
+                    raise  # logged by the background task's done-callback
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
 
     async def prepare(self) -> None:
         """At startup: Redis's side of admission ready before the first request (if Redis is

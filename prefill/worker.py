@@ -16,7 +16,7 @@ import redis
 import structlog
 
 from cluster import keys
-from cluster.inbox import Inbox, send
+from cluster.inbox import Inbox, Mailer
 from cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
 from cluster.outputs import Outbox
 from cluster.worker_loop import run_steps, worker_info
@@ -76,6 +76,7 @@ class PrefillWorker:
         self.eos_token_ids = self.runner.config.eos_token_ids
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
         self.outbox = Outbox(self.redis)
+        self.mailer = Mailer(self.redis)  # PrefillDone: a Redis error must not lose it (its job is forgotten)
         self.policies = LivePolicies(self.redis, settings)
         self.heartbeat = Heartbeat(
             settings.redis_url, self.info, settings.heartbeat_interval_s, settings.heartbeat_ttl_s
@@ -89,6 +90,7 @@ class PrefillWorker:
     def step(self) -> None:
         started = time.perf_counter()
         self.outbox.flush()  # first tokens a Redis outage kept back go out first
+        self.mailer.flush()  # then the PrefillDones it kept back
         self._handle_messages(self.inbox.read(block_ms=None if self.scheduler.jobs else 20))
         self.scheduler.policy = self.policies.refresh().context_chunking_policy
         chunks = self.scheduler.schedule()
@@ -250,7 +252,7 @@ class PrefillWorker:
         job = state.job
         done = PrefillDone(job.request_id, status, state.first_token if status == "ok" else None,
                            state.finish_reason, error, prefill_worker_id=self.worker_id)
-        send(self.redis, keys.inbox("decode", job.decode_worker_id), done)
+        self.mailer.send(keys.inbox("decode", job.decode_worker_id), done)
 
 
 def main(settings: Settings, stop) -> None:

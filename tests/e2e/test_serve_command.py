@@ -79,3 +79,28 @@ def test_sigterm_while_starting_stops_at_once(tiny_llama, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_its_own_redis_dying_stops_the_cluster(tiny_llama, tmp_path):
+    """A supervisor sees a failed `tandem serve` (exit 1, every child stopped) instead of a
+    cluster that answers 503 for ever."""
+    import re
+
+    import redis
+
+    port = free_port()
+    proc = _start_serve(tiny_llama, port, tmp_path)
+    try:
+        line = proc.stdout.readline()
+        children = _children(proc.pid)
+        redis_url = re.search(r"redis (redis://\S+)\)", line).group(1)
+        try:
+            redis.Redis.from_url(redis_url).shutdown(nosave=True)
+        except redis.ConnectionError:
+            pass  # the server closes the connection as it goes
+        assert proc.wait(30) == 1
+        leftovers = _running(children, wait_s=10)
+        assert not leftovers, f"children still running: {leftovers}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -9,7 +9,8 @@ import pytest
 import redis
 import torch
 
-from cluster.messages import FIELD, GenerateRequest, decode
+from cluster.inbox import Mailer
+from cluster.messages import FIELD, AbortRequest, GenerateRequest, decode
 from cluster.outputs import Outbox
 from cluster.sampling import SamplingParams
 from cluster.step_stats import StepStats
@@ -50,7 +51,12 @@ class _Redis:
     """Just enough of a client for Outbox: pipelines of XADD that fail while ``down``."""
 
     def __init__(self):
-        self.down, self.events = False, []
+        self.down, self.events, self.sent = False, [], []
+
+    def xadd(self, stream, fields, **_):  # a control message (cluster.inbox.send)
+        if self.down:
+            raise redis.ConnectionError("redis is down")
+        self.sent.append((stream, decode(fields[FIELD])))
 
     def pipeline(self, transaction=False):
         client, queued = self, []
@@ -75,6 +81,7 @@ def _worker(run_ahead=False):
     worker.runner, worker.inbox = _Runner(), _Inbox()
     worker.redis = _Redis()
     worker.outbox = Outbox(worker.redis)
+    worker.mailer, worker._unhandled = Mailer(worker.redis), []
     worker.policies = types.SimpleNamespace(
         refresh=lambda: types.SimpleNamespace(capacity_scheduler_policy=worker.scheduler.policy.name))
     worker.stats = StepStats("decode", 1e9)
@@ -191,3 +198,52 @@ def test_a_step_sharing_the_gpu_waits_for_requests_in_prefill_but_not_past_the_l
     worker.scheduler.on_prefill_done(joining, 5, None)  # the joiner arrives: nothing left to wait for
     worker.step()
     assert [r.request_id for r in worker.steps.in_flight.batch] == ["r1", "r2"]
+
+
+def _prefilling(worker, request_id, prefill_worker_id="p0", started_at=1.0):
+    spec = GenerateRequest(request_id=request_id, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(),
+                           max_tokens=4, reply_to="gw")
+    request = DecodeRequest(spec=spec)
+    worker.scheduler.add(request)
+    worker.scheduler.waiting.remove(request)
+    worker.scheduler.reserve(request)
+    request.prefill_worker_id, request.prefill_started_at = prefill_worker_id, started_at
+    return request
+
+
+def test_messages_a_redis_error_cut_off_are_handled_next_turn():
+    """Inbox reads are NOACK: what a Redis error stops the worker from handling in one turn is
+    handled in the next, and the abort it was forwarding goes out once Redis is back."""
+    worker = _worker()
+    _prefilling(worker, "r1")
+    new = GenerateRequest(request_id="r2", prompt_token_ids=[1], sampling=SamplingParams(), max_tokens=2,
+                          reply_to="gw")
+    worker.redis.down = True
+    with pytest.raises(redis.RedisError):  # forwarding r1's abort to its prefill worker fails
+        worker._handle_messages([AbortRequest("r1"), new])
+    assert "r2" not in worker.scheduler.requests and worker._unhandled == [new]
+    worker.redis.down = False
+    worker._handle_messages([])
+    assert "r2" in worker.scheduler.requests and worker._unhandled == []
+    worker.mailer.flush()
+    assert [(stream, m.request_id) for stream, m in worker.redis.sent] == [("tandem:inbox:prefill:p0", "r1")]
+
+
+def test_a_prefill_worker_restarted_under_its_id_counts_as_lost(monkeypatch):
+    """Its new process never saw the job (NOACK inbox): the request is re-dispatched at once
+    instead of waiting out its transfer timeout."""
+    import decode.worker as worker_module
+
+    worker = _worker()
+    del worker._refresh_peers  # the real one
+    same, restarted = _prefilling(worker, "same", "p0", 1.0), _prefilling(worker, "restarted", "p1", 1.0)
+    gone = _prefilling(worker, "gone", "p2", 1.0)
+    peers = [types.SimpleNamespace(worker_id="p0", started_at=1.0, device="cpu"),
+             types.SimpleNamespace(worker_id="p1", started_at=2.0, device="cpu")]  # p1 restarted, p2 gone
+    monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
+    redispatched = []
+    worker._send_prefill_job = redispatched.append
+    worker._peers_checked_at, worker._device_identity = 0.0, "cpu"
+    worker._refresh_peers()
+    assert redispatched == [restarted, gone] and same not in redispatched
+    assert sorted(m.request_id for _s, m in worker.redis.sent) == ["gone", "restarted"]  # the old jobs aborted
