@@ -31,8 +31,8 @@ VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost
     "prefetch_b8": {(da, "PREFETCH_MAX_BATCH"): 8},
     "s3": {(dc, "_TILE_OVERRIDE"): (64, 4, 3)},  # the decode attention's stage count alone
     "cublas": {(ops, "SKINNY_GEMM_MAX_ROWS"): 0, (ops, "SKINNY_GEMM_LONG_K_MAX_ROWS"): 0,
-               (ops, "FUSED_NORM_MAX_ROWS"): 0},
-    "skinny64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64},
+               (ops, "SKINNY_SILU_MUL_MAX_ROWS"): 0, (ops, "FUSED_NORM_MAX_ROWS"): 0},
+    "skinny64": {(ops, "SKINNY_GEMM_MAX_ROWS"): 64, (ops, "SKINNY_SILU_MUL_MAX_ROWS"): 64},
     "unfused": {(ops, "FUSED_NORM_MAX_ROWS"): 0},  # o/down then their own add + RMSNorm kernel
     "fused32": {(ops, "FUSED_NORM_MAX_ROWS"): 32},  # at 64 rows: o on cuBLAS, down skinny, norms apart
 }
