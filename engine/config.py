@@ -18,6 +18,8 @@ import torch
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+HF_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json leaves the key out
+HF_QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config's max_window_layers likewise
 
 
 @dataclass
@@ -84,10 +86,18 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
         arch = _architecture(raw)
-        if raw.get("hidden_act", "silu") != "silu":
+        if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers' names for the same function
             raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}: the engine implements SiLU MLPs only")
         if raw.get("mlp_bias", False):
             raise ValueError("unsupported mlp_bias=True: the engine's MLP has no biases")
+        if arch == "LlamaForCausalLM" and raw.get("attention_bias", False):
+            raise ValueError("unsupported attention_bias=True for Llama: its o_proj then has a bias too, which "
+                             "the engine does not implement (Qwen2's q/k/v-only biases are supported)")
+        if raw.get("quantization_config"):
+            method = raw["quantization_config"].get("quant_method", "?") if isinstance(
+                raw["quantization_config"], dict) else "?"
+            raise ValueError(f"quantized checkpoints (quant_method={method!r}) are not supported: "
+                             "serve the bf16/fp16/fp32 weights")
         num_q_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
         rope_theta, rope_scaling = _rope(raw)
@@ -106,7 +116,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v biases; Llama and Mistral only when the flag says so.
+            # Qwen2 always has q/k/v biases; Mistral only when the flag says so (Llama's are refused above)
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             sliding_window=sliding_window,
             sliding_window_layers=sliding_layers,
@@ -153,7 +163,8 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def _sliding_window(arch: str, raw: dict[str, Any], num_layers: int) -> tuple[int | None, tuple[bool, ...]]:
-    window = raw.get("sliding_window")
+    # a key left out means transformers' class default: Mistral 4096 (an explicit null: no window)
+    window = raw.get("sliding_window", HF_MISTRAL_WINDOW if arch == "MistralForCausalLM" else None)
     if arch == "LlamaForCausalLM" or window is None:
         return None, ()
     if arch == "Qwen2ForCausalLM":
@@ -163,7 +174,7 @@ def _sliding_window(arch: str, raw: dict[str, Any], num_layers: int) -> tuple[in
         if layer_types:
             windowed = tuple(t == "sliding_attention" for t in layer_types)
         else:
-            first = raw.get("max_window_layers", num_layers)
+            first = raw.get("max_window_layers", HF_QWEN2_MAX_WINDOW_LAYERS)
             windowed = tuple(i >= first for i in range(num_layers))
         return (int(window), windowed) if any(windowed) else (None, ())
     return int(window), ()

@@ -8,6 +8,7 @@ gate/up into ``gate_up_proj`` so each is one matmul at run time.
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import torch
@@ -45,10 +46,26 @@ def load_model(
     return model.eval(), config
 
 
-def _read_safetensors(path: str, device: torch.device) -> dict[str, torch.Tensor]:
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of the HF checkpoint in ``path``: those its index names, else
+    model.safetensors, else every *.safetensors (a directory may hold other files too, such as
+    Mistral's original-format consolidated.safetensors next to the HF shards)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, name) for name in names]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r} (only safetensors checkpoints are supported)")
+    return files
+
+
+def _read_safetensors(path: str, device: torch.device) -> dict[str, torch.Tensor]:
+    files = checkpoint_files(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         # load straight onto the target device: no host copy of a GPU model

@@ -38,6 +38,12 @@ def _running(pids: list[int], wait_s: float) -> list[int]:
         time.sleep(0.1)
 
 
+def _assert_stopped(proc: subprocess.Popen, children: list[int], returncode: int) -> None:
+    assert proc.wait(30) == returncode
+    leftovers = _running(children, wait_s=10)
+    assert not leftovers, f"children still running: {leftovers}"
+
+
 def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_path):
     port = free_port()
     proc = _start_serve(tiny_llama, port, tmp_path)
@@ -50,9 +56,7 @@ def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_p
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-        leftovers = _running(children, wait_s=10)
-        assert not leftovers, f"children still running: {leftovers}"
+        _assert_stopped(proc, children, returncode=0)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -98,9 +102,7 @@ def test_its_own_redis_dying_stops_the_cluster(tiny_llama, tmp_path):
             redis.Redis.from_url(redis_url).shutdown(nosave=True)
         except redis.ConnectionError:
             pass  # the server closes the connection as it goes
-        assert proc.wait(30) == 1
-        leftovers = _running(children, wait_s=10)
-        assert not leftovers, f"children still running: {leftovers}"
+        _assert_stopped(proc, children, returncode=1)
     finally:
         if proc.poll() is None:
             proc.kill()

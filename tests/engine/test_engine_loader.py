@@ -46,7 +46,13 @@ def test_config_sliding_window_and_bias_per_architecture():
     mistral = ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 24})
     assert [mistral.layer_sliding_window(i) for i in range(2)] == [24, 24]
     assert not mistral.attention_bias
-    assert ModelConfig.from_dict({**BASE, "attention_bias": True}).attention_bias
+    # keys left out mean transformers' class defaults (Mistral's window 4096; Qwen2's first windowed layer 28)
+    assert ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"]}).sliding_window == 4096
+    assert ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"],
+                                  "sliding_window": None}).sliding_window is None
+    deep = {**qwen, "use_sliding_window": True, "num_hidden_layers": 30}
+    assert [ModelConfig.from_dict(deep).layer_sliding_window(i) for i in (27, 28)] == [None, 4096]
+    assert ModelConfig.from_dict({**BASE, "hidden_act": "swish"}).architecture == "LlamaForCausalLM"
 
 
 @pytest.mark.parametrize(
@@ -55,6 +61,8 @@ def test_config_sliding_window_and_bias_per_architecture():
         ({**BASE, "architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
         ({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type"),
         ({**BASE, "hidden_act": "gelu"}, "hidden_act"),
+        ({**BASE, "attention_bias": True}, "o_proj then has a bias"),  # HF Llama's o_proj bias
+        ({**BASE, "quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints.*fp8"),
     ],
 )
 def test_config_rejects_unsupported(raw, match):
@@ -116,6 +124,28 @@ def test_missing_and_unexpected_tensors_are_named(tiny_checkpoints, tmp_path):
     save_file(tensors, f"{path}/model.safetensors")
     with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\].*extra"):
         load_model(path)
+
+
+def test_only_the_checkpoints_own_files_are_read(tiny_checkpoints, tmp_path):
+    """Mistral's downloads hold an original-format consolidated.safetensors next to the HF
+    weights: it is not read, whether the HF weights are one file or shards with an index."""
+    path = _copy_checkpoint(tiny_checkpoints["mistral"], tmp_path / "ckpt")
+    save_file({"layers.0.attention.wk.weight": torch.zeros(2)}, f"{path}/consolidated.safetensors")
+    expected, _ = load_model(tiny_checkpoints["mistral"])
+    single, _ = load_model(path)
+    tensors = load_file(f"{path}/model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, f"{path}/{shard}")
+    with open(f"{path}/model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": {n: s for s, ns in shards.items() for n in ns}}, f)
+    (tmp_path / "ckpt" / "model.safetensors").rename(tmp_path / "ckpt" / "stale.safetensors")  # not in the index
+    sharded, _ = load_model(path)
+    for model in (single, sharded):
+        for (name, a), (_, b) in zip(expected.state_dict().items(), model.state_dict().items()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
 def test_unsupported_architecture_and_missing_weights(tiny_checkpoints, tmp_path):
