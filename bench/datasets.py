@@ -112,7 +112,9 @@ def arrival_offsets(
 
     Like vLLM: gaps are Gamma(shape=burstiness, scale=1/(rate*burstiness)), so the
     mean rate is ``request_rate`` whatever the burstiness (1.0 = Poisson process,
-    < 1 burstier, > 1 more even). The first request goes at t=0. ``inf`` sends
+    < 1 burstier, > 1 more even, ``inf`` evenly spaced), and the times are rescaled
+    so that the last request goes at (n - 1) / rate: the run offers the requested
+    rate whatever the draw. The first request goes at t=0. A rate of ``inf`` sends
     everything at once.
     """
     if n < 1:
@@ -124,6 +126,11 @@ def arrival_offsets(
     if not burstiness > 0:
         raise ValueError(f"burstiness must be > 0, got {burstiness}")
     # A stream apart from the prompts' so that changing the rate keeps the prompts.
+    if np.isinf(burstiness):
+        return np.arange(n) / request_rate
     rng = np.random.default_rng([seed, 0xA221])
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n - 1)
-    return np.concatenate([[0.0], np.cumsum(gaps)])
+    times = np.concatenate([[0.0], np.cumsum(gaps)])
+    if n > 1 and times[-1] > 0:
+        times *= (n - 1) / request_rate / times[-1]
+    return times

@@ -6,9 +6,14 @@ Definitions (all per successful request; times in ms in the report):
   * ITL: gaps between successive content chunks (pooled over all requests).
   * TPOT: (e2e - ttft) / (output_tokens - 1); undefined for a single token (left
     out of the TPOT statistics, and counted as meeting a TPOT SLO).
-  * E2E: from sending the request to the end of the stream.
+  * E2E: from sending the request to its last content chunk (as vLLM: not the
+    usage chunk or ``[DONE]`` after it; the end of the stream if none came).
   * output tokens: ``usage.completion_tokens`` from the final usage chunk when the
-    server sends one, else the number of content chunks.
+    server sends one; else max_tokens for a ``length`` finish (``ignore_eos`` is
+    sent); else the number of content chunks, flagged as an estimate (a chunk may
+    carry several tokens).
+  * peak concurrency: the most requests in flight at once, from their start
+    times and latencies (across client processes too).
   * goodput: successful requests meeting every given SLO, per second of duration.
 """
 
@@ -40,7 +45,9 @@ class RequestResult:
     latency: float | None = None
     itl: list[float] = field(default_factory=list)
     content_chunks: int = 0
+    last_token_at: float | None = None  # seconds after the request was sent
     output_tokens: int = 0
+    output_tokens_estimated: bool = False  # no usage and not a length finish: content chunks counted
     usage_prompt_tokens: int | None = None
     usage_output_tokens: int | None = None
     finish_reason: str | None = None
@@ -182,4 +189,20 @@ def compute_metrics(
         m["request_goodput"] = None
     errors = Counter(r.error for r in failed)
     m["errors"] = [{"error": e, "count": c} for e, c in errors.most_common()]
+    m["output_tokens_estimated"] = sum(r.output_tokens_estimated for r in ok)
+    for name in LATENCY_METRICS:  # vLLM's flat keys too (mean_ttft_ms, p99_itl_ms, ...), for its tools
+        for key, value in m[f"{name}_ms"].items():
+            m[f"{key}_{name}_ms"] = value
     return m
+
+
+def peak_concurrency(results: Sequence[RequestResult]) -> int:
+    """The most requests in flight at once, from their start times and latencies."""
+    edges = sorted([(r.start, 1) for r in results if r.latency is not None]
+                   + [(r.start + r.latency, -1) for r in results if r.latency is not None],
+                   key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
+    peak = current = 0
+    for _t, step in edges:
+        current += step
+        peak = max(peak, current)
+    return peak

@@ -48,6 +48,9 @@ def format_report(m: dict[str, Any], cfg: BenchConfig | None = None, peak: int |
     row("Benchmark duration (s):", _fmt(m["duration_s"]))
     row("Total input tokens:", m["total_input_tokens"])
     row("Total generated tokens:", m["total_output_tokens"])
+    if m.get("output_tokens_estimated"):
+        lines.append(f"  ({m['output_tokens_estimated']} requests sent no usage and stopped early: their tokens")
+        lines.append("   are counted as content chunks, a lower bound that also skews TPOT)")
     row("Request throughput (req/s):", _fmt(m["request_throughput"]))
     if m["request_goodput"] is not None:
         slos = " ".join(f"{k}:{v:g}" for k, v in m["goodput_slos_ms"].items())
@@ -91,6 +94,7 @@ def request_row(r: RequestResult, slos: dict[str, float] | None) -> dict[str, An
         "max_tokens": r.output_len,
         "output_tokens": r.output_tokens,
         "content_chunks": r.content_chunks,
+        "output_tokens_estimated": r.output_tokens_estimated,
         "usage_output_tokens": r.usage_output_tokens,
         "finish_reason": r.finish_reason,
         "ttft_ms": ms(r.ttft),

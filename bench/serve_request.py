@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -96,9 +95,14 @@ async def _stream_request(
             reads.append((time.perf_counter(), raw))
     res.latency = time.perf_counter() - t0
     _replay(cfg, reads, t0, res)
-    res.output_tokens = (
-        res.usage_output_tokens if res.usage_output_tokens is not None else res.content_chunks
-    )
+    if res.last_token_at is not None:  # as vLLM: E2E ends at the last token, not the usage chunk or [DONE]
+        res.latency = res.last_token_at
+    if res.usage_output_tokens is not None:
+        res.output_tokens = res.usage_output_tokens
+    elif res.finish_reason == "length":  # no usage: max_tokens were generated (ignore_eos is sent)
+        res.output_tokens = spec.output_len
+    else:  # no usage and an early stop: a chunk may carry several tokens
+        res.output_tokens, res.output_tokens_estimated = res.content_chunks, True
     if res.ttft is None:
         res.error = "stream ended without any generated content"
         return
@@ -131,6 +135,7 @@ def _replay(cfg: BenchConfig, reads: list[tuple[float, bytes]], t0: float, res: 
                 else:
                     res.itl.append(now - last)
                 last = now
+                res.last_token_at = now - t0
                 res.content_chunks += 1
                 if cfg.keep_text:
                     text.append(content)
@@ -185,7 +190,7 @@ async def send_request(
     except _StreamError as exc:
         res.success = False
         res.error = f"error in stream: {exc}"
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError, OSError) as exc:
+    except Exception as exc:  # anything else a server's stream can provoke fails this request, not the run
         res.success = False
         res.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if res.latency is None or not res.success:

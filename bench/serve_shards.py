@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import multiprocessing
 import queue
 import signal
@@ -21,6 +20,7 @@ import time
 from typing import Sequence
 
 from bench.datasets import RequestSpec, arrival_offsets
+from bench.serve_metrics import peak_concurrency
 from bench.serve_request import BenchConfig
 
 START_MARGIN_S = 0.05  # from "all ready" to the common start
@@ -41,15 +41,17 @@ def run_in_processes(cfg: BenchConfig, specs: Sequence[RequestSpec], num_process
     from bench.serve import BenchState
 
     offsets = arrival_offsets(len(specs), cfg.request_rate, cfg.burstiness, cfg.seed)
-    num_processes = max(1, min(num_processes, len(specs)))
-    shard_cfg = dataclasses.replace(cfg, progress=False, max_concurrency=(
-        math.ceil(cfg.max_concurrency / num_processes) if cfg.max_concurrency else None))
+    num_processes = max(1, min(num_processes, len(specs), cfg.max_concurrency or len(specs)))
+    # the concurrency split exactly (shard i gets one more while i < the remainder): the sum is the cap
+    share, extra = divmod(cfg.max_concurrency, num_processes) if cfg.max_concurrency else (0, 0)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     pipes, procs = [], []
     try:
         for i in range(num_processes):
             parent_end, child_end = ctx.Pipe()
+            shard_cfg = dataclasses.replace(cfg, progress=False, max_concurrency=(
+                share + (i < extra) if cfg.max_concurrency else None))
             proc = ctx.Process(target=_shard_main, daemon=True,
                                args=(shard_cfg, list(specs[i::num_processes]), list(offsets[i::num_processes]),
                                      child_end, results))
@@ -78,7 +80,7 @@ def run_in_processes(cfg: BenchConfig, specs: Sequence[RequestSpec], num_process
             proc.join(5)
     state = BenchState(start=start_at, end=max(s["end"] for s in shards))
     state.results = sorted((r for s in shards for r in s["results"]), key=lambda r: r.index)
-    state.peak_concurrency = sum(s["peak_concurrency"] for s in shards)  # an upper bound
+    state.peak_concurrency = peak_concurrency(state.results)  # across the processes, from the requests' times
     return state
 
 

@@ -42,3 +42,10 @@ def test_arrival_offsets():
     assert np.mean(bursty) == pytest.approx(0.1, rel=0.15)
     assert np.std(bursty) > 1.5 * np.std(np.diff(off))  # burstier = more spread
     assert np.array_equal(arrival_offsets(10, 5.0, seed=2), arrival_offsets(10, 5.0, seed=2))
+    # the span is (n - 1) / rate whatever the draw or the burstiness (vLLM rescales likewise), so the
+    # offered rate is the requested one; infinite burstiness spaces the requests evenly
+    for seed in range(5):
+        for burstiness in (0.25, 1.0, 4.0):
+            assert arrival_offsets(100, 10.0, burstiness, seed)[-1] == pytest.approx(9.9)
+    assert np.allclose(arrival_offsets(5, 2.0, math.inf), [0, 0.5, 1.0, 1.5, 2.0])
+    assert np.all(arrival_offsets(1, 2.0) == 0)

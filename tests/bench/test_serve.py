@@ -72,13 +72,21 @@ def _make_app(state: dict) -> FastAPI:
                     yield ('data: {"choices": [{"index": 0, "delta": {"role": "assistant",'
                            ' "content": ""}}]}\n\n')
                 await asyncio.sleep(5.0 if model == "slow" else TTFT_S)
-                for i in range(n):
+                if model == "bad-chunk":  # a well-formed event with an ill-typed delta
+                    yield 'data: {"choices": [{"index": 0, "delta": "BAD"}]}\n\n'
+                    return
+                per_chunk = 2 if model in ("two-per-chunk", "stop-early") else 1
+                finish = "stop" if model == "stop-early" else "length"
+                chunks = n // per_chunk - (1 if model == "stop-early" else 0)
+                for i in range(chunks):
                     if i:
                         await asyncio.sleep(ITL_S)
-                    yield chunk(f" t{i}", "length" if i == n - 1 else None)
+                    yield chunk(" t" * per_chunk, finish if i == chunks - 1 else None)
                     if model == "midstream-error":
                         yield 'data: {"error": {"message": "worker died", "code": 500}}\n\n'
                         return
+                if model == "late-usage":
+                    await asyncio.sleep(0.3)
                 if body.get("stream_options", {}).get("include_usage") and not state["no_usage"]:
                     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                              "total_tokens": prompt_tokens + n}
@@ -214,10 +222,56 @@ def test_output_tokens_without_usage_chunk(server, tmp_path):
                "--output-len", "6", "--result-json", str(out), "--save-text"])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert doc["metrics"]["total_output_tokens"] == 18  # counted content chunks
+    assert doc["metrics"]["total_output_tokens"] == 18  # a length finish: max_tokens each
     assert doc["metrics"]["total_input_tokens"] == 15  # nominal prompt length
     row = doc["requests"][0]
-    assert row["usage_output_tokens"] is None and row["generated_text"].startswith(" t0 t1")
+    assert row["usage_output_tokens"] is None and row["generated_text"].startswith(" t t")
+
+
+@pytest.mark.parametrize("model, tokens, estimated", [("two-per-chunk", 8, 0), ("stop-early", 3, 1)])
+def test_tokens_without_usage_when_a_chunk_carries_several(server, tmp_path, capsys, model, tokens, estimated):
+    """A length finish means max_tokens were generated; an early stop without usage can only
+    count chunks, and the report says so."""
+    url, state = server
+    state["no_usage"] = True
+    out = tmp_path / "r.json"
+    assert _run(["--base-url", url, "--model", model, "--num-prompts", "1", "--input-len", "5",
+                 "--output-len", "8", "--result-json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["requests"][0]["output_tokens"] == tokens
+    assert doc["metrics"]["output_tokens_estimated"] == estimated
+    assert ("counted as content chunks" in capsys.readouterr().out) == bool(estimated)
+
+
+def test_e2e_latency_ends_at_the_last_token(server, tmp_path):
+    """Not at the usage chunk or [DONE] after it (vLLM's definition)."""
+    url, _ = server
+    out = tmp_path / "r.json"
+    assert _run(["--base-url", url, "--model", "late-usage", "--num-prompts", "1", "--input-len", "5",
+                 "--output-len", "4", "--result-json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    row = doc["requests"][0]
+    assert row["output_tokens"] == 4  # the usage still counted
+    assert row["e2el_ms"] < (TTFT_S + 3 * ITL_S + 0.2) * 1e3  # the 0.3 s before the usage chunk left out
+    assert doc["metrics"]["mean_e2el_ms"] == doc["metrics"]["e2el_ms"]["mean"]  # vLLM's flat keys too
+
+
+def test_a_malformed_chunk_fails_its_request_not_the_run(server, tmp_path):
+    url, _ = server
+    out = tmp_path / "r.json"
+    assert _run(["--base-url", url, "--endpoint", "chat", "--model", "bad-chunk", "--num-prompts", "2",
+                 "--input-len", "5", "--output-len", "4", "--result-json", str(out)]) == 1  # none succeeded
+    m = json.loads(out.read_text())["metrics"]
+    assert (m["completed"], m["failed"]) == (0, 2) and "AttributeError" in m["errors"][0]["error"]
+
+
+def test_processes_split_the_concurrency_cap_exactly(server, tmp_path):
+    url, state = server
+    out = tmp_path / "r.json"
+    assert _run(["--base-url", url, "--num-prompts", "6", "--num-processes", "2", "--max-concurrency", "1",
+                 "--input-len", "4", "--output-len", "3", "--result-json", str(out)]) == 0
+    m = json.loads(out.read_text())["metrics"]
+    assert m["completed"] == 6 and state["peak"] == 1 and m["peak_concurrency"] == 1
 
 
 def test_failures_are_counted_with_messages(server, tmp_path, capsys):
