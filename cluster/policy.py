@@ -37,7 +37,14 @@ class LivePolicies:
         pipe = client.pipeline(transaction=False)
         for name in FIELDS:
             pipe.hsetnx(keys.policy(), name, getattr(self, name))
-        pipe.execute()
+        pipe.hgetall(keys.policy())
+        *_, live = pipe.execute()
+        for name in FIELDS:  # the cluster's live value wins; a restarted worker's new flag would not
+            raw = live.get(name.encode())
+            if raw is not None and raw.decode() != getattr(self, name):
+                log.warning("the cluster's live policy differs from this worker's flag; the live one applies",
+                            field=name, live=raw.decode(), flag=getattr(self, name),
+                            switch=f"redis-cli HSET {keys.policy()} {name} {getattr(self, name)}")
 
     def refresh(self) -> "LivePolicies":
         """Re-read the hash if the last read is older than the interval (one HGETALL)."""

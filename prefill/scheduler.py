@@ -11,11 +11,13 @@ logits are needed) and starts computing after them; every block that becomes
 full is cached. Sliding window: between chunks, blocks no later query of the
 prompt attends to are given back (``release_out_of_window``).
 
-Chunking policies:
+Chunking policies (TensorRT-LLM's): a chunk that is not a job's last is a whole
+number of blocks, so every chunk starts on a block boundary.
     FIRST_COME_FIRST_SERVED  the earliest job takes as much of the budget as it
-                             can use before the next job gets any.
-    EQUAL_PROGRESS           every prefilling job gets one chunk in turn: the
-                             budget is split evenly (in whole blocks) over them.
+                             can use, then the next, and so on.
+    EQUAL_PROGRESS           jobs take one block each in turn, round after round,
+                             while the budget lasts (a job whose next block does
+                             not fit is passed over; the rest go on).
 """
 
 from __future__ import annotations
@@ -66,28 +68,12 @@ class PrefillScheduler:
         self._admit()
         if not self.prefilling:
             return []
+        remaining = [state.num_remaining for state in self.prefilling]
         if self.policy == "EQUAL_PROGRESS":
-            return self._equal_progress()
-        chunks, budget = [], self.max_num_tokens
-        for state in self.prefilling:
-            if budget == 0:
-                break
-            num_tokens = min(state.num_remaining, budget)
-            chunks.append((state, num_tokens))
-            budget -= num_tokens
-        return chunks
-
-    def _equal_progress(self) -> list[tuple[PrefillState, int]]:
-        block_size = self.allocator.block_size
-        share = max(self.max_num_tokens // len(self.prefilling) // block_size * block_size, block_size)
-        chunks, budget = [], self.max_num_tokens
-        for state in self.prefilling:
-            num_tokens = min(state.num_remaining, share, budget)
-            if num_tokens == 0:
-                break
-            chunks.append((state, num_tokens))
-            budget -= num_tokens
-        return chunks
+            sizes = equal_progress_chunks(remaining, self.max_num_tokens, self.allocator.block_size)
+        else:
+            sizes = first_come_chunks(remaining, self.max_num_tokens, self.allocator.block_size)
+        return [(state, n) for state, n in zip(self.prefilling, sizes) if n > 0]
 
     def _admit(self) -> None:
         block_size = self.allocator.block_size
@@ -161,3 +147,40 @@ class PrefillScheduler:
     @property
     def num_running(self) -> int:
         return len(self.prefilling) + len(self.transferring)
+
+
+def first_come_chunks(remaining: list[int], budget: int, unit: int) -> list[int]:
+    """FIRST_COME_FIRST_SERVED: each job in turn takes what is left of the budget, its last chunk
+    whole, any other rounded down to a multiple of ``unit`` (0: passed over this forward)."""
+    sizes = []
+    for need in remaining:
+        size = min(need, budget)
+        if size < need:
+            size -= size % unit
+        sizes.append(size)
+        budget -= size
+    return sizes
+
+
+def equal_progress_chunks(remaining: list[int], budget: int, unit: int) -> list[int]:
+    """EQUAL_PROGRESS: round after round, each job takes its next ``unit`` tokens (its last,
+    possibly shorter, increment at the end) if they fit in what is left of the budget."""
+    def after_rounds(r: int) -> int:  # tokens handed out by r whole rounds
+        return sum(min(need, r * unit) for need in remaining)
+
+    lo, hi = 0, max(remaining, default=0) // unit + 1  # the most whole rounds that fit: binary search
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if after_rounds(mid) <= budget else (lo, mid - 1)
+    sizes = [min(need, lo * unit) for need in remaining]
+    budget -= sum(sizes)
+    progress = True
+    while progress:  # the round that no longer fits whole, as far as it goes (few rounds: budget < a round)
+        progress = False
+        for i, need in enumerate(remaining):
+            step = min(unit, need - sizes[i])
+            if 0 < step <= budget:
+                sizes[i] += step
+                budget -= step
+                progress = True
+    return sizes

@@ -207,11 +207,17 @@ def test_preemption_counter_follows_the_workers_count():
 
 
 def test_live_policies_start_from_flags_switch_and_ignore_junk(rclient):
+    from structlog.testing import capture_logs
+
     from cluster.policy import LivePolicies
     from cluster.settings import Settings
 
     rclient.hset(keys.policy(), "context_chunking_policy", "EQUAL_PROGRESS")  # set by an earlier worker
-    policies = LivePolicies(rclient, Settings(capacity_scheduler_policy="MAX_UTILIZATION"), interval_s=0.05)
+    with capture_logs() as logs:
+        policies = LivePolicies(rclient, Settings(capacity_scheduler_policy="MAX_UTILIZATION"), interval_s=0.05)
+    differs = [e for e in logs if e["log_level"] == "warning"]  # this worker's flag (FCFS) is not what applies
+    assert [(e["field"], e["live"], e["flag"]) for e in differs] == [
+        ("context_chunking_policy", "EQUAL_PROGRESS", "FIRST_COME_FIRST_SERVED")]
     assert rclient.hgetall(keys.policy()) == {b"capacity_scheduler_policy": b"MAX_UTILIZATION",
                                                b"context_chunking_policy": b"EQUAL_PROGRESS"}
     assert policies.refresh().context_chunking_policy == "EQUAL_PROGRESS"  # the hash wins over the flag
