@@ -8,7 +8,10 @@
                          when the pool runs out the scheduler pauses requests.
                          Admission keeps back the blocks the running requests
                          need for their next step, so a newcomer does not take
-                         them from an older request.
+                         them from an older request; the newest holder is paused
+                         first, and while that is a request still in prefill
+                         (its blocks cannot be taken back) the request needing a
+                         block sits the step out instead of an older one pausing.
     STATIC_BATCH         reserve as GUARANTEED_NO_EVICT, but admit only while no
                          request is active: a batch is formed from the waiting
                          requests (as many as fit, up to max_batch_size), runs to
@@ -39,8 +42,10 @@ class GuaranteedNoEvict:
         return True
 
     def headroom_blocks(self, scheduler: "DecodeScheduler") -> int:
-        """Free blocks admission must leave untouched."""
-        return 0
+        """Free blocks admission must leave untouched: what the active requests still need to
+        finish (none but after a live switch from MAX_UTILIZATION: then a newcomer admitted
+        here must not take the blocks those requests grow into, and be paused for them)."""
+        return scheduler.num_unreserved_blocks()
 
 
 class MaxUtilization(GuaranteedNoEvict):

@@ -151,10 +151,17 @@ class DecodeScheduler:
         # only a request that crosses into a new block needs one (about 1 in block_size per step)
         batch = [r for r in self.running if self._runs_next(r)]
         needy = [r for r in batch if blocks_for(r.num_scheduled_tokens, block_size) > len(r.block_ids)]
+        sitting_out = set()
         for request in sorted(needy, key=lambda r: r.keep_key):
-            if request.status is RequestStatus.DECODING and self._make_room(request):
+            if request.status is not RequestStatus.DECODING:
+                continue
+            room = self._make_room(request)
+            if room:
                 self.grow(request)
-        return [r for r in batch if r.status is RequestStatus.DECODING][: self.max_batch_size]
+            elif room is None:
+                sitting_out.add(request.request_id)
+        return [r for r in batch if r.status is RequestStatus.DECODING
+                and r.request_id not in sitting_out][: self.max_batch_size]
 
     def _runs_next(self, request: DecodeRequest) -> bool:
         """Not when its pending token already ends it by length."""
@@ -188,14 +195,26 @@ class DecodeScheduler:
         self.num_preemptions += 1
         self._enqueue(request)
 
-    def _make_room(self, request: DecodeRequest) -> bool:
-        """Pause requests until ``request`` can grow; False if it had to be paused itself."""
+    def _make_room(self, request: DecodeRequest) -> bool | None:
+        """Pause requests until ``request`` can grow: True when it can; False if it had to be paused
+        itself; None when the newest holder of blocks is a request still in prefill (it cannot give
+        them up): ``request`` sits this step out rather than see an older request paused for it."""
         while not self.can_grow(request):
             victim = max(self.running, key=lambda r: r.keep_key)
+            if any(r.keep_key > victim.keep_key for r in self.prefilling.values()):
+                return None
             self.pause(victim)
             if victim is request:
                 return False
         return True
+
+    def num_unreserved_blocks(self) -> int:
+        """Blocks the active requests still need to reach their end beyond what they hold: 0 for
+        requests admitted under a reserving policy; what a MAX_UTILIZATION request still grows by
+        after a live switch to one."""
+        block_size = self.allocator.block_size
+        return sum(max(blocks_for(self.reserved_tokens(r), block_size) - len(held_block_ids(r)), 0)
+                   for r in (*self.prefilling.values(), *self.running))
 
     def num_growth_blocks(self) -> int:
         """Blocks the running requests still need for their next step."""

@@ -303,6 +303,49 @@ def test_switch_applies_to_later_admissions():
         sched.set_policy("NOPE")
 
 
+def test_an_older_request_is_not_paused_for_a_newer_one_still_in_prefill():
+    """The newest holder of blocks is paused first; a newer request in prefill cannot give its
+    blocks back, so the older running one that needs a block sits the step out instead."""
+    alloc, sched = make(MU, 4)
+    a = request("a", prompt_len=4, max_tokens=20, arrival=1)  # prompt + 1: 2 blocks
+    sched.add(a)
+    sched.schedule_prefills()
+    sched.on_prefill_done(a, 7, None)
+    sched.on_step(sched.schedule_decode(), [30])  # 6 tokens in 2 blocks
+    b = request("b", prompt_len=7, max_tokens=20, arrival=2)  # prompt + 1: the last 2 blocks
+    sched.add(b)
+    assert sched.schedule_prefills() == [b]
+    batches = []
+    for token in range(4):  # a needs a 3rd block for its 9th token; b is still in prefill
+        batch = sched.schedule_decode()
+        batches.append(batch)
+        sched.on_step(batch, [40 + token] * len(batch))
+    assert a.status is RequestStatus.DECODING and a.num_preemptions == 0
+    assert batches[0] == [a] and batches[-1] == [] and len(a.block_ids) == 2  # waits, keeping its blocks
+    sched.on_prefill_done(b, 9, None)  # b decodes now: the newest, it is the one paused
+    sched.on_step(sched.schedule_decode(), [50])
+    assert b.status is RequestStatus.PAUSED and a.status is RequestStatus.DECODING and a.num_preemptions == 0
+
+
+def test_after_a_switch_to_no_evict_a_newcomer_leaves_the_older_requests_room_to_finish():
+    alloc, sched = make(MU, 6)
+    a = request("a", prompt_len=4, max_tokens=12, arrival=1)  # admitted with 2 blocks; grows to 4
+    sched.add(a)
+    sched.schedule_prefills()
+    sched.on_prefill_done(a, 7, None)
+    sched.set_policy(GNE)
+    b = request("b", prompt_len=4, max_tokens=12, arrival=2)  # needs 4 blocks; only 2 are a's to spare
+    sched.add(b)
+    assert sched.schedule_prefills() == []  # the 4 free blocks include the 2 a still grows into
+    while a.status is RequestStatus.DECODING:
+        batch = sched.schedule_decode()
+        sched.on_step(batch, [60] * len(batch))
+        sched.schedule_prefills()
+    assert a.num_preemptions == 0 and a.finish_reason == "length"
+    assert sched.schedule_prefills() == [] and b.status is RequestStatus.PREFILLING  # admitted once a ended
+    assert sched.num_preemptions == 0
+
+
 @pytest.mark.parametrize("policy", [GNE, MU, STATIC])
 def test_gateway_charge_equals_the_workers_reservation(policy):
     _, sched = make(policy, 1000)
