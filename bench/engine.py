@@ -216,6 +216,10 @@ def main(args: argparse.Namespace) -> int:
     import transformers
     import triton
 
+    if not torch.cuda.is_available():
+        print("tandem bench engine measures the GPU path: no CUDA device here", file=sys.stderr)
+        return 2
+
     env = dict(torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
                gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))
     print(env, flush=True)

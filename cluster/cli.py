@@ -39,6 +39,13 @@ def _service(role: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def resolve_model(model: str) -> str:
     """'demo' names a tiny random Llama built locally on first use (no download)."""
     if model != "demo":
@@ -53,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the whole cluster on this machine")
     settings_mod.add_arguments(serve)
-    serve.add_argument("--num-prefill-workers", type=int, default=1)
-    serve.add_argument("--num-decode-workers", type=int, default=1)
+    serve.add_argument("--num-prefill-workers", type=_positive_int, default=1)
+    serve.add_argument("--num-decode-workers", type=_positive_int, default=1)
     for role in ("gateway", "prefill", "decode"):
         settings_mod.add_arguments(sub.add_parser(role, help=f"run one {role} service"))
     demo = sub.add_parser("demo-model", help="write the tiny random demo Llama to PATH")

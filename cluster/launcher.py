@@ -140,6 +140,12 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings.from_args(args)
     settings.model = resolve_model(settings.model)
     settings.resolve()
+    try:  # before starting anything: a server already there would answer our readiness check
+        with socket.create_server((settings.host, settings.port)):
+            pass
+    except OSError as exc:
+        print(f"tandem: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     stop = stop_on_signals()
     redis_server = None if args.redis_url else RedisServer()
     if redis_server is not None:

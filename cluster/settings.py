@@ -17,6 +17,7 @@ from pathlib import Path
 
 CAPACITY_POLICIES = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH")
 CHUNKING_POLICIES = ("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 RUN_AHEAD_MODES = ("auto", "on", "off")
 CPU_DEFAULT_KV_TOKENS = 16384
 
@@ -100,6 +101,11 @@ class Settings:
                f"--capacity-scheduler-policy must be one of {CAPACITY_POLICIES}")
         _check(self.context_chunking_policy in CHUNKING_POLICIES,
                f"--context-chunking-policy must be one of {CHUNKING_POLICIES}")
+        _check(1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}")
+        _check(0 < self.heartbeat_interval_s < self.heartbeat_ttl_s,
+               f"--heartbeat-interval-s ({self.heartbeat_interval_s}) must be > 0 and below --heartbeat-ttl-s "
+               f"({self.heartbeat_ttl_s}): a worker would otherwise expire between its beats")
+        _check(self.log_level.upper() in LOG_LEVELS, f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         return self
 
     def worker_name(self, role: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -114,9 +115,20 @@ class KVCachePool:
 
 
 def _create_zeroed_file(path: str, num_bytes: int) -> None:
-    # truncate to 0 first so a stale file of the same size comes back zeroed
+    # truncate to 0 first so a stale file of the same size comes back zeroed; then take the space
+    # now (a sparse file on a /dev/shm too small for it would kill the process with SIGBUS later)
     with open(path, "wb") as f:
         f.truncate(num_bytes)
+        try:
+            if hasattr(os, "posix_fallocate"):  # Linux; elsewhere the file stays sparse
+                os.posix_fallocate(f.fileno(), 0, num_bytes)
+        except OSError as exc:
+            f.close()
+            os.unlink(path)
+            free = shutil.disk_usage(os.path.dirname(path) or ".").free
+            raise OSError(exc.errno, f"the KV pool file {path!r} needs {num_bytes / 2**30:.2f} GiB, "
+                                     f"{free / 2**30:.2f} GiB free there ({exc.strerror}): give /dev/shm more "
+                                     f"room (docker: shm_size) or lower --max-tokens-in-paged-kv-cache") from None
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -11,9 +11,10 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 if ! command -v redis-server >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  # the unit the package just started would hold port 6379; tandem starts its own redis-server
+  # processes (a redis the machine already had is left alone)
+  $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
 fi
-# the distro unit would hold port 6379; tandem starts its own redis-server processes
-$SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
 
 PY=${PYTHON:-python3}
 if ! $PY -c "import torch" >/dev/null 2>&1; then

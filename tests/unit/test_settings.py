@@ -30,6 +30,10 @@ def model_dir(tmp_path_factory):
         (dict(max_seq_len=256, max_tokens_in_paged_kv_cache=128), "max-tokens-in-paged-kv-cache"),
         (dict(max_batch_size=0), "max-batch-size"),
         (dict(decode_batch_wait_ms=-5), "decode-batch-wait-ms"),
+        (dict(port=99999), "--port"),
+        (dict(port=0), "--port"),
+        (dict(heartbeat_interval_s=2.0, heartbeat_ttl_s=0.5), "heartbeat-interval-s"),
+        (dict(log_level="verbose"), "log-level"),
     ],
 )
 def test_inconsistent_limits_are_rejected_with_the_flag_named(model_dir, overrides, message):
@@ -49,6 +53,37 @@ def test_cli_reports_a_bad_flag_and_exits_2(model_dir):
     )
     assert result.returncode == 2
     assert "kv-cache-free-gpu-mem-fraction must be in (0, 1)" in result.stderr
+
+
+def test_serve_refuses_zero_workers_and_a_port_in_use(model_dir):
+    import socket
+
+    zero = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir,
+                           "--num-decode-workers", "0"], capture_output=True, text=True, timeout=60)
+    assert zero.returncode == 2 and "must be at least 1" in zero.stderr
+    with socket.create_server(("127.0.0.1", 0)) as busy:  # someone else's server on the port
+        port = busy.getsockname()[1]
+        taken = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir,
+                                "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
+    assert "serving" not in taken.stdout  # refused before starting anything
+
+
+def test_a_kv_pool_file_that_does_not_fit_is_refused_at_once(tmp_path, monkeypatch):
+    """Not a sparse file that kills the worker with SIGBUS once its pages are touched."""
+    import errno
+    import os
+
+    from engine import kv_cache
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room, raising=False)
+    path = tmp_path / "pool"
+    with pytest.raises(OSError, match="needs .* GiB.*shm_size"):
+        kv_cache._create_zeroed_file(str(path), 3 << 30)
+    assert not path.exists()
 
 
 def test_kv_pool_cpu_default_and_token_cap():
