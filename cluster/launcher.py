@@ -146,6 +146,13 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"tandem: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    try:  # before the workers load the weights: the gateway needs it
+        from gateway.tokenizer import load_tokenizer
+
+        load_tokenizer(settings.model)
+    except Exception as exc:  # transformers raises several types for a missing or broken tokenizer
+        print(f"tandem: cannot load the tokenizer of {settings.model}: {exc}", file=sys.stderr)
+        return 1
     stop = stop_on_signals()
     redis_server = None if args.redis_url else RedisServer()
     if redis_server is not None:

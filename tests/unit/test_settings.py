@@ -69,6 +69,18 @@ def test_serve_refuses_zero_workers_and_a_port_in_use(model_dir):
     assert "serving" not in taken.stdout  # refused before starting anything
 
 
+def test_serve_refuses_a_checkpoint_without_a_tokenizer_before_loading_weights(model_dir, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{model_dir}/{name}", bare)
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", str(bare)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "cannot load the tokenizer" in done.stderr and "serving" not in done.stdout
+
+
 def test_a_kv_pool_file_that_does_not_fit_is_refused_at_once(tmp_path, monkeypatch):
     """Not a sparse file that kills the worker with SIGBUS once its pages are touched."""
     import errno
