@@ -66,9 +66,10 @@ def _keep_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torc
     """[R, V] bool over descending-sorted probabilities: which ranks survive top-k and top-p."""
     num_rows, vocab = sorted_probs.shape
     device = sorted_probs.device
-    ranks = torch.arange(vocab, device=device)[None, :]  # [1, V]
-    top_k = _to_device(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]), device)
-    keep = ranks < top_k[:, None]
+    top_k = _to_device(torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]), device)
+    # every token at least as likely as the k-th survives, ties included (as HF's TopKLogitsWarper)
+    kth = sorted_probs.gather(1, (top_k - 1)[:, None])  # [R, 1]
+    keep = sorted_probs >= kth
     top_p = _to_device(torch.tensor([p.top_p for p in params], dtype=sorted_probs.dtype), device)
     # Renormalise over the top-k survivors first (top-k then top-p, as HF/vLLM do).
     kept_probs = sorted_probs.masked_fill(~keep, 0.0)

@@ -88,3 +88,25 @@ def test_never_samples_masked_tokens():
 def test_mismatched_lengths_raise():
     with pytest.raises(ValueError):
         sample(_logits(2), [GREEDY], [0, 0])
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 2, 1.0), (0.7, 2, 0.9), (1.3, 3, 0.5)])
+def test_tied_logits_at_the_top_k_cut_are_kept_as_hf_does(temperature, top_k, top_p):
+    """HF's TopKLogitsWarper keeps every token tied with the k-th; so do we (not only the lowest
+    ids). Which of the tied tokens a top-p cut then keeps is an arbitrary order in both (HF keeps
+    the highest ids, we the lowest): compared as groups, [0], the tied [1, 2, 3], [4]."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    row = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0]])
+    scores = TemperatureLogitsWarper(temperature)(None, row.clone())
+    scores = TopKLogitsWarper(top_k)(None, scores)
+    want = torch.softmax(TopPLogitsWarper(top_p)(None, scores), -1)[0]
+    n = 20000
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=i) for i in range(n)]
+    freq = torch.bincount(torch.tensor(sample(row.repeat(n, 1), params, [0] * n)), minlength=5).float() / n
+    groups = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 1, 1, 0], [0, 0, 0, 0, 1]], dtype=torch.float32)
+    got, want = groups @ freq, groups @ want
+    assert torch.all((got - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-3), (freq, want)
+    if top_p == 1.0:  # no top-p cut: the tied tokens are equally likely, as in HF
+        assert (freq[1:4] - freq[1:4].mean()).abs().max() < 0.02 and freq[1:4].min() > 0.05
