@@ -60,7 +60,6 @@ class BenchState:
     end: float | None = None
     interrupted: bool = False
     in_flight: int = 0
-    peak_concurrency: int = 0
 
     @property
     def duration(self) -> float:
@@ -114,7 +113,6 @@ async def run_benchmark(
             try:
                 res.start = time.perf_counter() - (state.start or 0.0)
                 state.in_flight += 1
-                state.peak_concurrency = max(state.peak_concurrency, state.in_flight)
                 try:
                     await send_request(client, cfg, spec, res)
                 finally:
@@ -356,8 +354,7 @@ def main(args: argparse.Namespace) -> int:
 
     metrics = compute_metrics(state.results, state.duration, percentiles, slos)
     metrics["interrupted"] = state.interrupted
-    metrics["peak_concurrency"] = state.peak_concurrency
-    print(format_report(metrics, cfg, state.peak_concurrency), flush=True)
+    print(format_report(metrics, cfg, metrics["peak_concurrency"]), flush=True)
 
     if args.result_json:
         config = {k: v for k, v in vars(args).items() if not callable(v)}

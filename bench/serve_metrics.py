@@ -190,6 +190,7 @@ def compute_metrics(
     errors = Counter(r.error for r in failed)
     m["errors"] = [{"error": e, "count": c} for e, c in errors.most_common()]
     m["output_tokens_estimated"] = sum(r.output_tokens_estimated for r in ok)
+    m["peak_concurrency"] = peak_concurrency(finished)  # one rule for one client process or several
     for name in LATENCY_METRICS:  # vLLM's flat keys too (mean_ttft_ms, p99_itl_ms, ...), for its tools
         for key, value in m[f"{name}_ms"].items():
             m[f"{key}_{name}_ms"] = value

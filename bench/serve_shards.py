@@ -20,7 +20,6 @@ import time
 from typing import Sequence
 
 from bench.datasets import RequestSpec, arrival_offsets
-from bench.serve_metrics import peak_concurrency
 from bench.serve_request import BenchConfig
 
 START_MARGIN_S = 0.05  # from "all ready" to the common start
@@ -80,7 +79,6 @@ def run_in_processes(cfg: BenchConfig, specs: Sequence[RequestSpec], num_process
             proc.join(5)
     state = BenchState(start=start_at, end=max(s["end"] for s in shards))
     state.results = sorted((r for s in shards for r in s["results"]), key=lambda r: r.index)
-    state.peak_concurrency = peak_concurrency(state.results)  # across the processes, from the requests' times
     return state
 
 
@@ -92,4 +90,4 @@ def _shard_main(cfg: BenchConfig, specs: list[RequestSpec], offsets: list[float]
     start_at = pipe.recv()
     state = BenchState()
     run_loop(run_benchmark(cfg, specs, state, offsets=offsets, start_at=start_at))
-    results.put({"results": state.results, "end": state.end, "peak_concurrency": state.peak_concurrency})
+    results.put({"results": state.results, "end": state.end})

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 class GuaranteedNoEvict:
     name = GUARANTEED_NO_EVICT
+    reserves_to_end = True  # a request it admits holds every block it will need
 
     def reserve_tokens(self, request: DecodeRequest, max_seq_len: int) -> int:
         return reserve_tokens(self.name, request.num_prompt_tokens, len(request.output_token_ids),
@@ -50,6 +51,7 @@ class GuaranteedNoEvict:
 
 class MaxUtilization(GuaranteedNoEvict):
     name = MAX_UTILIZATION
+    reserves_to_end = False
 
     def headroom_blocks(self, scheduler: "DecodeScheduler") -> int:
         return scheduler.num_growth_blocks()

@@ -26,6 +26,7 @@ class DecodeRequest:
     abort_requested: bool = False
     finish_reason: str | None = None
     admitted_seq: int | None = None  # order of first admission (later = preempted first)
+    reserved_to_end: bool = False  # its last admission reserved every block it will need
     num_preemptions: int = 0
 
     @property

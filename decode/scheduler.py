@@ -95,6 +95,7 @@ class DecodeScheduler:
 
     def reserve(self, request: DecodeRequest) -> None:
         request.block_ids = self.allocator.allocate(self.reserved_tokens(request))
+        request.reserved_to_end = self.policy.reserves_to_end
         request.status = RequestStatus.PREFILLING
         if request.admitted_seq is None:
             self._num_admitted += 1
@@ -209,12 +210,12 @@ class DecodeScheduler:
         return True
 
     def num_unreserved_blocks(self) -> int:
-        """Blocks the active requests still need to reach their end beyond what they hold: 0 for
-        requests admitted under a reserving policy; what a MAX_UTILIZATION request still grows by
-        after a live switch to one."""
+        """Blocks the active requests still need to reach their end beyond what they hold: what the
+        requests admitted under MAX_UTILIZATION still grow by (after a live switch to a reserving
+        policy; those it admitted itself hold all theirs, and are not even looked at)."""
         block_size = self.allocator.block_size
         return sum(max(blocks_for(self.reserved_tokens(r), block_size) - len(held_block_ids(r)), 0)
-                   for r in (*self.prefilling.values(), *self.running))
+                   for r in (*self.prefilling.values(), *self.running) if not r.reserved_to_end)
 
     def num_growth_blocks(self) -> int:
         """Blocks the running requests still need for their next step."""
