@@ -4,7 +4,11 @@ The prefill attention kernel picks its query tile (16, 32, 64 or, for head
 dims below 128, 128 rows) from the batch's mean query length; each tile is a separate Triton
 compilation, a second or more each. Without a warm-up, the first batches of
 real traffic pay for them (measured on an H200: 8192-token prefill batches
-taking 1-2 s instead of ~0.2 s in the first seconds of a benchmark).
+taking 1-2 s instead of ~0.2 s in the first seconds of a benchmark). The KV
+handoff's block gather and scatter kernels (kernels.block_copy, run by the
+cuda_ipc and NCCL transports after the first chunk) are compiled here too: the
+first request's prefill step took 446 ms for 445 tokens without them (H200,
+bench.cluster_mixed timeline, ninth session).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import structlog
 import torch
 
 from engine.attention import SeqChunk
+from kernels import ops
 
 log = structlog.get_logger(__name__)
 
@@ -22,7 +27,8 @@ QUERY_LENGTHS = (16, 32, 64, 256)  # one per query tile size
 
 
 def warm_up_prefill(runner, allocator, max_num_tokens: int) -> float:
-    """Run one forward per query tile size on scratch blocks; -> seconds spent (0 off CUDA)."""
+    """Run one forward per query tile size on scratch blocks, and gather then scatter those
+    blocks in place (the handoff's kernels); -> seconds spent (0 off CUDA)."""
     if runner.device.type != "cuda":
         return 0.0
     started = time.perf_counter()
@@ -32,6 +38,9 @@ def warm_up_prefill(runner, allocator, max_num_tokens: int) -> float:
         blocks = allocator.allocate(q_len)
         try:
             runner.forward([SeqChunk([1] * q_len, 0, blocks)])
+            kv = runner.kv_pool.kv
+            ids = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+            ops.scatter_blocks(kv, ids, ops.gather_blocks(kv, ids))  # in place: the blocks keep their data
         finally:
             allocator.free(blocks)
     if torch.cuda.is_available():

@@ -172,8 +172,22 @@ def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2,
     allocated through the loop (seen in the sm90 TTGIR of Triton 3.9); K split until the grid has
     ~one program per SM, splits of >= num_stages tiles on average (the launcher evens them out,
     so the last may hold fewer).
+
+    gate/up with SiLU·mul at 33-64 rows takes 128-row weight tiles (gate and up: 256 rows a
+    program), 64-wide K, 8 warps, 4 stages: the best of the eighth session's sweep at llama2-7b
+    64 rows (51.1 us against cuBLAS 51.4 plus 1.9 for its SiLU·mul kernel; this rule's 64-row
+    tile took 59.5), and 0.05 ms off the whole 7B b64 step in the ninth session's engine A/B
+    (6.507/6.512 -> 6.455/6.458 ms, two rounds; docs/benchmarks.md). 200 KB of shared memory
+    leaves one program per SM, so K is split only while the grid stays one wave (7B's 86 and
+    8B's 112 programs: unsplit, as measured; 1B's 64: in two).
     """
     block_n, block_m = 64, max(16, triton.next_power_of_2(M))
+    if silu_mul and block_m == 64:  # gate/up at 33-64 rows: see the docstring's last paragraph
+        programs, k_tiles = triton.cdiv(N // 2, 128), triton.cdiv(K, 64)
+        split_k = 1  # one program per SM (200 KB of shared memory): split only while one wave holds them
+        while split_k < 8 and programs * (split_k + 1) <= sms and k_tiles >= (split_k + 1) * 4:
+            split_k += 1
+        return 128, 64, 8, 4, split_k
     for block_k in (min(128, max(16, triton.next_power_of_2(K))), 64):
         stage_bytes = ((2 if silu_mul else 1) * block_n + block_m) * block_k * elem_size
         num_stages = max(2, min(4, _SMEM_BYTES // stage_bytes - 1))

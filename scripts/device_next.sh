@@ -26,5 +26,16 @@ case "$1" in
     mkdir -p "$OUT/mixed"
     timeout 200 python3 -m bench.cluster_mixed --skip-hf --out "$OUT/mixed/cluster_mixed.json" > "$OUT/mixed/run.log" 2>&1
     grep -E "out_tok_per_s|ttft_ms_p50|ttft_ms_p99" "$OUT/mixed/run.log" ;;
-  *) echo "usage: $0 check|ab9" >&2; exit 2 ;;
+  ab9b)  # ninth session, second call: gate/up at 64 rows on its tile (the rule now), the handoff
+         # kernels warmed up; GPU tests of both, one A/B round, a mixed run's timeline (~3 min)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_skinny_gemm.py tests/kernels/test_gemv.py \
+      tests/kernels/test_block_copy.py -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
+    timeout 120 python3 scripts/decode_ab.py --models llama2-7b --batches 64 --rounds 1 \
+      --variants rule 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step"
+    mkdir -p "$OUT/mixed"
+    timeout 200 python3 -m bench.cluster_mixed --skip-hf --out "$OUT/mixed/cluster_mixed.json" > "$OUT/mixed/run.log" 2>&1
+    grep -E "out_tok_per_s|ttft_ms_p50|ttft_ms_p99" "$OUT/mixed/run.log"
+    grep "warmed up" "$OUT/mixed/cluster.log"
+    python3 -m bench.cluster_timeline "$OUT/mixed/cluster.log" | head -8 | cut -c1-120 ;;
+  *) echo "usage: $0 check|ab9|ab9b" >&2; exit 2 ;;
 esac

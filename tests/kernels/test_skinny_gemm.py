@@ -103,6 +103,9 @@ def test_bad_shapes_are_refused():
 def test_tile_rule_fills_the_grid_and_shared_memory():
     assert tile_config(64, 4096, 4096, False)[4] == 2  # 64 row blocks: 128 programs
     assert tile_config(64, 12288, 4096, False)[4] == 1  # 192 row blocks
+    assert tile_config(64, 22016, 4096, True) == (128, 64, 8, 4, 1)  # gate/up above 32 rows: 86 programs
+    assert tile_config(48, 16384, 2048, True) == (128, 64, 8, 4, 2)  # 64 programs: K split in two
+    assert tile_config(32, 22016, 4096, True)[:4] == (64, 128, 4, 4)  # up to 32 rows: the general rule
     for M in (2, 64, 128):
         block_n, block_k, _, stages, _ = tile_config(M, 28672, 4096, True)
         assert (2 * block_n + max(16, M)) * block_k * 2 * (stages + 1) <= 227 << 10  # + the peeled tile
