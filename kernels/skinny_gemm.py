@@ -182,7 +182,8 @@ def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2,
     8B's 112 programs: unsplit, as measured; 1B's 64: in two).
     """
     block_n, block_m = 64, max(16, triton.next_power_of_2(M))
-    if silu_mul and block_m == 64:  # gate/up at 33-64 rows: see the docstring's last paragraph
+    if silu_mul and block_m == 64 and (2 * 128 + 64) * 64 * elem_size * 5 <= _SMEM_BYTES:
+        # gate/up at 33-64 rows (bf16; fp32 does not fit): see the docstring's last paragraph
         programs, k_tiles = triton.cdiv(N // 2, 128), triton.cdiv(K, 64)
         split_k = 1  # one program per SM (200 KB of shared memory): split only while one wave holds them
         while split_k < 8 and programs * (split_k + 1) <= sms and k_tiles >= (split_k + 1) * 4:

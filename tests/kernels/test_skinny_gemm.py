@@ -1,5 +1,6 @@
 import pytest
 import torch
+import triton
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, poisoned, requires_cuda
 
 from kernels import reference
@@ -106,9 +107,11 @@ def test_tile_rule_fills_the_grid_and_shared_memory():
     assert tile_config(64, 22016, 4096, True) == (128, 64, 8, 4, 1)  # gate/up above 32 rows: 86 programs
     assert tile_config(48, 16384, 2048, True) == (128, 64, 8, 4, 2)  # 64 programs: K split in two
     assert tile_config(32, 22016, 4096, True)[:4] == (64, 128, 4, 4)  # up to 32 rows: the general rule
-    for M in (2, 64, 128):
-        block_n, block_k, _, stages, _ = tile_config(M, 28672, 4096, True)
-        assert (2 * block_n + max(16, M)) * block_k * 2 * (stages + 1) <= 227 << 10  # + the peeled tile
+    for M in (2, 33, 64, 128):
+        for elem_size in (2, 4):  # bf16/fp16, fp32 (a fp32 engine on a GPU: the tests' checkpoints)
+            block_n, block_k, _, stages, _ = tile_config(M, 28672, 4096, True, elem_size)
+            smem = (2 * block_n + max(16, triton.next_power_of_2(M))) * block_k * elem_size * (stages + 1)
+            assert smem <= 227 << 10  # + the peeled tile
 
 
 _SHAPES = [(12288, 4096, False), (4096, 4096, False), (22016, 4096, True), (4096, 11008, False),
