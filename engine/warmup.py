@@ -8,7 +8,7 @@ taking 1-2 s instead of ~0.2 s in the first seconds of a benchmark). The KV
 handoff's block gather and scatter kernels (kernels.block_copy, run by the
 cuda_ipc and NCCL transports after the first chunk) are compiled here too: the
 first request's prefill step took 446 ms for 445 tokens without them (H200,
-bench.cluster_mixed timeline, ninth session).
+bench.cluster_mixed timeline, tenth session).
 """
 
 from __future__ import annotations

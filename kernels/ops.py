@@ -68,7 +68,7 @@ SKINNY_GEMM_LONG_K_MAX_ROWS = 64
 SKINNY_GEMM_ROWS_LIMIT = 128  # kernels.skinny_gemm.MAX_M: the most rows its kernels take
 # gate/up with SiLU·mul fused through the skinny GEMM up to this many rows (its own rule: the
 # fused form also saves the SiLU·mul kernel that cuBLAS needs after it; at 33-64 rows with its own
-# tile, kernels.skinny_gemm.tile_config: llama2-7b b64 6.51 -> 6.46 ms per step, ninth session).
+# tile, kernels.skinny_gemm.tile_config: llama2-7b b64 6.51 -> 6.46 ms per step, tenth session).
 SKINNY_SILU_MUL_MAX_ROWS = 64
 
 

@@ -176,7 +176,7 @@ def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2,
     gate/up with SiLU·mul at 33-64 rows takes 128-row weight tiles (gate and up: 256 rows a
     program), 64-wide K, 8 warps, 4 stages: the best of the eighth session's sweep at llama2-7b
     64 rows (51.1 us against cuBLAS 51.4 plus 1.9 for its SiLU·mul kernel; this rule's 64-row
-    tile took 59.5), and 0.05 ms off the whole 7B b64 step in the ninth session's engine A/B
+    tile took 59.5), and 0.05 ms off the whole 7B b64 step in the tenth session's engine A/B
     (6.507/6.512 -> 6.455/6.458 ms, two rounds; docs/benchmarks.md). 200 KB of shared memory
     leaves one program per SM, so K is split only while the grid stays one wave (7B's 86 and
     8B's 112 programs: unsplit, as measured; 1B's 64: in two).

@@ -5,6 +5,7 @@
 # The seventh session's calls ran this script's earlier cases (docs/benchmarks-session7.json):
 # `tests`/`ab` at 1b9d36e (IDS_AHEAD), `skinny` at ea8f9db, `ab` at 6fbcc11, `streamk` at 5c97901;
 # the eighth session's `ab8` at a82129f, `ab8b` at f113132, `ab8c` at 521a206 and 9713b49.
+# The tenth session ran `ab9` at ecd6a75 and `ab9b` at 515d985 (docs/benchmarks-session10.json).
 set -o pipefail
 source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -14,7 +15,7 @@ case "$1" in
       -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
     timeout 150 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 8,32,64 --rounds 1 \
       --variants rule,cublas 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
-  ab9)  # ninth session: registers/shared memory, gate/up + SiLU·mul skinny at 64 rows, decode attention's
+  ab9)  # tenth session (planned in the ninth): registers/shared memory, gate/up + SiLU·mul skinny at 64 rows, decode attention's
         # registers capped, a mixed run's timeline (~8 min)
     python3 scripts/kernel_resources.py 2>&1 | tee "$OUT/resources.log" | grep -E "regs|Error"
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_skinny_gemm.py tests/kernels/test_gemv.py \
@@ -26,7 +27,7 @@ case "$1" in
     mkdir -p "$OUT/mixed"
     timeout 200 python3 -m bench.cluster_mixed --skip-hf --out "$OUT/mixed/cluster_mixed.json" > "$OUT/mixed/run.log" 2>&1
     grep -E "out_tok_per_s|ttft_ms_p50|ttft_ms_p99" "$OUT/mixed/run.log" ;;
-  ab9b)  # ninth session, second call: gate/up at 64 rows on its tile (the rule now), the handoff
+  ab9b)  # tenth session, second call: gate/up at 64 rows on its tile (the rule now), the handoff
          # kernels warmed up; GPU tests of both, one A/B round, a mixed run's timeline (~3 min)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_skinny_gemm.py tests/kernels/test_gemv.py \
       tests/kernels/test_block_copy.py -m gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
