@@ -6,6 +6,7 @@
     tandem prefill   one prefill worker
     tandem decode    one decode worker
     tandem demo-model PATH   write the tiny random Llama that --model demo serves
+    tandem admin ...         the gRPC admin API: workers, policies, drain, cancel
     tandem bench serve ...   streaming load client against an OpenAI-compatible URL
     tandem bench engine ...  engine workloads vs ceilings and HF anchors (GPU)
 """
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         settings_mod.add_arguments(sub.add_parser(role, help=f"run one {role} service"))
     demo = sub.add_parser("demo-model", help="write the tiny random demo Llama to PATH")
     demo.add_argument("path")
+    from gateway import admin_client
+
+    admin_client.add_arguments(sub.add_parser("admin", help="manage a running cluster (gRPC admin API)"))
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from bench import serve as bench_serve
@@ -91,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(make_tiny_checkpoint(args.path))
             return 0
+        if args.command == "admin":
+            from gateway import admin_client
+
+            return admin_client.main(args)
         if args.command == "bench" and args.bench_command == "engine":
             from bench import engine as bench_engine
 

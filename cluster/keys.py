@@ -47,3 +47,7 @@ def policy() -> str:
     return f"{PREFIX}:policy"
 
 
+def draining(role: str) -> str:
+    """Hash worker_id -> started_at of the workers of ``role`` that take no new requests
+    (``cluster.draining``; the admin API's DrainWorker)."""
+    return f"{PREFIX}:draining:{role}"

@@ -140,12 +140,15 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings.from_args(args)
     settings.model = resolve_model(settings.model)
     settings.resolve()
-    try:  # before starting anything: a server already there would answer our readiness check
-        with socket.create_server((settings.host, settings.port)):
-            pass
-    except OSError as exc:
-        print(f"tandem: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+    # before starting anything: a server already there would answer our readiness check
+    for host, port in ((settings.host, settings.port), (settings.admin_host, settings.admin_port)):
+        try:
+            if port:  # admin port 0: no admin API
+                with socket.create_server((host, port)):
+                    pass
+        except OSError as exc:
+            print(f"tandem: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     try:  # before the workers load the weights: the gateway needs it
         from gateway.tokenizer import load_tokenizer
 
@@ -182,7 +185,8 @@ def serve(args: argparse.Namespace) -> int:
                 return 0
             print("tandem: the cluster did not become healthy; stopping", file=sys.stderr)
             return 1
-        print(f"tandem: serving {settings.model_name} at {base}/v1 (redis {settings.redis_url})", flush=True)
+        admin = f", admin API {settings.admin_host}:{settings.admin_port}" if settings.admin_port else ""
+        print(f"tandem: serving {settings.model_name} at {base}/v1 (redis {settings.redis_url}{admin})", flush=True)
         watched = procs + ([redis_server.proc] if redis_server is not None else [])  # its own redis too
         while not sleep_unless_stopped(stop, 0.5):
             if any(p.poll() is not None for p in watched):

@@ -4,9 +4,9 @@ Fields ``capacity_scheduler_policy`` (decode workers) and
 ``context_chunking_policy`` (prefill workers). A worker sets a field from its
 command line only where it is absent (the first worker started wins), then
 re-reads the hash at most every ``interval_s``. An operator switches the whole
-cluster with, e.g.::
+cluster through the admin API (``gateway.admin``), e.g.::
 
-    redis-cli HSET tandem:policy capacity_scheduler_policy MAX_UTILIZATION
+    tandem admin set-policy --capacity-scheduler-policy MAX_UTILIZATION
 
 A value that names no policy is logged and ignored: the last good one stays.
 """
@@ -44,7 +44,7 @@ class LivePolicies:
             if raw is not None and raw.decode() != getattr(self, name):
                 log.warning("the cluster's live policy differs from this worker's flag; the live one applies",
                             field=name, live=raw.decode(), flag=getattr(self, name),
-                            switch=f"redis-cli HSET {keys.policy()} {name} {getattr(self, name)}")
+                            switch=f"tandem admin set-policy --{name.replace('_', '-')} {getattr(self, name)}")
 
     def refresh(self) -> "LivePolicies":
         """Re-read the hash if the last read is older than the interval (one HGETALL)."""

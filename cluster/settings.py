@@ -33,6 +33,8 @@ class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     host: str = "127.0.0.1"
     port: int = 8000
+    admin_host: str = "127.0.0.1"  # gateway: the gRPC admin API (gateway/admin.proto); unauthenticated
+    admin_port: int = 50051  # 0: no admin API
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     tokens_per_block: int = 16
@@ -102,6 +104,8 @@ class Settings:
         _check(self.context_chunking_policy in CHUNKING_POLICIES,
                f"--context-chunking-policy must be one of {CHUNKING_POLICIES}")
         _check(1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}")
+        _check(0 <= self.admin_port <= 65535 and self.admin_port != self.port,
+               f"--admin-port must be in [0, 65535] (0: no admin API) and differ from --port, got {self.admin_port}")
         _check(0 < self.heartbeat_interval_s < self.heartbeat_ttl_s,
                f"--heartbeat-interval-s ({self.heartbeat_interval_s}) must be > 0 and below --heartbeat-ttl-s "
                f"({self.heartbeat_ttl_s}): a worker would otherwise expire between its beats")
@@ -174,6 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     if serving:
         a("--host", default=d.host)
         a("--port", type=int, default=d.port)
+        a("--admin-host", default=d.admin_host,
+          help="where the gRPC admin API listens (it has no authentication: keep it off public networks)")
+        a("--admin-port", type=int, default=d.admin_port, help="gRPC admin API port (0: none)")
         a("--request-timeout-s", type=float, default=d.request_timeout_s)
         a("--max-queue-len", type=int, default=d.max_queue_len,
           help="requests the gateway holds while no decode worker has room; more get 429")

@@ -23,6 +23,7 @@ from cluster.outputs import Outbox
 from cluster.worker_loop import run_steps, worker_info
 from cluster.policy import LivePolicies
 from cluster.prefix_index import choose_prefill_worker, longest_prefixes
+from cluster.draining import accepting, read_marks
 from cluster.registry import Heartbeat, live_workers
 from cluster.request_state import RequestStatus
 from cluster.settings import Settings
@@ -91,6 +92,7 @@ class DecodeWorker:
         self._device_identity = device_identity(self.runner.device)
         self.batch_wait = BatchWait(settings.decode_batch_wait_ms / 1000.0, settings.max_batch_size)
         self._prefill_workers: list[WorkerInfo] = []
+        self._prefill_drain_marks: dict[str, float] = {}  # cluster.draining
         self._peers_checked_at = 0.0
         self._round_robin = 0
         self.stats = StepStats(self.role)
@@ -204,7 +206,14 @@ class DecodeWorker:
 
     def _abort(self, request_id: str) -> None:
         request = self.scheduler.abort(request_id)
-        if request is not None and request.status is RequestStatus.PREFILLING and request.prefill_worker_id:
+        if request is None:
+            return
+        # the client's stream ends here (an admin cancel); a gateway that aborted the request
+        # itself (client gone, stop string, failover) has let it go and drops the event.
+        # Kept, not sent: it goes out with this turn's events (no Redis call here can fail).
+        self.outbox.keep([(request.spec.reply_to,
+                           TokenEvent(request_id, len(request.output_token_ids), [], "abort"))])
+        if request.status is RequestStatus.PREFILLING and request.prefill_worker_id:
             # the prefill worker still writes our blocks: they are freed on its PrefillDone
             self.mailer.send(keys.inbox("prefill", request.prefill_worker_id), AbortRequest(request_id))
 
@@ -228,6 +237,7 @@ class DecodeWorker:
             return
         self._peers_checked_at = now
         self._prefill_workers = live_workers(self.redis, "prefill")
+        self._prefill_drain_marks = read_marks(self.redis, "prefill")
         self.batch_wait.shared = shares_gpu(self._device_identity, self._prefill_workers)
         alive = {w.worker_id: w.started_at for w in self._prefill_workers}
         for request in list(self.scheduler.prefilling.values()):
@@ -245,9 +255,12 @@ class DecodeWorker:
             else:
                 self._send_prefill_job(request)
 
+    def _accepting_prefill_workers(self) -> list[WorkerInfo]:
+        return accepting(self._prefill_workers, self._prefill_drain_marks)
+
     def _dispatch_prefills(self) -> None:
-        if not self._prefill_workers:
-            return  # requests wait, holding no blocks, until a prefill worker registers
+        if not self._accepting_prefill_workers():
+            return  # requests wait, holding no blocks, until a prefill worker registers (or is undrained)
         started = self.scheduler.schedule_prefills()
         for request in started:  # every started request is tracked before any Redis call can fail
             request.receiver = KVReceiver(self.settings.transfer_timeout_s)
@@ -255,8 +268,9 @@ class DecodeWorker:
             self._send_prefill_job(request)
 
     def _send_prefill_job(self, request: DecodeRequest) -> None:
-        """Hand the request to a prefill worker; if that cannot happen now, its handoff fails (blocks freed)."""
-        workers = self._prefill_workers
+        """Hand the request to a prefill worker; if that cannot happen now, its handoff fails (blocks freed).
+        Draining workers only take a re-dispatched job, and only when no other worker can."""
+        workers = self._accepting_prefill_workers() or self._prefill_workers
         request.receiver = KVReceiver(self.settings.transfer_timeout_s)
         self._end_handoff(request)  # a re-dispatch: the earlier worker's late chunks are refused
         self._handoff_seq += 1  # per worker: a reused request id never meets an old grant

@@ -1,7 +1,8 @@
 """The HTTP app: OpenAI routes that only translate between HTTP and ``GatewayService``.
 
 ``create_app(settings)`` resolves the settings (model limits), loads the
-tokenizer and returns the FastAPI app. Errors are mapped to responses in
+tokenizer and returns the FastAPI app, whose lifespan also serves the gRPC admin
+API (``gateway.admin``) on ``--admin-port``. Errors are mapped to responses in
 ``gateway.errors`` only; bodies over ``MAX_BODY_BYTES`` get a 413.
 """
 
@@ -34,7 +35,14 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     async def lifespan(_app: FastAPI):
         service.mux.start()
         await service.prepare()
+        admin = None
+        if settings.admin_port:
+            from gateway.admin import start_admin_server
+
+            admin = await start_admin_server(service.redis, settings.admin_host, settings.admin_port)
         yield
+        if admin is not None:
+            await admin.stop(grace=1.0)
         await service.close()
 
     app = FastAPI(title="tandem gateway", lifespan=lifespan)

@@ -10,7 +10,8 @@ A request goes to a decode worker only with an admission reservation on it
 one with the most unreserved room that can take the request under the
 capacity policy it reports, and records the charge, atomically, so gateways
 sharing a pool cannot oversubscribe a worker. The worker gives the
-reservation back when the request leaves it.
+reservation back when the request leaves it. Workers being drained
+(``cluster.draining``, read with the registry) get no new requests.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import structlog
 
 from cluster import keys
 from cluster.admission import RELEASE_LUA, RESERVE_LUA, charge_tokens
+from cluster.draining import accepting, parse_marks
 from cluster.messages import FIELD, AbortRequest, GenerateRequest, WorkerInfo, encode
 from cluster.registry import parse_records
 from gateway.errors import NoWorkerAvailable
@@ -63,6 +65,7 @@ class Router:
         self._client = client
         self._cache_ttl_s = cache_ttl_s
         self._cache: dict[str, tuple[float, list[WorkerInfo]]] = {}
+        self._drain_marks: dict[str, float] = {}  # decode workers' (cluster.draining), read with the registry
         self._refreshing: dict[str, asyncio.Future] = {}  # role -> the registry read in flight
         self._reserve = client.register_script(RESERVE_LUA)
         self._release = client.register_script(RELEASE_LUA)
@@ -85,6 +88,8 @@ class Router:
     async def _refresh(self, role: str) -> list[WorkerInfo]:
         started = time.monotonic()
         workers = await live_workers(self._client, role)
+        if role == "decode":
+            self._drain_marks = parse_marks(await self._client.hgetall(keys.draining(role)))
         self._cache[role] = (started, workers)
         return workers
 
@@ -105,11 +110,14 @@ class Router:
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> WorkerInfo | None:
         """Admit the request to a decode worker that can take it now (atomically); None if none can.
 
-        Raises NoWorkerAvailable when no decode worker is alive at all.
+        Raises NoWorkerAvailable when no decode worker is alive, or every one is draining.
         """
-        workers = tie_order(await self.workers("decode"))
-        if not workers:
+        live = await self.workers("decode")
+        if not live:
             raise NoWorkerAvailable("no decode worker is alive; retry later")
+        workers = tie_order(accepting(live, self._drain_marks))
+        if not workers:
+            raise NoWorkerAvailable("every decode worker is being drained; retry later")
         script_keys, args = [], [request_id]
         for worker in workers:
             script_keys += [keys.admitted(worker.worker_id), keys.reserved_tokens(worker.worker_id)]

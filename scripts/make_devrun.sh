@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .devrun/whl .devrun/bin .devrun/lib
-for spec in redis structlog fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn \
+for spec in grpcio grpcio-tools protobuf redis structlog fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn \
             openai distro jiter sniffio annotated-doc opentelemetry-api hiredis httptools; do
   version=$(python3 -m pip show "$spec" 2>/dev/null | awk '/^Version:/{print $2}')
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

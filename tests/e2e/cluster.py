@@ -26,11 +26,13 @@ class LocalCluster:
             model=model,
             redis_url=self.redis_server.url,
             port=free_port(),
+            admin_port=free_port(),
             heartbeat_interval_s=0.2,
             heartbeat_ttl_s=2.0,
             **overrides,
         ).resolve()
         self.base_url = f"http://{self.settings.host}:{self.settings.port}"
+        self.admin_address = f"{self.settings.admin_host}:{self.settings.admin_port}"
         self.redis = redis.Redis.from_url(self.redis_server.url)
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
@@ -39,6 +41,8 @@ class LocalCluster:
                       **overrides) -> subprocess.Popen:
         """Start one service; ``overrides`` change its settings only (e.g. a second gateway's port)."""
         name = name or worker_id or role
+        if role == "gateway" and "port" in overrides:
+            overrides.setdefault("admin_port", free_port())  # a second gateway: its own admin port too
         settings = dataclasses.replace(self.settings, **overrides) if overrides else self.settings
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         proc = subprocess.Popen(service_argv(role, settings, worker_id), stdout=log, stderr=log)

@@ -1,5 +1,6 @@
 """`tandem serve` as a user runs it: one command brings the cluster up, SIGTERM takes it all down."""
 
+import json
 import os
 import signal
 import subprocess
@@ -19,10 +20,10 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _start_serve(tiny_llama: str, port: int, tmp_path) -> subprocess.Popen:
+def _start_serve(tiny_llama: str, port: int, tmp_path, admin_port: int | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", tiny_llama, "--port", str(port),
-         "--tokens-per-block", "4", "--max-seq-len", "256"],
+         "--admin-port", str(admin_port or free_port()), "--tokens-per-block", "4", "--max-seq-len", "256"],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "wb"), text=True,
     )
 
@@ -45,16 +46,20 @@ def _assert_stopped(proc: subprocess.Popen, children: list[int], returncode: int
 
 
 def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_path):
-    port = free_port()
-    proc = _start_serve(tiny_llama, port, tmp_path)
+    port, admin_port = free_port(), free_port()
+    proc = _start_serve(tiny_llama, port, tmp_path, admin_port)
     try:
         line = proc.stdout.readline()  # printed once /health answers 200
-        assert f"http://127.0.0.1:{port}/v1" in line, line
+        assert f"http://127.0.0.1:{port}/v1" in line and f"admin API 127.0.0.1:{admin_port}" in line, line
         children = _children(proc.pid)
         assert len(children) == 4  # redis-server, prefill, decode, gateway
         body = {"model": os.path.basename(tiny_llama), "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
+        admin = subprocess.run([sys.executable, "-m", "cluster.cli", "admin", "--address", f"127.0.0.1:{admin_port}",
+                                "workers"], capture_output=True, text=True, timeout=60)
+        assert admin.returncode == 0, admin.stderr
+        assert sorted(w["workerId"] for w in json.loads(admin.stdout)["workers"]) == ["decode-0", "prefill-0"]
         proc.send_signal(signal.SIGTERM)
         _assert_stopped(proc, children, returncode=0)
     finally:
@@ -97,7 +102,7 @@ def test_its_own_redis_dying_stops_the_cluster(tiny_llama, tmp_path):
     try:
         line = proc.stdout.readline()
         children = _children(proc.pid)
-        redis_url = re.search(r"redis (redis://\S+)\)", line).group(1)
+        redis_url = re.search(r"redis (redis://[^,)\s]+)", line).group(1)
         try:
             redis.Redis.from_url(redis_url).shutdown(nosave=True)
         except redis.ConnectionError:

@@ -94,6 +94,7 @@ def rclient(redis_url):
 
 
 def make_settings(model_dir: str, redis_url: str, **overrides) -> Settings:
+    overrides.setdefault("admin_port", 0)  # no admin API unless a test asks for one (on a free port)
     settings = Settings(model=model_dir, served_model_name="tiny", redis_url=redis_url, **overrides)
     return settings.resolve()
 

@@ -11,7 +11,8 @@ from gateway.router import Router
 
 
 class _Registry:
-    """Just enough of redis.asyncio for ``live_workers``: SCAN then MGET, each taking a while."""
+    """Just enough of redis.asyncio for ``live_workers``: SCAN then MGET, each taking a while
+    (and HGETALL of the drain marks)."""
 
     def __init__(self, fail: bool = False):
         self.reads, self.fail = 0, fail
@@ -32,6 +33,9 @@ class _Registry:
     async def mget(self, names):
         await asyncio.sleep(0.001)
         return [self.value for _ in names]
+
+    async def hgetall(self, _key):  # the decode workers' drain marks, read with the registry
+        return {}
 
 
 async def _ticker(ticks: list[int]) -> None:

@@ -51,7 +51,10 @@ class _Redis:
     """Just enough of a client for Outbox: pipelines of XADD that fail while ``down``."""
 
     def __init__(self):
-        self.down, self.events, self.sent = False, [], []
+        self.down, self.events, self.sent, self.hashes = False, [], [], {}
+
+    def hgetall(self, key):  # drain marks (cluster.draining)
+        return self.hashes.get(key, {})
 
     def xadd(self, stream, fields, **_):  # a control message (cluster.inbox.send)
         if self.down:
@@ -247,3 +250,18 @@ def test_a_prefill_worker_restarted_under_its_id_counts_as_lost(monkeypatch):
     worker._refresh_peers()
     assert redispatched == [restarted, gone] and same not in redispatched
     assert sorted(m.request_id for _s, m in worker.redis.sent) == ["gone", "restarted"]  # the old jobs aborted
+
+
+def test_an_aborted_request_ends_its_stream_with_abort():
+    """An admin cancel reaches the worker as an abort: the client's stream must end too."""
+    worker = _worker()
+    request = _running(worker, "r1", max_tokens=10)
+    request.output_token_ids += [7, 7]
+    worker._handle_messages([AbortRequest("r1", "cancelled")])
+    assert "r1" not in worker.scheduler.requests and worker.redis.events == []  # kept for the turn's flush
+    worker.outbox.flush()
+    (event,) = worker.redis.events
+    assert (event.request_id, event.index, event.token_ids, event.finish_reason) == ("r1", 3, [], "abort")
+    worker._handle_messages([AbortRequest("unknown")])
+    worker.outbox.flush()
+    assert len(worker.redis.events) == 1

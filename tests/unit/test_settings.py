@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from cluster.launcher import free_port
 from cluster.settings import CPU_DEFAULT_KV_TOKENS, Settings, SettingsError
 from engine.placement import kv_pool_blocks
 
@@ -67,6 +68,15 @@ def test_serve_refuses_zero_workers_and_a_port_in_use(model_dir):
                                 "--port", str(port)], capture_output=True, text=True, timeout=60)
     assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
     assert "serving" not in taken.stdout  # refused before starting anything
+    with socket.create_server(("127.0.0.1", 0)) as busy:  # the admin API's port
+        port = busy.getsockname()[1]
+        taken = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir,
+                                "--port", str(free_port()), "--admin-port", str(port)],
+                               capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
+    same = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir, "--port", "8123",
+                           "--admin-port", "8123"], capture_output=True, text=True, timeout=60)
+    assert same.returncode == 2 and "--admin-port must be in [0, 65535]" in same.stderr
 
 
 def test_serve_refuses_a_checkpoint_without_a_tokenizer_before_loading_weights(model_dir, tmp_path):

@@ -1,0 +1,202 @@
+"""The gRPC admin API (``gateway/admin.proto``), served by each gateway on ``--admin-port``.
+
+Every method reads or writes the cluster's state in Redis, so any gateway answers
+for the whole cluster: the registry (``ListWorkers``), the live policies the
+workers re-read between steps (``cluster.policy``), the drain marks the routers
+skip (``cluster.draining``) and the decode workers' inboxes (``CancelRequest``
+sends the same ``AbortRequest`` a client disconnect does). Bad arguments get
+INVALID_ARGUMENT or NOT_FOUND and change nothing; a Redis error is UNAVAILABLE.
+
+The stubs are generated from the .proto when this module is imported
+(``grpc.protos_and_services``, grpcio-tools): no generated code is checked in, so
+they always match the installed protobuf runtime.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+
+import grpc
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from cluster import keys
+from cluster.draining import is_draining, mark_value, parse_marks
+from cluster.messages import FIELD, AbortRequest, WorkerInfo, encode
+from cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES
+from gateway.router import ROLES, live_workers
+
+log = structlog.get_logger(__name__)
+
+PROTO = "gateway/admin.proto"
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not any(os.path.isfile(os.path.join(entry or ".", PROTO)) for entry in sys.path):
+    # grpc resolves the .proto against sys.path; an editable install reaches our packages
+    # through an import hook instead, so the directory above them goes at the end
+    sys.path.append(_ROOT)
+pb, pb_grpc = grpc.protos_and_services(PROTO)
+
+_CAPACITY = pb.CapacitySchedulerPolicy
+_CHUNKING = pb.ContextChunkingPolicy
+POLICY_FIELDS = {"capacity_scheduler_policy": (_CAPACITY, CAPACITY_POLICIES),
+                 "context_chunking_policy": (_CHUNKING, CHUNKING_POLICIES)}
+CANCEL_REASON = "cancelled through the admin API"
+
+
+class AdminError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _rpc(method):
+    """Map AdminError and Redis errors to gRPC statuses; nothing else is caught."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request)
+        except AdminError as exc:
+            await context.abort(exc.code, str(exc))
+        except RedisError as exc:
+            log.warning("admin call failed: redis", method=method.__name__, error=str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
+
+    return wrapper
+
+
+def worker_message(worker: WorkerInfo, draining: bool):
+    return pb.Worker(
+        worker_id=worker.worker_id, role=worker.role, model=worker.model, host=worker.host, pid=worker.pid,
+        started_at=worker.started_at, heartbeat_at=worker.heartbeat_at, num_total_blocks=worker.num_total_blocks,
+        num_free_blocks=worker.num_free_blocks, num_running=worker.num_running, num_waiting=worker.num_waiting,
+        block_size=worker.block_size, max_seq_len=worker.max_seq_len, max_batch_size=worker.max_batch_size,
+        capacity_scheduler_policy=worker.capacity_scheduler_policy, num_preemptions=worker.num_preemptions,
+        device=worker.device, draining=draining,
+        drained=draining and worker.num_running == 0 and worker.num_waiting == 0,
+    )
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self, client: aioredis.Redis):
+        self._client = client
+
+    @_rpc
+    async def ListWorkers(self, request):
+        roles = _roles(request.role)
+        workers = []
+        for role in roles:
+            marks = parse_marks(await self._client.hgetall(keys.draining(role)))
+            live = sorted(await live_workers(self._client, role), key=lambda w: w.worker_id)
+            workers += [worker_message(w, is_draining(w, marks)) for w in live]
+        return pb.ListWorkersResponse(workers=workers)
+
+    @_rpc
+    async def GetPolicies(self, request):
+        return await self._policies()
+
+    @_rpc
+    async def SetPolicies(self, request):
+        values = {}
+        for name, (enum, allowed) in POLICY_FIELDS.items():
+            number = getattr(request, name)
+            if number == 0:
+                continue  # UNSPECIFIED: unchanged
+            label = enum.Name(number) if number in enum.values() else None
+            if label not in allowed:
+                raise AdminError(grpc.StatusCode.INVALID_ARGUMENT, f"{name} {number} names no policy")
+            values[name] = label
+        if not values:
+            raise AdminError(grpc.StatusCode.INVALID_ARGUMENT,
+                             "set capacity_scheduler_policy or context_chunking_policy")
+        await self._client.hset(keys.policy(), mapping=values)
+        log.info("policies set through the admin API", **values)
+        return await self._policies()
+
+    @_rpc
+    async def DrainWorker(self, request):
+        worker = await self._find(request.worker_id, request.role)
+        live_ids = {w.worker_id for w in await live_workers(self._client, worker.role)}
+        marked = parse_marks(await self._client.hgetall(keys.draining(worker.role)))
+        pipe = self._client.pipeline(transaction=True)
+        gone = [worker_id for worker_id in marked if worker_id not in live_ids]
+        if gone:  # marks of workers that are gone
+            pipe.hdel(keys.draining(worker.role), *gone)
+        pipe.hset(keys.draining(worker.role), worker.worker_id, mark_value(worker))
+        await pipe.execute()
+        log.info("worker draining", role=worker.role, worker_id=worker.worker_id)
+        return worker_message(worker, True)
+
+    @_rpc
+    async def UndrainWorker(self, request):
+        worker = await self._find(request.worker_id, request.role)
+        await self._client.hdel(keys.draining(worker.role), worker.worker_id)
+        log.info("worker undrained", role=worker.role, worker_id=worker.worker_id)
+        return worker_message(worker, False)
+
+    @_rpc
+    async def CancelRequest(self, request):
+        request_id = request.request_id
+        if not request_id:
+            raise AdminError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        # the workers hold it under its id, or "<id>.<n>" after n failovers (gateway.generation)
+        wire = re.compile(re.escape(request_id) + r"(\.\d+)?")
+        pattern = _glob_escape(request_id) + "*"
+        for worker in await live_workers(self._client, "decode"):
+            async for field, _tokens in self._client.hscan_iter(keys.admitted(worker.worker_id), match=pattern):
+                wire_id = field.decode() if isinstance(field, bytes) else field
+                if wire.fullmatch(wire_id):
+                    await self._client.xadd(keys.inbox("decode", worker.worker_id),
+                                            {FIELD: encode(AbortRequest(wire_id, CANCEL_REASON))})
+                    log.info("request cancelled through the admin API", request_id=wire_id,
+                             worker_id=worker.worker_id)
+                    return pb.CancelRequestResponse(worker_id=worker.worker_id)
+        raise AdminError(grpc.StatusCode.NOT_FOUND, f"no decode worker holds request {request_id!r}")
+
+    async def _policies(self):
+        live = await self._client.hgetall(keys.policy())
+        values = {}
+        for name, (enum, allowed) in POLICY_FIELDS.items():
+            raw = live.get(name.encode())
+            label = raw.decode() if raw is not None else ""
+            values[name] = enum.Value(label) if label in allowed else 0  # absent or unknown: UNSPECIFIED
+        return pb.Policies(**values)
+
+    async def _find(self, worker_id: str, role: str) -> WorkerInfo:
+        if not worker_id:
+            raise AdminError(grpc.StatusCode.INVALID_ARGUMENT, "worker_id is empty")
+        found = [w for r in _roles(role) for w in await live_workers(self._client, r) if w.worker_id == worker_id]
+        if not found:
+            raise AdminError(grpc.StatusCode.NOT_FOUND, f"no live worker {worker_id!r}" + (f" in the {role} pool" if role else ""))
+        if len(found) > 1:
+            raise AdminError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"a prefill and a decode worker are both named {worker_id!r}: give role")
+        return found[0]
+
+
+def _roles(role: str) -> tuple[str, ...]:
+    if role and role not in ROLES:
+        raise AdminError(grpc.StatusCode.INVALID_ARGUMENT, f"role must be one of {ROLES} or empty, not {role!r}")
+    return (role,) if role else ROLES
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis MATCH pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+async def start_admin_server(client: aioredis.Redis, host: str, port: int) -> grpc.aio.Server:
+    """Serve the admin API on host:port (in the running event loop); raises OSError if it cannot bind."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(client), server)
+    try:
+        server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # grpc's "Failed to bind"
+        raise OSError(f"the admin API cannot listen on {host}:{port}: {exc}") from exc
+    await server.start()
+    log.info("admin API listening", host=host, port=port)
+    return server

@@ -1,0 +1,76 @@
+"""``tandem admin``: the gRPC admin API (``gateway/admin.proto``) from the command line.
+
+    tandem admin workers [--role decode]          live workers, with drain state
+    tandem admin policies                         the cluster's live policies
+    tandem admin set-policy --capacity-scheduler-policy MAX_UTILIZATION
+    tandem admin drain decode-0 | undrain decode-0
+    tandem admin cancel cmpl-...                  end a request (finish_reason "abort")
+
+Prints the reply as JSON; a failed call prints its gRPC status and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="a gateway's admin API (host:port)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    sub = parser.add_subparsers(dest="admin_command", required=True)
+    workers = sub.add_parser("workers", help="list live workers")
+    workers.add_argument("--role", choices=["prefill", "decode"], default="")
+    sub.add_parser("policies", help="show the live scheduling policies")
+    policy = sub.add_parser("set-policy", help="switch policies for the whole cluster")
+    policy.add_argument("--capacity-scheduler-policy", choices=CAPACITY_POLICIES)
+    policy.add_argument("--context-chunking-policy", choices=CHUNKING_POLICIES)
+    for name, text in (("drain", "send a worker no new requests"), ("undrain", "give a worker new requests again")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("worker_id")
+        cmd.add_argument("--role", choices=["prefill", "decode"], default="")
+    cancel = sub.add_parser("cancel", help="end a request")
+    cancel.add_argument("request_id")
+
+
+def call(args: argparse.Namespace):
+    """The reply message of the call ``args`` names (raises grpc.RpcError)."""
+    import grpc
+
+    from gateway.admin import pb, pb_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        stub = pb_grpc.AdminStub(channel)
+        command, timeout = args.admin_command, args.timeout
+        if command == "workers":
+            return stub.ListWorkers(pb.ListWorkersRequest(role=args.role), timeout=timeout)
+        if command == "policies":
+            return stub.GetPolicies(pb.GetPoliciesRequest(), timeout=timeout)
+        if command == "set-policy":
+            return stub.SetPolicies(pb.SetPoliciesRequest(
+                capacity_scheduler_policy=args.capacity_scheduler_policy or 0,
+                context_chunking_policy=args.context_chunking_policy or 0), timeout=timeout)
+        if command == "drain":
+            return stub.DrainWorker(pb.DrainWorkerRequest(worker_id=args.worker_id, role=args.role), timeout=timeout)
+        if command == "undrain":
+            return stub.UndrainWorker(pb.UndrainWorkerRequest(worker_id=args.worker_id, role=args.role),
+                                      timeout=timeout)
+        return stub.CancelRequest(pb.CancelRequestRequest(request_id=args.request_id), timeout=timeout)
+
+
+def main(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    try:
+        reply = call(args)
+    except grpc.RpcError as exc:
+        print(f"tandem admin: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
+    return 0
