@@ -1,48 +1,70 @@
 """Draining: workers that get no new requests while they finish what they hold.
 
 The admin API (``gateway.admin``) marks a worker in ``keys.draining(role)``, a hash
-worker_id -> the ``started_at`` of the incarnation it drains. Routers skip a marked
+worker_id -> the ``started_at`` of the run it drains and the time of the drain. Routers skip a marked
 worker: the gateways when they admit a request to a decode worker (``gateway.router``),
 the decode workers when they hand a prefill job out (``decode.worker``). The mark names
 one incarnation, so a worker restarted under its id (compose and ``tandem serve`` use
-fixed ids) takes work again without an undrain; marks of incarnations that are gone are
-pruned at the next drain. Torch-free.
+fixed ids) takes work again without an undrain; marks of runs replaced by a new one are
+pruned at the next drain. Marks live in Redis: a Redis restarted without its data forgets
+them (and the live policies). Torch-free.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from cluster import keys
 from cluster.messages import WorkerInfo
 
+# A drain has reached every router once it is this old: a gateway's registry snapshot is at most
+# 0.25 s old (gateway.router.CACHE_TTL_S), a decode worker re-reads its peers every 0.5 s.
+SETTLE_S = 1.0
 
-def parse_marks(raw: dict) -> dict[str, float]:
-    """HGETALL of ``keys.draining(role)`` -> worker_id -> started_at (unreadable fields skipped)."""
+
+class Mark(NamedTuple):
+    started_at: float  # the run of the worker being drained
+    marked_at: float  # when (Unix seconds, the marking gateway's clock)
+
+
+def parse_marks(raw: dict) -> dict[str, Mark]:
+    """HGETALL of ``keys.draining(role)`` -> worker_id -> Mark (unreadable fields skipped)."""
     marks = {}
-    for worker_id, started_at in raw.items():
+    for worker_id, value in raw.items():
         try:
-            marks[_text(worker_id)] = float(_text(started_at))
+            started_at, marked_at = (float(x) for x in _text(value).split())
         except ValueError:
             continue
+        marks[_text(worker_id)] = Mark(started_at, marked_at)
     return marks
 
 
-def is_draining(worker: WorkerInfo, marks: dict[str, float]) -> bool:
-    return marks.get(worker.worker_id) == worker.started_at
+def is_draining(worker: WorkerInfo, marks: dict[str, Mark]) -> bool:
+    mark = marks.get(worker.worker_id)
+    return mark is not None and mark.started_at == worker.started_at
 
 
-def accepting(workers: list[WorkerInfo], marks: dict[str, float]) -> list[WorkerInfo]:
+def is_drained(worker: WorkerInfo, mark: Mark | None, num_admitted: int = 0) -> bool:
+    """Draining, and holding nothing by a heartbeat taken after every router saw the drain
+    (a decode worker also has no admitted request still on its way in): safe to stop."""
+    return (mark is not None and mark.started_at == worker.started_at
+            and worker.heartbeat_at >= mark.marked_at + SETTLE_S
+            and worker.num_running == 0 and worker.num_waiting == 0 and num_admitted == 0)
+
+
+def accepting(workers: list[WorkerInfo], marks: dict[str, Mark]) -> list[WorkerInfo]:
     """The workers that take new requests."""
     return [w for w in workers if not is_draining(w, marks)]
 
 
-def read_marks(client, role: str) -> dict[str, float]:
+def read_marks(client, role: str) -> dict[str, Mark]:
     """The drain marks of ``role`` (a synchronous redis client)."""
     return parse_marks(client.hgetall(keys.draining(role)))
 
 
-def mark_value(worker: WorkerInfo) -> str:
-    """What a drain stores: the incarnation's start time, exactly (repr round-trips a float)."""
-    return repr(worker.started_at)
+def mark_value(worker: WorkerInfo, now: float) -> str:
+    """What a drain stores: the run's start time, exactly (repr round-trips a float), and when."""
+    return f"{worker.started_at!r} {now!r}"
 
 
 def _text(value) -> str:

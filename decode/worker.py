@@ -41,6 +41,7 @@ log = structlog.get_logger(__name__)
 
 
 PEER_CHECK_INTERVAL_S = 0.5
+EARLY_ABORT_TTL_S = 60.0  # how long an abort for a request not (yet) here is remembered
 HOLD_POLL_MS = 2  # inbox wait per turn while a step is held (decode.batch_wait)
 RECONCILE_INTERVAL_S = 5.0  # how often admission entries of requests never seen are looked for
 
@@ -92,7 +93,8 @@ class DecodeWorker:
         self._device_identity = device_identity(self.runner.device)
         self.batch_wait = BatchWait(settings.decode_batch_wait_ms / 1000.0, settings.max_batch_size)
         self._prefill_workers: list[WorkerInfo] = []
-        self._prefill_drain_marks: dict[str, float] = {}  # cluster.draining
+        self._prefill_drain_marks: dict = {}  # worker id -> cluster.draining.Mark
+        self._early_aborts: dict[str, float] = {}  # request id -> when an abort came before the request
         self._peers_checked_at = 0.0
         self._round_robin = 0
         self.stats = StepStats(self.role)
@@ -191,6 +193,11 @@ class DecodeWorker:
                 log.error("duplicate request id ignored", request_id=msg.request_id)
                 return
             done = len(msg.output_token_ids)
+            if self._early_aborts.pop(msg.request_id, None) is not None:
+                # cancelled (admin API) between its admission and its submission: it ends at once
+                self._ended_ids.append(msg.request_id)
+                self.outbox.keep([(msg.reply_to, TokenEvent(msg.request_id, done, [], "abort"))])
+                return
             if done and (done >= msg.max_tokens or len(msg.prompt_token_ids) + done >= self.settings.max_seq_len):
                 # a resumed request with nothing left to generate here: it ends at once
                 self._ended_ids.append(msg.request_id)
@@ -207,6 +214,16 @@ class DecodeWorker:
     def _abort(self, request_id: str) -> None:
         request = self.scheduler.abort(request_id)
         if request is None:
+            # not here (yet): the admin API may cancel a request between the gateway's admission
+            # and its submission, so its abort arrives first. Remembered for a while.
+            now = time.monotonic()
+            while self._early_aborts:  # oldest first (insertion order)
+                oldest, at = next(iter(self._early_aborts.items()))
+                if now - at < EARLY_ABORT_TTL_S:
+                    break
+                del self._early_aborts[oldest]
+            self._early_aborts.pop(request_id, None)
+            self._early_aborts[request_id] = now
             return
         # the client's stream ends here (an admin cancel); a gateway that aborted the request
         # itself (client gone, stop string, failover) has let it go and drops the event.

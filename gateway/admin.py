@@ -17,7 +17,9 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 import sys
+import time
 
 import grpc
 import redis.asyncio as aioredis
@@ -25,7 +27,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from cluster import keys
-from cluster.draining import is_draining, mark_value, parse_marks
+from cluster.draining import is_drained, is_draining, mark_value, parse_marks
 from cluster.messages import FIELD, AbortRequest, WorkerInfo, encode
 from cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES
 from gateway.router import ROLES, live_workers
@@ -69,15 +71,14 @@ def _rpc(method):
     return wrapper
 
 
-def worker_message(worker: WorkerInfo, draining: bool):
+def worker_message(worker: WorkerInfo, draining: bool, drained: bool = False):
     return pb.Worker(
         worker_id=worker.worker_id, role=worker.role, model=worker.model, host=worker.host, pid=worker.pid,
         started_at=worker.started_at, heartbeat_at=worker.heartbeat_at, num_total_blocks=worker.num_total_blocks,
         num_free_blocks=worker.num_free_blocks, num_running=worker.num_running, num_waiting=worker.num_waiting,
         block_size=worker.block_size, max_seq_len=worker.max_seq_len, max_batch_size=worker.max_batch_size,
         capacity_scheduler_policy=worker.capacity_scheduler_policy, num_preemptions=worker.num_preemptions,
-        device=worker.device, draining=draining,
-        drained=draining and worker.num_running == 0 and worker.num_waiting == 0,
+        device=worker.device, draining=draining, drained=drained,
     )
 
 
@@ -91,8 +92,10 @@ class AdminServicer(pb_grpc.AdminServicer):
         workers = []
         for role in roles:
             marks = parse_marks(await self._client.hgetall(keys.draining(role)))
-            live = sorted(await live_workers(self._client, role), key=lambda w: w.worker_id)
-            workers += [worker_message(w, is_draining(w, marks)) for w in live]
+            for w in sorted(await live_workers(self._client, role), key=lambda w: w.worker_id):
+                draining = is_draining(w, marks)
+                admitted = await self._client.hlen(keys.admitted(w.worker_id)) if draining and role == "decode" else 0
+                workers.append(worker_message(w, draining, is_drained(w, marks.get(w.worker_id), admitted)))
         return pb.ListWorkersResponse(workers=workers)
 
     @_rpc
@@ -120,13 +123,14 @@ class AdminServicer(pb_grpc.AdminServicer):
     @_rpc
     async def DrainWorker(self, request):
         worker = await self._find(request.worker_id, request.role)
-        live_ids = {w.worker_id for w in await live_workers(self._client, worker.role)}
+        runs = {w.worker_id: w.started_at for w in await live_workers(self._client, worker.role)}
         marked = parse_marks(await self._client.hgetall(keys.draining(worker.role)))
         pipe = self._client.pipeline(transaction=True)
-        gone = [worker_id for worker_id in marked if worker_id not in live_ids]
-        if gone:  # marks of workers that are gone
-            pipe.hdel(keys.draining(worker.role), *gone)
-        pipe.hset(keys.draining(worker.role), worker.worker_id, mark_value(worker))
+        # marks of runs a new run of the worker replaced (not of a worker whose key lapsed: it may be back)
+        replaced = [w for w, mark in marked.items() if w in runs and runs[w] != mark.started_at]
+        if replaced:
+            pipe.hdel(keys.draining(worker.role), *replaced)
+        pipe.hset(keys.draining(worker.role), worker.worker_id, mark_value(worker, time.time()))
         await pipe.execute()
         log.info("worker draining", role=worker.role, worker_id=worker.worker_id)
         return worker_message(worker, True)
@@ -193,10 +197,15 @@ async def start_admin_server(client: aioredis.Redis, host: str, port: int) -> gr
     """Serve the admin API on host:port (in the running event loop); raises OSError if it cannot bind."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
     pb_grpc.add_AdminServicer_to_server(AdminServicer(client), server)
-    try:
-        server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as exc:  # grpc's "Failed to bind"
-        raise OSError(f"the admin API cannot listen on {host}:{port}: {exc}") from exc
+    # every address the host resolves to, one by one: grpc binds a name to whichever of its
+    # addresses it can and succeeds if one works (localhost: ::1 bound, 127.0.0.1 someone else's)
+    addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+    for address in addresses:
+        target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        try:
+            server.add_insecure_port(target)
+        except RuntimeError as exc:  # grpc's "Failed to bind"
+            raise OSError(f"the admin API cannot listen on {target} ({host}:{port}): {exc}") from exc
     await server.start()
     log.info("admin API listening", host=host, port=port)
     return server

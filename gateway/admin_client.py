@@ -72,5 +72,6 @@ def main(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         print(f"tandem admin: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
+    print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True,
+                                   preserving_proto_field_name=True), indent=2))
     return 0

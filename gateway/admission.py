@@ -53,7 +53,7 @@ class AdmissionQueue:
         (monotonic): the request's own; reaching it raises RequestTimeout. (A deadline, not
         ``asyncio.wait_for``: a cancellation landing inside a redis-py call can be lost.)
         ``client_gone``: asked while queued; True raises ClientDisconnected."""
-        reserve = (request_id, num_prompt_tokens, max_tokens)
+        reserve = (request_id, num_prompt_tokens, max_tokens, resumed)
         if not self._waiting:
             worker = await self.router.reserve(*reserve)
             if worker is not None:

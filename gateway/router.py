@@ -25,7 +25,7 @@ import structlog
 
 from cluster import keys
 from cluster.admission import RELEASE_LUA, RESERVE_LUA, charge_tokens
-from cluster.draining import accepting, parse_marks
+from cluster.draining import accepting, is_draining, parse_marks
 from cluster.messages import FIELD, AbortRequest, GenerateRequest, WorkerInfo, encode
 from cluster.registry import parse_records
 from gateway.errors import NoWorkerAvailable
@@ -65,7 +65,7 @@ class Router:
         self._client = client
         self._cache_ttl_s = cache_ttl_s
         self._cache: dict[str, tuple[float, list[WorkerInfo]]] = {}
-        self._drain_marks: dict[str, float] = {}  # decode workers' (cluster.draining), read with the registry
+        self._drain_marks: dict = {}  # decode worker id -> cluster.draining.Mark, read with the registry
         self._refreshing: dict[str, asyncio.Future] = {}  # role -> the registry read in flight
         self._reserve = client.register_script(RESERVE_LUA)
         self._release = client.register_script(RELEASE_LUA)
@@ -107,17 +107,31 @@ class Router:
         (a worker restarted under the same id has lost the requests it held)."""
         return any(w.worker_id == worker_id and started_at in (None, w.started_at) for w in await self.workers(role))
 
-    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> WorkerInfo | None:
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                      resumed: bool = False) -> WorkerInfo | None:
         """Admit the request to a decode worker that can take it now (atomically); None if none can.
+        A draining worker takes none, except a ``resumed`` request (its worker was lost) that no
+        other worker can take: finishing it beats failing it.
 
         Raises NoWorkerAvailable when no decode worker is alive, or every one is draining.
         """
         live = await self.workers("decode")
         if not live:
             raise NoWorkerAvailable("no decode worker is alive; retry later")
-        workers = tie_order(accepting(live, self._drain_marks))
-        if not workers:
+        marks = self._drain_marks
+        taking = accepting(live, marks)
+        if not taking and not resumed:
             raise NoWorkerAvailable("every decode worker is being drained; retry later")
+        worker = await self._reserve_on(taking, request_id, num_prompt_tokens, max_tokens) if taking else None
+        if worker is None and resumed:
+            draining = [w for w in live if is_draining(w, marks)]
+            if draining:
+                worker = await self._reserve_on(draining, request_id, num_prompt_tokens, max_tokens)
+        return worker
+
+    async def _reserve_on(self, candidates: list[WorkerInfo], request_id: str, num_prompt_tokens: int,
+                          max_tokens: int) -> WorkerInfo | None:
+        workers = tie_order(candidates)
         script_keys, args = [], [request_id]
         for worker in workers:
             script_keys += [keys.admitted(worker.worker_id), keys.reserved_tokens(worker.worker_id)]

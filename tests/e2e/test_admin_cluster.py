@@ -41,10 +41,11 @@ def stub(cluster):
 def test_the_cli_lists_workers_and_switches_policies(cluster):
     code, out, err = _admin_cli(cluster, "workers")
     assert code == 0, err
-    workers = {(w["role"], w["workerId"]) for w in json.loads(out)["workers"]}
-    assert workers == {("decode", "decode-0"), ("prefill", "prefill-0")}
+    listed = json.loads(out)["workers"]
+    assert {(w["role"], w["worker_id"]) for w in listed} == {("decode", "decode-0"), ("prefill", "prefill-0")}
+    assert all(isinstance(w["num_total_blocks"], int) and w["num_total_blocks"] > 0 for w in listed)
     code, out, err = _admin_cli(cluster, "set-policy", "--capacity-scheduler-policy", "MAX_UTILIZATION")
-    assert code == 0 and json.loads(out)["capacitySchedulerPolicy"] == "MAX_UTILIZATION", err
+    assert code == 0 and json.loads(out)["capacity_scheduler_policy"] == "MAX_UTILIZATION", err
     try:  # the decode worker re-reads it between steps and reports the policy it admits under
         assert _wait(lambda: cluster.worker("decode", "decode-0").capacity_scheduler_policy == "MAX_UTILIZATION")
     finally:

@@ -59,7 +59,7 @@ def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_p
         admin = subprocess.run([sys.executable, "-m", "cluster.cli", "admin", "--address", f"127.0.0.1:{admin_port}",
                                 "workers"], capture_output=True, text=True, timeout=60)
         assert admin.returncode == 0, admin.stderr
-        assert sorted(w["workerId"] for w in json.loads(admin.stdout)["workers"]) == ["decode-0", "prefill-0"]
+        assert sorted(w["worker_id"] for w in json.loads(admin.stdout)["workers"]) == ["decode-0", "prefill-0"]
         proc.send_signal(signal.SIGTERM)
         _assert_stopped(proc, children, returncode=0)
     finally:

@@ -11,7 +11,7 @@ import pytest
 
 from cluster import keys
 from gateway.admin import CANCEL_REASON, pb, pb_grpc
-from tests.gateway.conftest import free_port, post, register_prefill, token_script, wait_for
+from tests.gateway.conftest import free_port, parse_sse, post, register_prefill, token_script, wait_for
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_a_drained_decode_worker_gets_no_new_requests_and_undrain_gives_them_bac
     assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3}).status_code == 200
     assert len(busy.requests) == 1  # the most room wins
     worker = stub.DrainWorker(pb.DrainWorkerRequest(worker_id="decode-a"))
-    assert (worker.role, worker.draining, worker.drained) == ("decode", True, True)
+    assert (worker.role, worker.draining, worker.drained) == ("decode", True, False)  # routers see it soon
     listed = {w.worker_id: w.draining for w in stub.ListWorkers(pb.ListWorkersRequest(role="decode")).workers}
     assert listed == {"decode-a": True, "decode-b": False}
     threading.Event().wait(0.3)  # the router's registry snapshot is at most 0.25 s old
@@ -99,6 +99,24 @@ def test_a_drained_decode_worker_gets_no_new_requests_and_undrain_gives_them_bac
     assert len(busy.requests) == 2
 
 
+def test_drained_only_once_every_router_saw_the_drain_and_nothing_is_held(admin, fake_worker, rclient, text_ids):
+    fake_worker(token_script(text_ids[:3]), worker_id="decode-a", ttl_s=0.4)  # beats every 0.1 s
+    fake_worker(token_script(text_ids[:3]), worker_id="decode-b", ttl_s=0.4)
+    _server, stub = admin()
+
+    def drained():
+        return {w.worker_id: w.drained for w in stub.ListWorkers(pb.ListWorkersRequest(role="decode")).workers}
+
+    rclient.hset(keys.admitted("decode-b"), "cmpl-on-its-way", 16)  # admitted, not yet in its inbox
+    for worker_id in ("decode-a", "decode-b"):
+        assert not stub.DrainWorker(pb.DrainWorkerRequest(worker_id=worker_id)).drained
+    assert drained() == {"decode-a": False, "decode-b": False}  # a gateway may still hold an old snapshot
+    assert wait_for(lambda: drained()["decode-a"], timeout_s=5)
+    assert not drained()["decode-b"]
+    rclient.hdel(keys.admitted("decode-b"), "cmpl-on-its-way")
+    assert drained()["decode-b"]
+
+
 def test_a_drain_names_one_incarnation(admin, fake_worker, rclient, text_ids):
     """A worker restarted under its id (compose and `tandem serve` use fixed ids) takes work again."""
     worker = fake_worker(token_script(text_ids[:3]), worker_id="decode-a", started_at=1.0)
@@ -108,6 +126,43 @@ def test_a_drain_names_one_incarnation(admin, fake_worker, rclient, text_ids):
     worker.beat()
     (listed,) = stub.ListWorkers(pb.ListWorkersRequest(role="decode")).workers
     assert not listed.draining
+
+
+def test_a_lapsed_heartbeat_keeps_its_drain(admin, fake_worker, text_ids):
+    """A worker whose key expired for a moment (a Redis blip, a stalled heartbeat) is the same run
+    when it is back: draining another worker meanwhile must not forget its drain."""
+    a = fake_worker(token_script(text_ids[:3]), worker_id="decode-a", ttl_s=0.3)
+    fake_worker(token_script(text_ids[:3]), worker_id="decode-b")
+    _server, stub = admin()
+    stub.DrainWorker(pb.DrainWorkerRequest(worker_id="decode-a"))
+    a.die()
+    assert wait_for(lambda: len(stub.ListWorkers(pb.ListWorkersRequest(role="decode")).workers) == 1)
+    stub.DrainWorker(pb.DrainWorkerRequest(worker_id="decode-b"))
+    a._alive = True
+    a.beat()
+    listed = {w.worker_id: w.draining for w in stub.ListWorkers(pb.ListWorkersRequest(role="decode")).workers}
+    assert listed == {"decode-a": True, "decode-b": True}
+
+
+def test_a_stream_whose_worker_dies_resumes_on_a_draining_worker_rather_than_fail(admin, fake_worker, text_ids):
+    def resuming(delay_s):
+        def script(req):  # plays from the tokens the request already has, as a real worker does
+            return token_script(text_ids[:12], "length", delay_s=delay_s)(req)[len(req.output_token_ids):]
+        return script
+
+    first = fake_worker(resuming(0.15), worker_id="decode-a", ttl_s=0.5, num_free_blocks=64)
+    second = fake_worker(resuming(0.0), worker_id="decode-b", ttl_s=0.5, num_free_blocks=8)
+    server, stub = admin()
+    stub.DrainWorker(pb.DrainWorkerRequest(worker_id="decode-b"))  # maintenance on b, then a dies
+    threading.Event().wait(0.3)
+    threading.Timer(0.8, first.die).start()
+    events = parse_sse(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 12, "stream": True,
+                                                         "return_token_ids": True}).text)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert [t for e in events[:-1] for t in e["choices"][0].get("token_ids") or []] == text_ids[:12]
+    (resumed,) = second.requests
+    assert resumed.request_id == f"{first.requests[0].request_id}.1"
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3}).status_code == 503  # new ones: no
 
 
 def test_drain_errors(admin, fake_worker, rclient, text_ids):

@@ -84,7 +84,7 @@ def _worker(run_ahead=False):
     worker.runner, worker.inbox = _Runner(), _Inbox()
     worker.redis = _Redis()
     worker.outbox = Outbox(worker.redis)
-    worker.mailer, worker._unhandled = Mailer(worker.redis), []
+    worker.mailer, worker._unhandled, worker._early_aborts = Mailer(worker.redis), [], {}
     worker.policies = types.SimpleNamespace(
         refresh=lambda: types.SimpleNamespace(capacity_scheduler_policy=worker.scheduler.policy.name))
     worker.stats = StepStats("decode", 1e9)
@@ -265,3 +265,20 @@ def test_an_aborted_request_ends_its_stream_with_abort():
     worker._handle_messages([AbortRequest("unknown")])
     worker.outbox.flush()
     assert len(worker.redis.events) == 1
+
+
+def test_an_abort_that_overtakes_its_request_ends_the_request_on_arrival():
+    """The admin API can cancel a request between the gateway's admission and its submission:
+    the abort reaches the inbox first, and the request must not then run to its end."""
+    worker = _worker()
+    worker._ended_ids = []
+    late = GenerateRequest(request_id="r9", prompt_token_ids=[1, 2], sampling=SamplingParams(), max_tokens=8,
+                           reply_to="gw")
+    worker._handle_messages([AbortRequest("r9", "cancelled"), late])
+    assert "r9" not in worker.scheduler.requests and worker._ended_ids == ["r9"]  # its admission given back
+    worker.outbox.flush()
+    (event,) = worker.redis.events
+    assert (event.request_id, event.index, event.finish_reason) == ("r9", 0, "abort")
+    worker._handle_messages([GenerateRequest(request_id="r9", prompt_token_ids=[1], sampling=SamplingParams(),
+                                             max_tokens=2, reply_to="gw")])
+    assert "r9" in worker.scheduler.requests  # remembered once, not for ever
