@@ -253,7 +253,8 @@ class DecodeWorker:
         if now - self._peers_checked_at < PEER_CHECK_INTERVAL_S:
             return
         self._peers_checked_at = now
-        self._prefill_workers = live_workers(self.redis, "prefill")
+        model = self.settings.model_name  # prefill workers of another model sharing the Redis are not ours
+        self._prefill_workers = [w for w in live_workers(self.redis, "prefill") if w.model == model]
         self._prefill_drain_marks = read_marks(self.redis, "prefill")
         self.batch_wait.shared = shares_gpu(self._device_identity, self._prefill_workers)
         alive = {w.worker_id: w.started_at for w in self._prefill_workers}

@@ -61,8 +61,13 @@ def tie_order(workers: list[WorkerInfo]) -> list[WorkerInfo]:
 
 
 class Router:
-    def __init__(self, client: aioredis.Redis, cache_ttl_s: float = CACHE_TTL_S):
+    """``model``: only workers serving it count (workers of other models sharing the Redis are
+    another cluster's); None: every worker."""
+
+    def __init__(self, client: aioredis.Redis, cache_ttl_s: float = CACHE_TTL_S, model: str | None = None):
         self._client = client
+        self._model = model
+        self._foreign: set[tuple[str, str]] = set()  # (role, id) of workers of other models, logged once
         self._cache_ttl_s = cache_ttl_s
         self._cache: dict[str, tuple[float, list[WorkerInfo]]] = {}
         self._drain_marks: dict = {}  # decode worker id -> cluster.draining.Mark, read with the registry
@@ -88,6 +93,14 @@ class Router:
     async def _refresh(self, role: str) -> list[WorkerInfo]:
         started = time.monotonic()
         workers = await live_workers(self._client, role)
+        if self._model is not None:
+            foreign = [w for w in workers if w.model != self._model]
+            for w in foreign:
+                if (role, w.worker_id) not in self._foreign:
+                    self._foreign.add((role, w.worker_id))
+                    log.warning("ignoring a worker that serves another model", role=role, worker_id=w.worker_id,
+                                worker_model=w.model, model=self._model)
+            workers = [w for w in workers if w.model == self._model]
         if role == "decode":
             self._drain_marks = parse_marks(await self._client.hgetall(keys.draining(role)))
         self._cache[role] = (started, workers)

@@ -65,7 +65,7 @@ class GatewayService:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
         self.validator = Validator(settings, self.tokenizer)
         self.redis = redis if redis is not None else make_redis(settings.redis_url)
-        self.router = Router(self.redis)
+        self.router = Router(self.redis, model=settings.model_name)
         self.admission = AdmissionQueue(self.router, max_queue_len=settings.max_queue_len,
                                         queue_timeout_s=settings.queue_timeout_s)
         self.mux = OutputMux(self.redis)

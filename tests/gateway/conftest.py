@@ -182,6 +182,7 @@ class FakeDecodeWorker:
     num_running: int = 0
     ttl_s: float = 1.0
     started_at: float = 0.0
+    model: str = "tiny"
     requests: list[GenerateRequest] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
 
@@ -198,7 +199,7 @@ class FakeDecodeWorker:
 
     def info(self, role: str = "decode") -> WorkerInfo:
         return WorkerInfo(
-            worker_id=self.worker_id, role=role, model="tiny", inbox=self.inbox.stream, pid=0, host="test",
+            worker_id=self.worker_id, role=role, model=self.model, inbox=self.inbox.stream, pid=0, host="test",
             started_at=self.started_at, heartbeat_at=time.time(), num_total_blocks=self.num_total_blocks,
             num_free_blocks=self.num_free_blocks,
             num_running=self.num_running, block_size=self.block_size, max_seq_len=MAX_POSITIONS,

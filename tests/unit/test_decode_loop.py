@@ -241,8 +241,10 @@ def test_a_prefill_worker_restarted_under_its_id_counts_as_lost(monkeypatch):
     del worker._refresh_peers  # the real one
     same, restarted = _prefilling(worker, "same", "p0", 1.0), _prefilling(worker, "restarted", "p1", 1.0)
     gone = _prefilling(worker, "gone", "p2", 1.0)
-    peers = [types.SimpleNamespace(worker_id="p0", started_at=1.0, device="cpu"),
-             types.SimpleNamespace(worker_id="p1", started_at=2.0, device="cpu")]  # p1 restarted, p2 gone
+    worker.settings = types.SimpleNamespace(model_name="m")
+    peers = [types.SimpleNamespace(worker_id="p0", started_at=1.0, device="cpu", model="m"),
+             types.SimpleNamespace(worker_id="p1", started_at=2.0, device="cpu", model="m"),  # p1 restarted
+             types.SimpleNamespace(worker_id="p2", started_at=1.0, device="cpu", model="other")]  # p2: not ours
     monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
     redispatched = []
     worker._send_prefill_job = redispatched.append
