@@ -79,7 +79,7 @@ def synthetic_requests(
     output_len: int = 128,
     output_len_range: tuple[int, int] | None = None,
     min_token_id: int = 10,
-    max_token_id: int = 1000,
+    max_token_id: int = 499,
     seed: int = 0,
 ) -> list[RequestSpec]:
     """Deterministic (for a given ``seed``) random requests."""

@@ -254,8 +254,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="max_tokens uniform in [A, B]")
     g.add_argument("--min-token-id", type=int, default=10,
                    help="smallest random prompt token id (completions; default 10)")
-    g.add_argument("--max-token-id", type=int, default=1000,
-                   help="largest random prompt token id (completions; default 1000)")
+    g.add_argument("--max-token-id", type=int, default=499,
+                   help="largest random prompt token id (completions; default 499: inside every vocabulary, "
+                        "the demo model's 500 ids included)")
     g.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths and arrivals")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
     g.add_argument("--extra-body", default=None, metavar="JSON",
