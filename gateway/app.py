@@ -80,7 +80,8 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
         fmt = ResponseFormat(generation.request_id, generation.created, settings.model_name, chat,
                              bool(body.return_token_ids), generation.input.prompt_token_ids)
         if body.stream:
-            events = sse_events(fmt, generation.deltas(), lambda: generation.usage, body.include_usage)
+            events = sse_events(fmt, generation.deltas(), lambda: generation.usage, body.include_usage,
+                                body.continuous_usage)
             return GenerationStreamResponse(events, generation)
         try:
             text, token_ids = await until_disconnected(request, generation.collect())

@@ -18,10 +18,14 @@ _SPECIAL_IDS: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.Weak
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
-    """The ids ``skip_special_tokens`` drops (``all_special_ids``), computed once per tokenizer."""
+    """The ids ``skip_special_tokens`` drops, computed once per tokenizer: ``all_special_ids``
+    and every added token marked special (Llama 3's header and end-of-turn tokens are not in the
+    special-tokens map; HF decode and vLLM drop them too)."""
     ids = _SPECIAL_IDS.get(tokenizer)
     if ids is None:
-        ids = _SPECIAL_IDS[tokenizer] = frozenset(tokenizer.all_special_ids)
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        ids = frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+        _SPECIAL_IDS[tokenizer] = ids
     return ids
 
 

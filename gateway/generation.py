@@ -88,7 +88,7 @@ class Generation:
         self._failed = False
         self._closed = False
         self._detokenizer = IncrementalDetokenizer(service.tokenizer, inp.prompt_token_ids, inp.skip_special_tokens)
-        self._stop = StopChecker(inp.stop)
+        self._stop = StopChecker(inp.stop, inp.include_stop_str_in_output)
         self._queue = service.mux.register(request_id)  # before submission: no event can be missed
 
     @property
@@ -130,7 +130,11 @@ class Generation:
         try:
             async for event in events:
                 if self._first_token_at is None:
-                    self._on_first_event(event.num_cached_tokens)
+                    self._on_first_event()
+                if event.num_cached_tokens and not self.num_cached_tokens:
+                    # only the prefill worker's event for index 0 carries it, and it may come second
+                    self.num_cached_tokens = event.num_cached_tokens
+                    self.service.metrics.cached_tokens.inc(event.num_cached_tokens)
                 new_token_ids = assembler.add(event)
                 if assembler.finish_reason == "error":
                     self._worker_done = True
@@ -173,12 +177,10 @@ class Generation:
                  num_output_tokens=len(self.output_token_ids), worker_id=self.worker_id)
 
     # ---- helpers --------------------------------------------------------------------
-    def _on_first_event(self, num_cached_tokens: int) -> None:
+    def _on_first_event(self) -> None:
         self.status = Status.STREAMING
         self._first_token_at = time.monotonic()
-        self.num_cached_tokens = num_cached_tokens
         self.service.metrics.ttft.observe(self._first_token_at - self._started_at)
-        self.service.metrics.cached_tokens.inc(num_cached_tokens)
 
     def _advance(self, new_token_ids: list[int], worker_finish: str | None) -> Delta | None:
         """New tokens -> the text that may be sent now; sets ``finish_reason`` at the end."""

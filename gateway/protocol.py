@@ -52,6 +52,9 @@ class SamplingFields(_Strict):
     priority: int = 0
     user: str | None = None
     return_token_ids: bool | None = False
+    skip_special_tokens: bool = True  # vLLM's: drop special tokens from the text
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
+    min_tokens: int = 0
 
     @field_validator("max_tokens")
     @classmethod
@@ -116,6 +119,13 @@ class SamplingFields(_Strict):
             raise ValueError("penalties are not supported: only 0 is accepted")
         return value
 
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, value: int) -> int:
+        if value != 0:
+            raise ValueError("min_tokens is not supported: only 0 is accepted")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict | None) -> dict | None:
@@ -137,6 +147,11 @@ class SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: usage so far in every chunk (with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):

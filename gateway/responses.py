@@ -111,8 +111,10 @@ class ResponseFormat:
             (body if self.chat else choice)["prompt_token_ids"] = self.prompt_token_ids
 
 
-async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[Delta], usage, include_usage: bool):
-    """The event stream of one generation. ``usage()`` is read after the last delta."""
+async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[Delta], usage, include_usage: bool,
+                     continuous_usage: bool = False):
+    """The event stream of one generation. ``usage()`` is read after the last delta (and, with
+    ``continuous_usage``, for every chunk: the usage so far, as vLLM's continuous_usage_stats)."""
     first = True
     try:
         if fmt.chat:
@@ -120,7 +122,10 @@ async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[Delta], usage, i
         async for delta in deltas:
             if not delta.text and delta.finish_reason is None and not fmt.return_token_ids:
                 continue  # held-back text (partial character, possible stop string): nothing to send yet
-            yield sse(fmt.chunk(delta, first=first and not fmt.chat))
+            chunk = fmt.chunk(delta, first=first and not fmt.chat)
+            if continuous_usage:
+                chunk["usage"] = usage().to_dict()
+            yield sse(chunk)
             first = False
         if include_usage:
             yield sse(fmt.usage_chunk(usage()))

@@ -1,4 +1,5 @@
-"""Stop strings: cut the output before the first stop string, never send part of one.
+"""Stop strings: cut the output before the first stop string (or after it, with vLLM's
+``include_stop_str_in_output``), never send part of one before it is decided.
 
 Text arrives in pieces; a stop string can straddle pieces. The checker keeps
 the whole output, searches only where a new match can start (the last
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 
 class StopChecker:
-    def __init__(self, stop_strings: list[str]):
+    def __init__(self, stop_strings: list[str], include_stop: bool = False):
+        """``include_stop``: the text ends after the matched stop string instead of before it."""
         self._stops = [s for s in stop_strings if s]
+        self._include = include_stop
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._text = ""
         self._num_sent = 0
@@ -25,9 +28,11 @@ class StopChecker:
         self._text += new_text
         match = self._first_match(search_from)
         if match is not None:
+            start, stop = match
+            end = start + len(stop) if self._include else start
             self.stopped = True
-            self._text = self._text[:match]
-            return self._take(match)
+            self._text = self._text[:end]
+            return self._take(end)
         return self._take(len(self._text) - self._hold)
 
     def flush(self) -> str:
@@ -39,9 +44,13 @@ class StopChecker:
         """All output text so far (cut at the stop string once one matched)."""
         return self._text
 
-    def _first_match(self, start: int) -> int | None:
-        positions = [p for p in (self._text.find(s, start) for s in self._stops) if p >= 0]
-        return min(positions) if positions else None
+    def _first_match(self, start: int) -> tuple[int, str] | None:
+        """(position, stop string) of the earliest match; at one position, the first listed."""
+        found = [(p, i) for i, p in enumerate(self._text.find(s, start) for s in self._stops) if p >= 0]
+        if not found:
+            return None
+        position, index = min(found)
+        return position, self._stops[index]
 
     def _take(self, end: int) -> str:
         if end <= self._num_sent:

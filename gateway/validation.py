@@ -29,6 +29,7 @@ class GenerationInput:
     ignore_eos: bool = False
     priority: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 class Validator:
@@ -106,6 +107,8 @@ class Validator:
             stop_token_ids=stop_token_ids,
             ignore_eos=body.ignore_eos,
             priority=body.priority,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
 
     def _check_model(self, model: str | None) -> None:

@@ -65,3 +65,15 @@ def test_text_property_is_cut_and_feed_after_stop_is_ignored():
 def test_empty_stop_strings_are_ignored():
     text, stopped, _ = run(["", "zz"], ["abc"])
     assert (text, stopped) == ("abc", False)
+
+
+def test_include_stop_str_in_output_ends_the_text_after_the_match():
+    checker = StopChecker(["END", "EN"], include_stop=True)
+    sent = [checker.feed("hello E"), checker.feed("ND world")]
+    assert checker.stopped and "".join(sent) == "hello END" == checker.text  # earliest; at a tie, first listed
+
+
+def test_at_one_position_the_first_listed_stop_string_wins():
+    assert run(["ab", "abc"], ["xxabcx"])[0] == "xx"
+    checker = StopChecker(["abc", "ab"], include_stop=True)
+    assert checker.feed("xxabcx") == "xxabc"

@@ -1,0 +1,82 @@
+"""vLLM's output controls through the real gateway: special tokens (skip_special_tokens, and
+added tokens marked special beyond the special-tokens map), include_stop_str_in_output,
+continuous usage stats, min_tokens refused; the cached-token count whatever order the first
+events arrive in."""
+
+from __future__ import annotations
+
+from cluster.messages import TokenEvent
+from tests.gateway.conftest import build_tokenizer, parse_sse, post, token_script
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(serve, fake_worker, tokenizer):
+    hello, world = (tokenizer.encode(t, add_special_tokens=False) for t in ("Hello", " world"))
+    ids = hello + [1] + world  # 1: <s>
+    fake_worker(token_script(ids, "length"))
+    server = serve()
+    skipped = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": len(ids)}).json()
+    kept = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": len(ids),
+                                            "skip_special_tokens": False}).json()
+    assert skipped["choices"][0]["text"] == tokenizer.decode(ids, skip_special_tokens=True) == "Hello world"
+    assert kept["choices"][0]["text"] == tokenizer.decode(ids, skip_special_tokens=False) == "Hello<s> world"
+
+
+def test_added_tokens_marked_special_are_skipped():
+    from transformers import AddedToken
+
+    from gateway.detokenizer import IncrementalDetokenizer, special_token_ids
+
+    tok = build_tokenizer()  # a fresh one: the session's tokenizer fixture stays as it is
+    tok.add_tokens([AddedToken("<|start_header_id|>", special=True), AddedToken("<|eom_id|>", special=True)])
+    header, eom = tok.convert_tokens_to_ids(["<|start_header_id|>", "<|eom_id|>"])
+    assert header not in tok.all_special_ids  # not in the special-tokens map, as in Llama 3
+    ids = tok.encode("Hello", add_special_tokens=False) + [header, eom] + tok.encode(" world", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [1])
+    assert "".join(detok.add([t]) for t in ids) == tok.decode(ids, skip_special_tokens=True) == "Hello world"
+    assert {header, eom} <= special_token_ids(tok)
+
+
+def test_include_stop_str_in_output(serve, fake_worker, text_ids, tokenizer):
+    fake_worker(token_script(text_ids, "length"))
+    server = serve()
+    body = {"prompt": "hi", "max_tokens": len(text_ids), "stop": ["How"]}
+    cut = post(server, "/v1/completions", body).json()["choices"][0]
+    kept = post(server, "/v1/completions", {**body, "include_stop_str_in_output": True}).json()["choices"][0]
+    assert (cut["text"], cut["finish_reason"]) == ("Hello world! ", "stop")
+    assert (kept["text"], kept["finish_reason"]) == ("Hello world! How", "stop")
+    events = parse_sse(post(server, "/v1/completions", {**body, "include_stop_str_in_output": True,
+                                                         "stream": True}).text)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hello world! How"
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(serve, fake_worker, text_ids):
+    fake_worker(token_script(text_ids[:4], "length"))
+    server = serve()
+    events = parse_sse(post(server, "/v1/completions", {
+        "prompt": "hi", "max_tokens": 4, "stream": True, "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).text)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    counts = [e["usage"]["completion_tokens"] for e in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4 and all("usage" in e for e in chunks)
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 4
+
+
+def test_min_tokens_is_refused(serve, fake_worker, text_ids):
+    worker = fake_worker(token_script(text_ids[:3], "length"))
+    server = serve()
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "min_tokens": 2})
+    assert response.status_code == 400 and "min_tokens" in response.json()["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "min_tokens": 0}).status_code == 200
+    assert len(worker.requests) == 1
+
+
+def test_cached_tokens_are_counted_when_the_first_token_arrives_second(serve, fake_worker, text_ids):
+    def script(req):  # decode's token 1 overtakes prefill's token 0, which carries the cache count
+        return [(0.0, TokenEvent(req.request_id, 1, [text_ids[1]])),
+                (0.05, TokenEvent(req.request_id, 0, [text_ids[0]], num_cached_tokens=4)),
+                (0.0, TokenEvent(req.request_id, 2, [text_ids[2]], "length"))]
+
+    fake_worker(script)
+    server = serve()
+    usage = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3}).json()["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
