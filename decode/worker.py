@@ -33,6 +33,7 @@ from decode.device_steps import DeviceStep, DeviceSteps, run_ahead
 from decode.request import DecodeRequest
 from decode.scheduler import DecodeScheduler
 from engine.block_allocator import BlockAllocator
+from engine.kv_cache import remove_stale_pool_files
 from engine.placement import build_runner, device_identity, resolve_device, resolve_transport
 from engine.prefix_cache import block_hashes, num_reusable_blocks
 from kvtransfer import KVPoll, KVReceiver, get_transport
@@ -57,8 +58,17 @@ class DecodeWorker:
         self.transport = get_transport(transport)
         shm_path = None
         if transport == "shm":
+            # the files of earlier runs of this worker that did not stop cleanly (SIGKILL) go first
+            remove_stale_pool_files(_shm_dir(), f"tandem-kv-{self.worker_id}-")
             shm_path = os.path.join(_shm_dir(), f"tandem-kv-{self.worker_id}-{os.getpid()}")
         self.runner = build_runner(settings, shm_path=shm_path)
+        try:
+            self._set_up(settings)
+        except BaseException:
+            self.runner.kv_pool.close()  # a start that fails leaves no pool file behind
+            raise
+
+    def _set_up(self, settings: Settings) -> None:
         if self.runner.device.type == "cuda":
             self.runner.enable_cuda_graphs(settings.max_batch_size, settings.max_seq_len)
         self.kv_endpoint = self.transport.export_pool(self.runner.kv_pool)
