@@ -2,7 +2,8 @@
 
 Lifecycle: BOOTSTRAPPING (no connection yet) -> WAITING_FOR_INPUT (connected,
 idle) <-> TRANSFERRING (writes in flight) -> SUCCESS (``finish()`` called and
-every write done) | FAILED (a write or the connection failed).
+every write done) | FAILED (a write or the connection failed, and no write is still in
+flight: until then a failed handoff reads TRANSFERRING).
 """
 
 from __future__ import annotations
@@ -42,19 +43,23 @@ class KVSender:
         self._finished = True
 
     def poll(self) -> KVPoll:
+        """FAILED only once no write is in flight: a failed handoff's earlier writes may still land
+        in the destination blocks, and PrefillDone (which hands them back) must come after them."""
+        if self._connection is None and self.error is None:
+            return KVPoll.BOOTSTRAPPING
+        pending = []
+        for transfer in self._in_flight:
+            try:
+                if not transfer.done():
+                    pending.append(transfer)
+            except TransferError as exc:  # this write is over (failed); the others still count
+                self.error = self.error or str(exc)
+        self._in_flight = pending
+        if pending:
+            return KVPoll.TRANSFERRING
         if self.error is not None:
             return KVPoll.FAILED
-        if self._connection is None:
-            return KVPoll.BOOTSTRAPPING
-        try:
-            self._in_flight = [t for t in self._in_flight if not t.done()]
-        except TransferError as exc:
-            self._fail(str(exc))
-            return KVPoll.FAILED
-        if self._in_flight:
-            return KVPoll.TRANSFERRING
         return KVPoll.SUCCESS if self._finished else KVPoll.WAITING_FOR_INPUT
 
     def _fail(self, error: str) -> None:
-        self.error = error
-        self._in_flight.clear()
+        self.error = error  # writes already in flight are still waited for (poll)

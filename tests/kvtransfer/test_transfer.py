@@ -109,3 +109,31 @@ def test_receiver_done_failed_and_timeout():
     assert late.poll(now=11) is KVPoll.FAILED and "timed out" in late.error
     late.on_done(True)  # a late success does not resurrect it
     assert late.poll(now=12) is KVPoll.FAILED
+
+
+class _ScriptedConnection(Connection):
+    """write() returns the transfers it is given, in order."""
+
+    def __init__(self, transfers):
+        self.transfers = list(transfers)
+
+    def write(self, src_kv, src_block_ids, dst_block_ids, handoff_id=None):
+        return self.transfers.pop(0)
+
+
+def test_a_failed_handoff_reads_failed_only_once_its_other_writes_are_done():
+    """PrefillDone (which hands the destination blocks back) follows FAILED: a write still in
+    flight could otherwise land in blocks the decode worker has freed."""
+    slow, failing = _SlowTransfer(4), _SlowTransfer(1, fail=True)
+    sender = KVSender(_ScriptedConnection([slow, failing]), [4, 5, 6])
+    sender.send_blocks(torch.zeros(1), [0], 0)
+    sender.send_blocks(torch.zeros(1), [1], 1)
+    assert sender.poll() is KVPoll.TRANSFERRING and "link down" in sender.error  # the slow one still writes
+    assert sender.poll() is KVPoll.TRANSFERRING
+    assert sender.poll() is KVPoll.TRANSFERRING
+    assert sender.poll() is KVPoll.FAILED and slow.polls_left == 0
+    overflow = KVSender(_ScriptedConnection([_SlowTransfer(2)]), [4])
+    overflow.send_blocks(torch.zeros(1), [0], 0)
+    overflow.send_blocks(torch.zeros(1), [1], 1)  # past the reserved blocks: fails, the first is in flight
+    assert overflow.poll() is KVPoll.TRANSFERRING and "reserved" in overflow.error
+    assert overflow.poll() is KVPoll.FAILED
