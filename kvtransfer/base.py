@@ -53,7 +53,7 @@ class Connection(ABC):
         ``handoff_id`` names the grant the receiving side checks (transports that check one)."""
 
     def close(self) -> None:
-        pass
+        """Release the peer's pool (mapping, pair); writes after this raise TransferError."""
 
 
 class Transport(ABC):

@@ -43,6 +43,8 @@ class CudaIpcConnection(Connection):
 
     def write(self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int],
               handoff_id: str | None = None) -> Transfer:
+        if self._dst_kv is None:
+            raise TransferError("the connection to this decode worker's pool is closed (the worker restarted)")
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
         dst_kv = self._dst_kv
@@ -64,6 +66,12 @@ class CudaIpcConnection(Connection):
         # keep the staging buffer alive until the copy is done
         staging.record_stream(torch.cuda.current_stream(dst_kv.device))
         return EventTransfer(event)
+
+
+    def close(self) -> None:
+        """Drop the mapping of the peer's pool (a dead decode worker's GPU memory is freed only
+        once no process maps it); copies already queued keep their own references."""
+        self._dst_kv = None
 
 
 class CudaIpcTransport(Transport):

@@ -233,6 +233,7 @@ class NcclConnection(Connection):
     def __init__(self, endpoint: dict, timeout_s: float, piece_bytes: int | None = None):
         self._endpoint, self._timeout_s = endpoint, timeout_s
         self._pair: _SendPair | None = None
+        self._closed = False
         if piece_bytes is None:
             piece_bytes = int(os.environ.get("TANDEM_KV_PIECE_BYTES", 128 << 20))
         try:
@@ -245,6 +246,8 @@ class NcclConnection(Connection):
 
     def write(self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int],
               handoff_id: str | None = None) -> Transfer:
+        if self._closed:
+            raise TransferError("the connection to this decode worker is closed (the worker restarted)")
         self._check(src_kv, src_block_ids, dst_block_ids)
         if not src_block_ids:
             return CompletedTransfer()
@@ -256,6 +259,7 @@ class NcclConnection(Connection):
         return pieces[0] if len(pieces) == 1 else _AllTransfers(pieces)
 
     def close(self) -> None:
+        self._closed = True
         if self._pair is not None:
             self._pair.close()
 

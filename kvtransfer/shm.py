@@ -20,6 +20,8 @@ class ShmConnection(Connection):
 
     def write(self, src_kv: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int],
               handoff_id: str | None = None) -> Transfer:
+        if self._pool is None:
+            raise TransferError("the connection to this decode worker's pool is closed (the worker restarted)")
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
         dst_kv = self._pool.kv
@@ -29,6 +31,12 @@ class ShmConnection(Connection):
         dst = torch.tensor(dst_block_ids, dtype=torch.long)
         ops.scatter_blocks(dst_kv, dst, ops.gather_blocks(src_kv, src))
         return CompletedTransfer()
+
+    def close(self) -> None:
+        """Unmap the peer's pool file (its RAM goes back once every process has let it go)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
 
 class ShmTransport(Transport):

@@ -82,6 +82,7 @@ class PrefillWorker:
             settings.redis_url, self.info, settings.heartbeat_interval_s, settings.heartbeat_ttl_s
         )
         self._connections: dict[str, object] = {}  # decode endpoint path -> Connection
+        self._pool_of: dict[str, str] = {}  # decode worker id -> the key of its pool's connection
         self._started_at = time.time()
         self._device_identity = device_identity(self.runner.device)
         self.stats = StepStats(self.role)
@@ -148,14 +149,25 @@ class PrefillWorker:
                                                f"KV pool of {self.allocator.num_total * self.block_size}")
             return
         try:
-            state.sender = KVSender(self._connect(job.kv_endpoint), job.dst_block_ids, job.handoff_id or None)
+            state.sender = KVSender(self._connect(job), job.dst_block_ids, job.handoff_id or None)
         except TransferError as exc:
             self._reply(state, "failed", error=str(exc))
             return
         self.scheduler.add(state)
 
-    def _connect(self, endpoint: dict):
+    def _connect(self, job: PrefillJob):
+        """The connection to the job's decode pool, made once per pool. A decode worker that
+        comes back (restarted under its id) exports a new pool: the old connection is closed, so
+        its mapping (RAM in /dev/shm, or GPU memory over CUDA IPC) and sockets are let go, and
+        jobs still writing to the old pool fail."""
+        endpoint = job.kv_endpoint
         key = endpoint.get("path") or repr(sorted(endpoint.items()))
+        old = self._pool_of.get(job.decode_worker_id)
+        if old is not None and old != key:
+            connection = self._connections.pop(old, None)
+            if connection is not None:
+                connection.close()
+        self._pool_of[job.decode_worker_id] = key
         if key not in self._connections:
             self._connections[key] = self.transport.connect(endpoint)
         return self._connections[key]
