@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -53,4 +54,15 @@ def sleep_unless_stopped(stop: threading.Event, seconds: float, tick_s: float = 
         if remaining <= 0:
             return False
         time.sleep(min(tick_s, remaining))
+    return True
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process with this id runs on this host (in this PID namespace)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
     return True

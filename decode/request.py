@@ -20,6 +20,7 @@ class DecodeRequest:
     num_pending: int = 0  # tokens sampled by the step on the device, not yet in output_token_ids
     prefill_worker_id: str | None = None
     prefill_started_at: float | None = None  # that worker's incarnation (WorkerInfo.started_at) at dispatch
+    prefill_pid: int | None = None  # its process, when it runs on this host (decode.quarantine)
     receiver: object | None = None  # kvtransfer.KVReceiver while PREFILLING
     handoff_id: str | None = None  # the current dispatch's grant on our pool while PREFILLING
     dispatched_at: float | None = None  # time.monotonic() of the current dispatch to a prefill worker

@@ -29,11 +29,13 @@ from cluster.request_state import RequestStatus
 from cluster.settings import Settings
 from cluster.step_stats import StepStats
 from decode.batch_wait import BatchWait, shares_gpu
+from decode.pool_files import remove_stale_pool_files
+from decode.quarantine import Quarantine
 from decode.device_steps import DeviceStep, DeviceSteps, run_ahead
 from decode.request import DecodeRequest
 from decode.scheduler import DecodeScheduler
+from decode.window import held_block_ids
 from engine.block_allocator import BlockAllocator
-from engine.kv_cache import remove_stale_pool_files
 from engine.placement import build_runner, device_identity, resolve_device, resolve_transport
 from engine.prefix_cache import block_hashes, num_reusable_blocks
 from kvtransfer import KVPoll, KVReceiver, get_transport
@@ -105,6 +107,8 @@ class DecodeWorker:
         self._prefill_workers: list[WorkerInfo] = []
         self._prefill_drain_marks: dict = {}  # worker id -> cluster.draining.Mark
         self._early_aborts: dict[str, float] = {}  # request id -> when an abort came before the request
+        # blocks of given-up handoffs a prefill worker that may still run could write (shm, cuda_ipc)
+        self.quarantine = Quarantine(settings.transfer_timeout_s)
         self._peers_checked_at = 0.0
         self._round_robin = 0
         self.stats = StepStats(self.role)
@@ -245,6 +249,7 @@ class DecodeWorker:
             self.mailer.send(keys.inbox("prefill", request.prefill_worker_id), AbortRequest(request_id))
 
     def _on_prefill_done(self, msg: PrefillDone) -> None:
+        self.allocator.free(self.quarantine.release_done(msg.request_id, msg.prefill_worker_id))
         request = self.scheduler.prefilling.get(msg.request_id)
         if request is None:
             return  # already failed by timeout; the blocks were freed then
@@ -268,6 +273,7 @@ class DecodeWorker:
         self._prefill_drain_marks = read_marks(self.redis, "prefill")
         self.batch_wait.shared = shares_gpu(self._device_identity, self._prefill_workers)
         alive = {w.worker_id: w.started_at for w in self._prefill_workers}
+        self.allocator.free(self.quarantine.release_ended(alive))
         for request in list(self.scheduler.prefilling.values()):
             lost = request.prefill_worker_id
             if lost is None or (lost in alive and alive[lost] == request.prefill_started_at):
@@ -280,8 +286,29 @@ class DecodeWorker:
             self.mailer.send(keys.inbox("prefill", lost), AbortRequest(request.request_id, "re-dispatched"))
             if request.abort_requested:
                 request.receiver.fail("prefill worker lost")
+            elif lost in alive or self.transport.revoke_stops_writes:
+                self._send_prefill_job(request)  # restarted: the old process writes nothing any more
+            elif self._hold_blocks_for_redo(request):
+                self._send_prefill_job(request)  # into fresh blocks: the lost worker may only be frozen
             else:
-                self._send_prefill_job(request)
+                request.receiver.fail("prefill worker lost, and no free blocks to redo the prefill while "
+                                      "its first blocks are held")
+
+    def _hold_blocks_for_redo(self, request: DecodeRequest) -> bool:
+        """Swap the request's destination blocks for fresh ones and hold the old ones until the
+        lost worker is known to be done with them (decode.quarantine); False if none are free."""
+        count = len(request.block_ids)
+        if self.allocator.num_free < count:
+            return False
+        self._hold_blocks(request)
+        request.block_ids = self.allocator.allocate_blocks(count)
+        return True
+
+    def _hold_blocks(self, request: DecodeRequest) -> None:
+        """Detach the request's blocks into the quarantine (the scheduler then frees none)."""
+        self.quarantine.hold(request.request_id, request.prefill_worker_id, request.prefill_started_at,
+                             request.prefill_pid, held_block_ids(request))
+        request.block_ids, request.spare_block_ids, request.num_released_blocks = [], [], 0
 
     def _accepting_prefill_workers(self) -> list[WorkerInfo]:
         return accepting(self._prefill_workers, self._prefill_drain_marks)
@@ -306,12 +333,14 @@ class DecodeWorker:
         request.dispatched_at = time.monotonic()
         self.transport.grant(request.handoff_id, request.block_ids)
         if not workers:
+            request.prefill_worker_id = None  # nobody got the job: nobody writes these blocks
             request.receiver.fail("no prefill worker alive")
             return
         try:
             self._round_robin += 1
             target = choose_prefill_worker(workers, self._cached_prefixes(request, workers), self._round_robin)
             request.prefill_worker_id, request.prefill_started_at = target.worker_id, target.started_at
+            request.prefill_pid = target.pid if target.host == os.uname().nodename else None
             send(self.redis, target.inbox, self._prefill_job(request))
         except redis.RedisError as exc:
             request.prefill_worker_id = None  # nobody got the job: nobody writes the blocks
@@ -354,6 +383,8 @@ class DecodeWorker:
                     self.mailer.send(keys.inbox("prefill", request.prefill_worker_id),
                                      AbortRequest(request.request_id))
                 self._end_handoff(request)  # before the blocks are freed: no late chunk lands in them
+                if request.prefill_worker_id and not self.transport.revoke_stops_writes:
+                    self._hold_blocks(request)  # the worker may still write them: held, not freed
                 reason = self.scheduler.on_prefill_done(request, None, error)
                 log.error("kv handoff failed", request_id=request.request_id, error=error)
                 if reason != "abort":

@@ -114,37 +114,6 @@ class KVCachePool:
         return f"KVCachePool({self.layout()}, {where})"
 
 
-def remove_stale_pool_files(directory: str, prefix: str) -> list[str]:
-    """Remove ``<directory>/<prefix><pid>`` pool files whose process is gone (a worker killed
-    before its clean stop leaves its file, RAM in /dev/shm, behind); -> the paths removed.
-    Only one worker's prefix: a worker never touches another's files."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        pid = name[len(prefix):]
-        if not name.startswith(prefix) or not pid.isdigit() or _process_exists(int(pid)):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(os.path.join(directory, name))
-        except OSError:
-            pass  # someone else removed it first
-    return removed
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
 def _create_zeroed_file(path: str, num_bytes: int) -> None:
     # truncate to 0 first so a stale file of the same size comes back zeroed; then take the space
     # now (a sparse file on a /dev/shm too small for it would kill the process with SIGBUS later)

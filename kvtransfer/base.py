@@ -67,6 +67,11 @@ class Transport(ABC):
     def connect(self, endpoint: dict) -> Connection:
         """Sending side: open a connection to an exported pool."""
 
+    # whether ``revoke`` also stops a late write of a sender that is still running (the receiving
+    # side applies every chunk itself); where not, the decode worker holds a given-up handoff's
+    # blocks until the sender is done with them (decode.quarantine)
+    revoke_stops_writes = False
+
     def grant(self, handoff_id: str, block_ids: list[int]) -> None:
         """Receiving side: chunks of this handoff may write these blocks (no-op where the
         receiving side applies nothing itself)."""

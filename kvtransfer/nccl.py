@@ -295,6 +295,8 @@ class NcclTransport(Transport):
         self._servers.append(server)
         return server.endpoint
 
+    revoke_stops_writes = True  # the receiving side applies chunks under its grants
+
     def grant(self, handoff_id: str, block_ids: list[int]) -> None:
         for server in self._servers:
             server.grant(handoff_id, block_ids)

@@ -10,13 +10,14 @@ import redis
 import torch
 
 from cluster.inbox import Mailer
-from cluster.messages import FIELD, AbortRequest, GenerateRequest, decode
+from cluster.messages import FIELD, AbortRequest, GenerateRequest, PrefillDone, decode
 from cluster.outputs import Outbox
 from cluster.sampling import SamplingParams
 from cluster.step_stats import StepStats
 from decode.batch_wait import BatchWait
 from decode.device_steps import DeviceSteps
 from decode.request import DecodeRequest
+from decode.quarantine import Quarantine
 from decode.scheduler import DecodeScheduler
 from decode.worker import DecodeWorker
 from engine.block_allocator import BlockAllocator
@@ -85,6 +86,8 @@ def _worker(run_ahead=False):
     worker.redis = _Redis()
     worker.outbox = Outbox(worker.redis)
     worker.mailer, worker._unhandled, worker._early_aborts = Mailer(worker.redis), [], {}
+    worker.quarantine = Quarantine(300.0)
+    worker.transport = types.SimpleNamespace(revoke_stops_writes=False)  # as shm and cuda_ipc
     worker.policies = types.SimpleNamespace(
         refresh=lambda: types.SimpleNamespace(capacity_scheduler_policy=worker.scheduler.policy.name))
     worker.stats = StepStats("decode", 1e9)
@@ -284,3 +287,66 @@ def test_an_abort_that_overtakes_its_request_ends_the_request_on_arrival():
     worker._handle_messages([GenerateRequest(request_id="r9", prompt_token_ids=[1], sampling=SamplingParams(),
                                              max_tokens=2, reply_to="gw")])
     assert "r9" in worker.scheduler.requests  # remembered once, not for ever
+
+
+
+def test_a_lost_prefill_workers_blocks_are_held_until_it_is_done_with_them(monkeypatch):
+    """shm and cuda_ipc write the decode pool directly: a prefill worker taken for lost may only
+    be frozen and still write its chunk. The redo gets fresh blocks; the old ones stay out of use
+    until that worker's PrefillDone (or its end), never handed to another request meanwhile."""
+    import decode.worker as worker_module
+
+    worker = _worker()
+    del worker._refresh_peers  # the real one
+    worker.settings = types.SimpleNamespace(model_name="m")
+    request = _prefilling(worker, "r1", "p0", 1.0)
+    old_blocks = list(request.block_ids)
+    free_before = worker.allocator.num_free
+    peers = [types.SimpleNamespace(worker_id="p1", started_at=1.0, device="cpu", model="m")]  # p0's beats lapsed
+    monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
+    redispatched = []
+    worker._send_prefill_job = lambda r: (redispatched.append(r), setattr(r, "prefill_worker_id", "p1"))
+    worker._peers_checked_at, worker._device_identity = 0.0, "cpu"
+    worker._refresh_peers()
+    assert redispatched == [request] and request.block_ids and not set(request.block_ids) & set(old_blocks)
+    assert worker.quarantine.num_blocks == len(old_blocks)
+    assert worker.allocator.num_free == free_before - len(old_blocks)  # the old ones are not free
+    worker._on_prefill_done(PrefillDone("r1", "aborted", prefill_worker_id="p0"))  # p0 woke, stopped
+    assert worker.quarantine.num_blocks == 0 and worker.allocator.num_free == free_before
+    assert "r1" in worker.scheduler.prefilling  # the redo goes on (p0's reply is stale for it)
+
+
+def test_a_failed_handoff_holds_its_blocks_until_the_worker_is_seen_to_have_restarted(monkeypatch):
+    import decode.worker as worker_module
+    from kvtransfer import KVReceiver
+
+    worker = _worker()
+    del worker._refresh_peers, worker._check_handoffs
+    worker.settings = types.SimpleNamespace(model_name="m")
+    worker._end_handoff = lambda request: None
+    request = _prefilling(worker, "r1", "p0", 1.0)
+    request.receiver = KVReceiver(timeout_s=300.0)
+    request.receiver.fail("kv handoff timed out")
+    free_before = worker.allocator.num_free
+    worker._check_handoffs()
+    assert "r1" not in worker.scheduler.requests and worker.allocator.num_free == free_before  # held
+    peers = [types.SimpleNamespace(worker_id="p0", started_at=2.0, device="cpu", model="m")]  # a new run
+    monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
+    worker._peers_checked_at, worker._device_identity = 0.0, "cpu"
+    worker._refresh_peers()
+    assert worker.quarantine.num_blocks == 0 and worker.allocator.num_free > free_before
+
+
+def test_with_a_transport_that_stops_late_writes_nothing_is_held():
+    from kvtransfer import KVReceiver
+
+    worker = _worker()
+    del worker._check_handoffs
+    worker.transport = types.SimpleNamespace(revoke_stops_writes=True)  # nccl: grants
+    worker._end_handoff = lambda request: None
+    request = _prefilling(worker, "r1", "p0", 1.0)
+    request.receiver = KVReceiver(timeout_s=300.0)
+    request.receiver.fail("kv handoff timed out")
+    free_before, held = worker.allocator.num_free, len(request.block_ids)
+    worker._check_handoffs()
+    assert worker.quarantine.num_blocks == 0 and worker.allocator.num_free == free_before + held

@@ -10,7 +10,7 @@ import redis
 
 from cluster.launcher import free_port
 from cluster.settings import Settings
-from engine.kv_cache import remove_stale_pool_files
+from decode.pool_files import remove_stale_pool_files
 
 
 def _dead_pid() -> int:
