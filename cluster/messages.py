@@ -210,4 +210,5 @@ class WorkerInfo:
     max_batch_size: int = 0  # decode: most requests it holds admitted (0: no limit)
     num_preemptions: int = 0  # decode: requests paused since it started (monotonic)
     device: str = ""  # what it computes on, the same string for the same GPU in any process ("" unknown)
+    pid_namespace: int = 0  # its PID namespace (0 unknown): ``pid`` means something only within it
     kind: ClassVar[str]

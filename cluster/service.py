@@ -66,3 +66,13 @@ def process_exists(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process
     return True
+
+
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of /proc/self/ns/pid; 0 where there is none):
+    two processes can tell whether a pid of one names a process of the other's only when
+    they share it (containers with one hostname can have separate ones)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0

@@ -10,7 +10,7 @@ import redis
 import structlog
 
 from cluster.messages import WorkerInfo
-from cluster.service import sleep_unless_stopped
+from cluster.service import pid_namespace, sleep_unless_stopped
 from cluster.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -38,6 +38,7 @@ def worker_info(
         model=settings.model_name,
         inbox=inbox,
         pid=os.getpid(),
+        pid_namespace=pid_namespace(),
         host=os.uname().nodename,
         started_at=started_at,
         heartbeat_at=0.0,

@@ -10,7 +10,7 @@ transfer failure or timeout) the request's blocks are held here, out of use, unt
 - that worker's PrefillDone for the request arrives (it sends one after every abort, once its
   writes are done: it owns no destination block after it);
 - the worker is registered again under a new run (``started_at``): the old process has ended;
-- it ran on this host and its process is gone;
+- it ran on this host, in this PID namespace, and its process is gone;
 - ``timeout_s`` passed (the request's transfer timeout: a worker frozen longer is not waited for).
 
 Plain Python; the decode worker frees what ``release_*`` returns.
@@ -29,7 +29,7 @@ class _Held:
     request_id: str
     worker_id: str
     started_at: float | None
-    pid: int | None  # the worker's process, when it runs on this host
+    pid: int | None  # the worker's process, when it runs on this host in our PID namespace
     block_ids: list[int]
     since: float
 

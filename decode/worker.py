@@ -26,6 +26,7 @@ from cluster.prefix_index import choose_prefill_worker, longest_prefixes
 from cluster.draining import accepting, read_marks
 from cluster.registry import Heartbeat, live_workers
 from cluster.request_state import RequestStatus
+from cluster.service import pid_namespace
 from cluster.settings import Settings
 from cluster.step_stats import StepStats
 from decode.batch_wait import BatchWait, shares_gpu
@@ -109,6 +110,8 @@ class DecodeWorker:
         self._early_aborts: dict[str, float] = {}  # request id -> when an abort came before the request
         # blocks of given-up handoffs a prefill worker that may still run could write (shm, cuda_ipc)
         self.quarantine = Quarantine(settings.transfer_timeout_s)
+        self._pid_namespace = pid_namespace()
+        self._foreign_prefill: set[str] = set()  # prefill workers of another model, logged once each
         self._peers_checked_at = 0.0
         self._round_robin = 0
         self.stats = StepStats(self.role)
@@ -269,7 +272,15 @@ class DecodeWorker:
             return
         self._peers_checked_at = now
         model = self.settings.model_name  # prefill workers of another model sharing the Redis are not ours
-        self._prefill_workers = [w for w in live_workers(self.redis, "prefill") if w.model == model]
+        self._prefill_workers = []
+        for w in live_workers(self.redis, "prefill"):
+            if w.model == model:
+                self._prefill_workers.append(w)
+            elif w.worker_id not in self._foreign_prefill:
+                self._foreign_prefill.add(w.worker_id)
+                log.warning("ignoring a prefill worker that serves another model (give every service the "
+                            "same --served-model-name)", prefill_worker_id=w.worker_id, worker_model=w.model,
+                            model=model)
         self._prefill_drain_marks = read_marks(self.redis, "prefill")
         self.batch_wait.shared = shares_gpu(self._device_identity, self._prefill_workers)
         alive = {w.worker_id: w.started_at for w in self._prefill_workers}
@@ -340,7 +351,9 @@ class DecodeWorker:
             self._round_robin += 1
             target = choose_prefill_worker(workers, self._cached_prefixes(request, workers), self._round_robin)
             request.prefill_worker_id, request.prefill_started_at = target.worker_id, target.started_at
-            request.prefill_pid = target.pid if target.host == os.uname().nodename else None
+            same_processes = (target.host == os.uname().nodename and target.pid_namespace
+                              and target.pid_namespace == self._pid_namespace)  # its pid names its process here
+            request.prefill_pid = target.pid if same_processes else None
             send(self.redis, target.inbox, self._prefill_job(request))
         except redis.RedisError as exc:
             request.prefill_worker_id = None  # nobody got the job: nobody writes the blocks

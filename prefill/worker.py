@@ -81,8 +81,8 @@ class PrefillWorker:
         self.heartbeat = Heartbeat(
             settings.redis_url, self.info, settings.heartbeat_interval_s, settings.heartbeat_ttl_s
         )
-        self._connections: dict[str, object] = {}  # decode endpoint path -> Connection
-        self._pool_of: dict[str, str] = {}  # decode worker id -> the key of its pool's connection
+        self._connections: dict[tuple, object] = {}  # (decode worker id, its endpoint) -> Connection
+        self._pool_of: dict[str, tuple] = {}  # decode worker id -> the key of its pool's connection
         self._started_at = time.time()
         self._device_identity = device_identity(self.runner.device)
         self.stats = StepStats(self.role)
@@ -161,7 +161,8 @@ class PrefillWorker:
         its mapping (RAM in /dev/shm, or GPU memory over CUDA IPC) and sockets are let go, and
         jobs still writing to the old pool fail."""
         endpoint = job.kv_endpoint
-        key = endpoint.get("path") or repr(sorted(endpoint.items()))
+        # per decode worker too: an nccl endpoint (host, ports) can be another worker's later
+        key = (job.decode_worker_id, endpoint.get("path") or repr(sorted(endpoint.items())))
         old = self._pool_of.get(job.decode_worker_id)
         if old is not None and old != key:
             connection = self._connections.pop(old, None)

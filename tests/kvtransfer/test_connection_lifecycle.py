@@ -56,7 +56,11 @@ def test_a_decode_worker_back_with_a_new_pool_gets_a_new_connection_and_the_old_
     other = worker._connect(_job("decode-1", "/dev/shm/tandem-kv-decode-1-200"))
     again = worker._connect(_job("decode-0", "/dev/shm/tandem-kv-decode-0-300"))  # decode-0 restarted
     assert again is not first and first.closed and not other.closed and not again.closed
-    assert set(worker._connections) == {"/dev/shm/tandem-kv-decode-1-200", "/dev/shm/tandem-kv-decode-0-300"}
+    assert set(worker._connections) == {("decode-1", "/dev/shm/tandem-kv-decode-1-200"),
+                                        ("decode-0", "/dev/shm/tandem-kv-decode-0-300")}
+    # an endpoint another worker had before (nccl: host and ports) is that worker's own connection
+    reused = worker._connect(_job("decode-2", "/dev/shm/tandem-kv-decode-0-100"))
+    assert reused is not first and not again.closed and not other.closed
 
 
 def test_closed_nccl_connection_refuses_writes():

@@ -10,7 +10,7 @@ import redis
 import torch
 
 from cluster.inbox import Mailer
-from cluster.messages import FIELD, AbortRequest, GenerateRequest, PrefillDone, decode
+from cluster.messages import FIELD, AbortRequest, GenerateRequest, PrefillDone, WorkerInfo, decode
 from cluster.outputs import Outbox
 from cluster.sampling import SamplingParams
 from cluster.step_stats import StepStats
@@ -86,7 +86,7 @@ def _worker(run_ahead=False):
     worker.redis = _Redis()
     worker.outbox = Outbox(worker.redis)
     worker.mailer, worker._unhandled, worker._early_aborts = Mailer(worker.redis), [], {}
-    worker.quarantine = Quarantine(300.0)
+    worker.quarantine, worker._foreign_prefill = Quarantine(300.0), set()
     worker.transport = types.SimpleNamespace(revoke_stops_writes=False)  # as shm and cuda_ipc
     worker.policies = types.SimpleNamespace(
         refresh=lambda: types.SimpleNamespace(capacity_scheduler_policy=worker.scheduler.policy.name))
@@ -350,3 +350,33 @@ def test_with_a_transport_that_stops_late_writes_nothing_is_held():
     free_before, held = worker.allocator.num_free, len(request.block_ids)
     worker._check_handoffs()
     assert worker.quarantine.num_blocks == 0 and worker.allocator.num_free == free_before + held
+
+
+
+def test_a_prefill_pid_is_trusted_only_within_this_pid_namespace():
+    """Containers can share a hostname (and /dev/shm or a GPU) but not a PID namespace: there a
+    prefill worker's pid says nothing about its process here, and held blocks must wait."""
+    import os
+
+    from cluster.service import pid_namespace
+
+    worker = _worker()
+    worker._pid_namespace = pid_namespace()
+    worker.redis = types.SimpleNamespace(xadd=lambda *a, **k: None)
+    worker.transport = types.SimpleNamespace(grant=lambda *a: None, revoke_stops_writes=False)
+    worker._end_handoff, worker._cached_prefixes = (lambda request: None), (lambda request, workers: {})
+    worker._round_robin, worker._handoff_seq = 0, 0
+    worker.settings = types.SimpleNamespace(transfer_timeout_s=300.0)
+    worker.kv_endpoint, worker.worker_id = {}, "decode-0"
+
+    def dispatch(namespace):
+        request = _prefilling(worker, f"r{namespace}", None, None)
+        worker._prefill_workers = [WorkerInfo("p0", "prefill", "m", "inbox", 4242, os.uname().nodename, 1.0, 1.0, 8, 8,
+                                              pid_namespace=namespace)]
+        worker._prefill_drain_marks = {}
+        worker._send_prefill_job(request)
+        return request.prefill_pid
+
+    assert dispatch(worker._pid_namespace) == 4242
+    assert dispatch(worker._pid_namespace + 1) is None
+    assert dispatch(0) is None
