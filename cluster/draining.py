@@ -44,11 +44,10 @@ def is_draining(worker: WorkerInfo, marks: dict[str, Mark]) -> bool:
     return mark is not None and mark.started_at == worker.started_at
 
 
-def is_drained(worker: WorkerInfo, mark: Mark | None, num_admitted: int = 0) -> bool:
+def is_drained(worker: WorkerInfo, marks: dict[str, Mark], num_admitted: int = 0) -> bool:
     """Draining, and holding nothing by a heartbeat taken after every router saw the drain
     (a decode worker also has no admitted request still on its way in): safe to stop."""
-    return (mark is not None and mark.started_at == worker.started_at
-            and worker.heartbeat_at >= mark.marked_at + SETTLE_S
+    return (is_draining(worker, marks) and worker.heartbeat_at >= marks[worker.worker_id].marked_at + SETTLE_S
             and worker.num_running == 0 and worker.num_waiting == 0 and num_admitted == 0)
 
 

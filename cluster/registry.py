@@ -39,6 +39,19 @@ def parse_records(role: str, raws: list[bytes | None]) -> list[WorkerInfo]:
     return workers
 
 
+def of_model(workers: list[WorkerInfo], model: str, reported: set[tuple[str, str]]) -> list[WorkerInfo]:
+    """The workers serving ``model``; each other one is logged once (``reported`` remembers
+    (role, id)): workers of another model sharing the Redis are another cluster's, or a
+    service given a different --served-model-name."""
+    for w in workers:
+        if w.model != model and (w.role, w.worker_id) not in reported:
+            reported.add((w.role, w.worker_id))
+            log.warning("ignoring a worker that serves another model (give every service the same "
+                        "--served-model-name)", role=w.role, worker_id=w.worker_id, worker_model=w.model,
+                        model=model)
+    return [w for w in workers if w.model == model]
+
+
 class Heartbeat:
     """Publishes ``snapshot()`` under the worker's key every ``interval_s``."""
 

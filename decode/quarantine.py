@@ -65,6 +65,9 @@ class Quarantine:
         return self._release(ended)
 
     def _release(self, done) -> list[int]:
-        released = [h for h in self._held if done(h)]
-        self._held = [h for h in self._held if not done(h)]
+        """Drop the entries ``done`` says are over (asked once each: it may make a system call)."""
+        kept, released = [], []
+        for h in self._held:
+            (released if done(h) else kept).append(h)
+        self._held = kept
         return [b for h in released for b in h.block_ids]

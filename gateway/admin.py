@@ -95,7 +95,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             for w in sorted(await live_workers(self._client, role), key=lambda w: w.worker_id):
                 draining = is_draining(w, marks)
                 admitted = await self._client.hlen(keys.admitted(w.worker_id)) if draining and role == "decode" else 0
-                workers.append(worker_message(w, draining, is_drained(w, marks.get(w.worker_id), admitted)))
+                workers.append(worker_message(w, draining, is_drained(w, marks, admitted)))
         return pb.ListWorkersResponse(workers=workers)
 
     @_rpc

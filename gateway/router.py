@@ -27,7 +27,7 @@ from cluster import keys
 from cluster.admission import RELEASE_LUA, RESERVE_LUA, charge_tokens
 from cluster.draining import accepting, is_draining, parse_marks
 from cluster.messages import FIELD, AbortRequest, GenerateRequest, WorkerInfo, encode
-from cluster.registry import parse_records
+from cluster.registry import of_model, parse_records
 from gateway.errors import NoWorkerAvailable
 
 log = structlog.get_logger(__name__)
@@ -94,13 +94,7 @@ class Router:
         started = time.monotonic()
         workers = await live_workers(self._client, role)
         if self._model is not None:
-            foreign = [w for w in workers if w.model != self._model]
-            for w in foreign:
-                if (role, w.worker_id) not in self._foreign:
-                    self._foreign.add((role, w.worker_id))
-                    log.warning("ignoring a worker that serves another model", role=role, worker_id=w.worker_id,
-                                worker_model=w.model, model=self._model)
-            workers = [w for w in workers if w.model == self._model]
+            workers = of_model(workers, self._model, self._foreign)
         if role == "decode":
             self._drain_marks = parse_marks(await self._client.hgetall(keys.draining(role)))
         self._cache[role] = (started, workers)

@@ -238,7 +238,7 @@ def test_messages_a_redis_error_cut_off_are_handled_next_turn():
 def test_a_prefill_worker_restarted_under_its_id_counts_as_lost(monkeypatch):
     """Its new process never saw the job (NOACK inbox): the request is re-dispatched at once
     instead of waiting out its transfer timeout."""
-    import decode.worker as worker_module
+    import decode.handoffs as worker_module
 
     worker = _worker()
     del worker._refresh_peers  # the real one
@@ -247,7 +247,7 @@ def test_a_prefill_worker_restarted_under_its_id_counts_as_lost(monkeypatch):
     worker.settings = types.SimpleNamespace(model_name="m")
     peers = [types.SimpleNamespace(worker_id="p0", started_at=1.0, device="cpu", model="m"),
              types.SimpleNamespace(worker_id="p1", started_at=2.0, device="cpu", model="m"),  # p1 restarted
-             types.SimpleNamespace(worker_id="p2", started_at=1.0, device="cpu", model="other")]  # p2: not ours
+             types.SimpleNamespace(worker_id="p2", started_at=1.0, device="cpu", model="other", role="prefill")]  # p2: not ours
     monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
     redispatched = []
     worker._send_prefill_job = redispatched.append
@@ -294,7 +294,7 @@ def test_a_lost_prefill_workers_blocks_are_held_until_it_is_done_with_them(monke
     """shm and cuda_ipc write the decode pool directly: a prefill worker taken for lost may only
     be frozen and still write its chunk. The redo gets fresh blocks; the old ones stay out of use
     until that worker's PrefillDone (or its end), never handed to another request meanwhile."""
-    import decode.worker as worker_module
+    import decode.handoffs as worker_module
 
     worker = _worker()
     del worker._refresh_peers  # the real one
@@ -317,7 +317,7 @@ def test_a_lost_prefill_workers_blocks_are_held_until_it_is_done_with_them(monke
 
 
 def test_a_failed_handoff_holds_its_blocks_until_the_worker_is_seen_to_have_restarted(monkeypatch):
-    import decode.worker as worker_module
+    import decode.handoffs as worker_module
     from kvtransfer import KVReceiver
 
     worker = _worker()
@@ -373,7 +373,7 @@ def test_a_prefill_pid_is_trusted_only_within_this_pid_namespace():
         request = _prefilling(worker, f"r{namespace}", None, None)
         worker._prefill_workers = [WorkerInfo("p0", "prefill", "m", "inbox", 4242, os.uname().nodename, 1.0, 1.0, 8, 8,
                                               pid_namespace=namespace)]
-        worker._prefill_drain_marks = {}
+        worker._taking_prefill_workers = worker._prefill_workers
         worker._send_prefill_job(request)
         return request.prefill_pid
 

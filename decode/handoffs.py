@@ -1,0 +1,196 @@
+"""The decode worker's side of the prefill handoff: which prefill workers it hands jobs to,
+dispatching and re-dispatching them, their PrefillDone, failed or timed-out handoffs, and the
+destination blocks a lost prefill worker may still write (``decode.quarantine``).
+
+``PrefillHandoffs`` is part of ``decode.worker.DecodeWorker`` (which supplies ``redis``,
+``settings``, ``scheduler``, ``allocator``, ``transport``, ``mailer``, ``kv_endpoint``,
+``worker_id``, ``batch_wait``, ``_device_identity`` and ``_publish``); the decode loop calls
+``_refresh_peers``, ``_dispatch_prefills`` and ``_check_handoffs`` once a turn.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+import structlog
+
+from cluster import keys
+from cluster.draining import accepting, read_marks
+from cluster.inbox import send
+from cluster.messages import AbortRequest, PrefillDone, PrefillJob, WorkerInfo
+from cluster.prefix_index import choose_prefill_worker, longest_prefixes
+from cluster.registry import live_workers, of_model
+from cluster.service import pid_namespace
+from cluster.settings import Settings
+from decode.batch_wait import shares_gpu
+from decode.quarantine import Quarantine
+from decode.request import DecodeRequest
+from decode.window import held_block_ids
+from engine.prefix_cache import block_hashes, num_reusable_blocks
+from kvtransfer import KVPoll, KVReceiver
+
+log = structlog.get_logger(__name__)
+
+PEER_CHECK_INTERVAL_S = 0.5
+
+
+class PrefillHandoffs:
+    def _init_handoffs(self, settings: Settings) -> None:
+        self._prefill_workers: list[WorkerInfo] = []  # live, serving our model
+        self._taking_prefill_workers: list[WorkerInfo] = []  # of those, the ones not being drained
+        self._foreign_prefill: set[tuple[str, str]] = set()  # workers of another model, logged once
+        self._peers_checked_at = 0.0
+        self._round_robin = 0
+        self._handoff_seq = 0
+        # blocks of given-up handoffs a prefill worker that may still run could write (shm, cuda_ipc)
+        self.quarantine = Quarantine(settings.transfer_timeout_s)
+        self._pid_namespace = pid_namespace()
+
+    def _on_prefill_done(self, msg: PrefillDone) -> None:
+        self.allocator.free(self.quarantine.release_done(msg.request_id, msg.prefill_worker_id))
+        request = self.scheduler.prefilling.get(msg.request_id)
+        if request is None:
+            return  # already failed by timeout; the blocks were freed then
+        if msg.prefill_worker_id and msg.prefill_worker_id != request.prefill_worker_id:
+            return  # from a worker the request was taken away from (re-dispatched): stale
+        ok = msg.status == "ok"
+        self._end_handoff(request)
+        request.receiver.on_done(ok, msg.error)
+        error = None if ok else (msg.error or f"prefill {msg.status}")
+        reason = self.scheduler.on_prefill_done(request, msg.first_token if ok else None, error)
+        if msg.status == "failed":
+            self._publish([(request, len(request.output_token_ids), reason)], error=msg.error)
+
+    def _refresh_peers(self) -> None:
+        now = time.monotonic()
+        if now - self._peers_checked_at < PEER_CHECK_INTERVAL_S:
+            return
+        self._peers_checked_at = now
+        self._prefill_workers = of_model(live_workers(self.redis, "prefill"), self.settings.model_name,
+                                         self._foreign_prefill)
+        # derived here, where it changes, not on every step
+        self._taking_prefill_workers = accepting(self._prefill_workers, read_marks(self.redis, "prefill"))
+        self.batch_wait.shared = shares_gpu(self._device_identity, self._prefill_workers)
+        alive = {w.worker_id: w.started_at for w in self._prefill_workers}
+        self.allocator.free(self.quarantine.release_ended(alive))
+        for request in list(self.scheduler.prefilling.values()):
+            lost = request.prefill_worker_id
+            if lost is None or (lost in alive and alive[lost] == request.prefill_started_at):
+                continue  # never handed out (its handoff already failed), or still served by the same process
+            # the prefill worker's heartbeat expired, or it restarted under its id (the new process
+            # never saw the job: inbox reads are NOACK): redo the prefill. Should it only have
+            # missed beats, the abort stops it, and its late PrefillDone is ignored.
+            log.warning("prefill worker lost, re-dispatching", request_id=request.request_id,
+                        prefill_worker_id=lost)
+            self.mailer.send(keys.inbox("prefill", lost), AbortRequest(request.request_id, "re-dispatched"))
+            if request.abort_requested:
+                request.receiver.fail("prefill worker lost")
+            elif lost in alive or self.transport.revoke_stops_writes:
+                self._send_prefill_job(request)  # restarted: the old process writes nothing any more
+            elif self._hold_blocks_for_redo(request):
+                self._send_prefill_job(request)  # into fresh blocks: the lost worker may only be frozen
+            else:
+                request.receiver.fail("prefill worker lost, and no free blocks to redo the prefill while "
+                                      "its first blocks are held")
+
+    def _hold_blocks_for_redo(self, request: DecodeRequest) -> bool:
+        """Swap the request's destination blocks for fresh ones and hold the old ones until the
+        lost worker is known to be done with them (decode.quarantine); False if none are free."""
+        count = len(request.block_ids)
+        if self.allocator.num_free < count:
+            return False
+        self._hold_blocks(request)
+        request.block_ids = self.allocator.allocate_blocks(count)
+        return True
+
+    def _hold_blocks(self, request: DecodeRequest) -> None:
+        """Detach the request's blocks into the quarantine (the scheduler then frees none)."""
+        self.quarantine.hold(request.request_id, request.prefill_worker_id, request.prefill_started_at,
+                             request.prefill_pid, held_block_ids(request))
+        request.block_ids, request.spare_block_ids, request.num_released_blocks = [], [], 0
+
+    def _dispatch_prefills(self) -> None:
+        if not self._taking_prefill_workers:
+            return  # requests wait, holding no blocks, until a prefill worker registers (or is undrained)
+        started = self.scheduler.schedule_prefills()
+        for request in started:  # every started request is tracked before any Redis call can fail
+            request.receiver = KVReceiver(self.settings.transfer_timeout_s)
+        for request in started:
+            self._send_prefill_job(request)
+
+    def _send_prefill_job(self, request: DecodeRequest) -> None:
+        """Hand the request to a prefill worker; if that cannot happen now, its handoff fails (blocks freed).
+        Draining workers only take a re-dispatched job, and only when no other worker can."""
+        workers = self._taking_prefill_workers or self._prefill_workers
+        request.receiver = KVReceiver(self.settings.transfer_timeout_s)
+        self._end_handoff(request)  # a re-dispatch: the earlier worker's late chunks are refused
+        self._handoff_seq += 1  # per worker: a reused request id never meets an old grant
+        request.handoff_id = f"{request.request_id}#{self._handoff_seq}"
+        request.dispatched_at = time.monotonic()
+        self.transport.grant(request.handoff_id, request.block_ids)
+        if not workers:
+            request.prefill_worker_id = None  # nobody got the job: nobody writes these blocks
+            request.receiver.fail("no prefill worker alive")
+            return
+        try:
+            self._round_robin += 1
+            target = choose_prefill_worker(workers, self._cached_prefixes(request, workers), self._round_robin)
+            request.prefill_worker_id, request.prefill_started_at = target.worker_id, target.started_at
+            same_processes = (target.host == os.uname().nodename and target.pid_namespace
+                              and target.pid_namespace == self._pid_namespace)  # its pid names its process here
+            request.prefill_pid = target.pid if same_processes else None
+            send(self.redis, target.inbox, self._prefill_job(request))
+        except redis.RedisError as exc:
+            request.prefill_worker_id = None  # nobody got the job: nobody writes the blocks
+            request.receiver.fail(f"could not hand the request to a prefill worker: {exc}")
+
+    def _prefill_job(self, request: DecodeRequest) -> PrefillJob:
+        spec = request.spec
+        resume = request.is_resuming  # recompute the KV of all but the last token, which decoding feeds next
+        return PrefillJob(
+            request_id=spec.request_id,
+            prompt_token_ids=spec.prompt_token_ids + request.output_token_ids[:-1] if resume
+            else spec.prompt_token_ids,
+            sampling=spec.sampling,
+            max_tokens=spec.max_tokens,
+            dst_block_ids=request.block_ids,
+            kv_endpoint=self.kv_endpoint,
+            decode_worker_id=self.worker_id,
+            stop_token_ids=spec.stop_token_ids,
+            ignore_eos=spec.ignore_eos,
+            priority=spec.priority,
+            arrival_time=spec.arrival_time,
+            reply_to=spec.reply_to,
+            resume=resume,
+            handoff_id=request.handoff_id or "",
+        )
+
+    def _cached_prefixes(self, request: DecodeRequest, workers: list[WorkerInfo]) -> dict[str, int]:
+        """prefill worker id -> leading full blocks of the prompt it has cached (0 without prefix caching)."""
+        if not self.settings.enable_prefix_caching or len(workers) < 2:
+            return {w.worker_id: 0 for w in workers}
+        prompt, block_size = request.spec.prompt_token_ids, self.settings.tokens_per_block
+        hashes = block_hashes(prompt, block_size)[: num_reusable_blocks(len(prompt), block_size)]
+        return longest_prefixes(self.redis, [w.worker_id for w in workers], hashes)
+
+    def _check_handoffs(self) -> None:
+        for request in list(self.scheduler.prefilling.values()):
+            if request.receiver.poll() is KVPoll.FAILED:
+                error = request.receiver.error or "kv handoff failed"
+                if request.prefill_worker_id:
+                    self.mailer.send(keys.inbox("prefill", request.prefill_worker_id),
+                                     AbortRequest(request.request_id))
+                self._end_handoff(request)  # before the blocks are freed: no late chunk lands in them
+                if request.prefill_worker_id and not self.transport.revoke_stops_writes:
+                    self._hold_blocks(request)  # the worker may still write them: held, not freed
+                reason = self.scheduler.on_prefill_done(request, None, error)
+                log.error("kv handoff failed", request_id=request.request_id, error=error)
+                if reason != "abort":
+                    self._publish([(request, len(request.output_token_ids), reason)], error=error)
+
+    def _end_handoff(self, request: DecodeRequest) -> None:
+        if request.handoff_id is not None:
+            self.transport.revoke(request.handoff_id)
+            request.handoff_id = None
