@@ -45,6 +45,10 @@ PREFETCH_MAX_BATCH = 1
 # an SM holds 4 programs above 102 registers, 5 at 96 or fewer (38 KB of shared memory each stops
 # it at 5). For the engine A/B (scripts/decode_ab.py reg96, reg80); CUDA launches only.
 MAX_REGISTERS: int | None = None
+# The block ids of a program's share loaded once into registers (at most IDS_REG_MAX of them),
+# each tile's taken from there (tl.gather) instead of a load that its K/V loads wait for.
+IDS_IN_REGISTERS = False
+IDS_REG_MAX = 512
 
 
 @triton.jit
@@ -57,12 +61,12 @@ def _decode_partial_kernel(
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
     stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h,
     stride_o_s, stride_o_h,
-    qk_scale, window, block_size, num_splits,
+    qk_scale, window, block_size, num_splits, num_table_blocks,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, IDS_REG: tl.constexpr = 0,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -79,6 +83,8 @@ def _decode_partial_kernel(
     block tables and lengths are not written by the kernels before it in the step). A decode
     row has seq_len >= 1. The GPU compiler may contract the multiply-adds differently from
     kernels.rotary: about 1 value in 50,000 differs by 1 bf16 ulp from the unfused path.
+    IDS_REG > 0: the block table entries of the share (IDS_REG of them from the share's first
+    block; with one split and no window from entry 0, so before seq_len is read) are loaded once.
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
@@ -91,6 +97,11 @@ def _decode_partial_kernel(
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    block_table_row = block_tables_ptr + seq * stride_bt
+    if IDS_REG > 0 and DIRECT_OUT and not HAS_WINDOW:  # the share starts at 0: no wait for seq_len
+        offs_ids = tl.arange(0, IDS_REG)
+        ids_first = 0
+        ids = tl.load(block_table_row + offs_ids, mask=offs_ids < num_table_blocks, other=0)
     seq_len = tl.load(seq_lens_ptr + seq)
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
@@ -99,9 +110,15 @@ def _decode_partial_kernel(
     share = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * share
     end = tl.minimum(start + share, seq_len)
+    if IDS_REG > 0 and not (DIRECT_OUT and not HAS_WINDOW):
+        offs_ids = tl.arange(0, IDS_REG)
+        ids_first = start // block_size
+        ids = tl.load(block_table_row + ids_first + offs_ids, mask=ids_first + offs_ids < num_table_blocks, other=0)
+    if IDS_REG == 0:
+        ids_first = 0
+        ids = 0
     k_base = k_cache_ptr + kv_head * stride_k_head
     v_base = v_cache_ptr + kv_head * stride_v_head
-    block_table_row = block_tables_ptr + seq * stride_bt
     if PREFETCH:  # the share's last tile, before the wait
         count = tl.maximum(end - start, 0)
         last_tile = start + tl.maximum(tl.cdiv(count, BLOCK_N) - 1, 0) * BLOCK_N
@@ -158,7 +175,8 @@ def _decode_partial_kernel(
     for start_n in range(start, loop_end, BLOCK_N):
         k, v, offs_n, kv_valid = _load_kv_tile(
             k_base, v_base, block_table_row, start_n, end,
-            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
+            stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
+            ids, ids_first, IDS_REG)
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
@@ -252,6 +270,11 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first
     direct = num_splits == 1
+    ids_reg = 0
+    if IDS_IN_REGISTERS:  # the share's block table entries, rounded up to a power of 2
+        share = triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
+        ids_reg = triton.next_power_of_2(triton.cdiv(share, block_size) + 1)
+        ids_reg = ids_reg if ids_reg <= IDS_REG_MAX else 0
     if direct:
         partial_out = partial_lse = out  # unused
         po_strides, pl_strides = (0, 0, 0), (0, 0)
@@ -272,12 +295,12 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *po_strides, *pl_strides, out.stride(0), out.stride(1),
-        scale * LOG2E, sliding_window or 0, block_size, num_splits,
+        scale * LOG2E, sliding_window or 0, block_size, num_splits, block_tables.shape[1],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
-        PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH,
+        PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH, IDS_REG=ids_reg,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
         **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS is not None and q.is_cuda else {}),
     )

@@ -11,13 +11,20 @@ from kernels.dot import dot
 @triton.jit
 def _load_kv_tile(k_base, v_base, block_table_row, start_n, end,
                   stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ids=0, ids_first=0, IDS_REG: tl.constexpr = 0):
     """Keys and values at positions start_n .. start_n + BLOCK_N - 1 of one KV head, those
-    from end on masked: (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid)."""
+    from end on masked: (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid).
+    The block ids come from the block table row, or with IDS_REG from ``ids`` (the row's
+    entries ids_first .. ids_first + IDS_REG - 1, loaded once by the caller): no load then
+    stands between the tile's index and its K/V addresses, so the loop's loads can run ahead."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_valid = offs_n < end
-    block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
+    if IDS_REG > 0:
+        local = tl.where(kv_valid, offs_n // block_size - ids_first, 0)
+        block_ids = tl.gather(ids, local, 0).to(tl.int64)
+    else:
+        block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
     slots = (offs_n % block_size).to(tl.int64)
     k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
                 mask=kv_valid[None, :], other=0.0)

@@ -56,6 +56,14 @@ VARIANTS |= {  # ninth session: gate/up + SiLU·mul through the skinny GEMM at 6
     # takes more than 102 (scripts/kernel_resources.py prints what it takes on the device)
     "reg96": {(da, "MAX_REGISTERS"): 96},
     "reg80": {(da, "MAX_REGISTERS"): 80},
+    # the share's block ids in registers (no load between a tile's index and its K/V loads: the
+    # loop's loads run ahead; a local sm90 compile pipelines 32/3 and 16/4, not 64/2)
+    "ids": {(da, "IDS_IN_REGISTERS"): True},
+    "ids64s3": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (64, 4, 3)},
+    "ids32s3": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (32, 4, 3)},
+    "ids32s4": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (32, 4, 4)},
+    "ids16s4": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (16, 4, 4)},
+    "ids32s3w2": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (32, 2, 3)},
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 

@@ -38,5 +38,13 @@ case "$1" in
     grep -E "out_tok_per_s|ttft_ms_p50|ttft_ms_p99" "$OUT/mixed/run.log"
     grep "warmed up" "$OUT/mixed/cluster.log"
     python3 -m bench.cluster_timeline "$OUT/mixed/cluster.log" | head -8 | cut -c1-120 ;;
-  *) echo "usage: $0 check|ab9|ab9b" >&2; exit 2 ;;
+  ab11)  # eleventh session: decode attention's block ids in registers (IDS_IN_REGISTERS) with the tiles
+         # a local sm90 compile pipelines; resources, GPU tests, one engine A/B round at b64/b128 (~7 min)
+    python3 scripts/kernel_resources.py 2>&1 | tee "$OUT/resources.log" | grep -E "decode|Error"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
+      tests/kernels/test_decode_attention_new_token.py -m gpu 2>&1 | tee "$OUT/gpu_tests.log" \
+      | grep -E "FAILED|passed|failed|Error" | tail -8
+    timeout 330 python3 scripts/decode_ab.py --models llama2-7b --batches 64,128 --rounds 1 \
+      --variants rule,ids,ids64s3,ids32s3,ids32s4,ids16s4,ids32s3w2 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
+  *) echo "usage: $0 check|ab9|ab9b|ab11" >&2; exit 2 ;;
 esac

@@ -31,14 +31,23 @@ def report(name, k):
 
 
 seqs, heads, dim, bs = 64, 32, 128, 16
-blocks = seqs * 24 + 8
+width = 4096 // bs  # the engine's graphs: block tables for 4096 tokens (bench.engine, decode_ab)
+blocks = seqs * width + 8
 k_cache = torch.randn(blocks, bs, heads, dim, device="cuda", dtype=torch.bfloat16)
 v_cache = torch.randn_like(k_cache)
-tables = torch.arange(seqs * 24, device="cuda", dtype=torch.int32).view(seqs, 24)
+tables = torch.arange(seqs * width, device="cuda", dtype=torch.int32).view(seqs, width)
 lens = torch.full((seqs,), 257, device="cuda", dtype=torch.int32)
 q = torch.randn(seqs, heads, dim, device="cuda", dtype=torch.bfloat16)
 out = torch.empty_like(q)
-for cap in (None, 96, 80):
+for ids, tile in ((False, None), (True, None), (True, (64, 4, 3)), (True, (32, 4, 3)), (True, (32, 4, 4)),
+                  (True, (16, 4, 4)), (True, (32, 2, 3))):
+    da.IDS_IN_REGISTERS = ids
+    k = compiled(da._decode_partial_kernel, lambda: da._launch_decode_attention(
+        q, k_cache, v_cache, tables, lens, out, dim**-0.5, None, DecodeWorkspace.allocate(seqs, heads, dim),
+        config=tile and (*tile, 1)))
+    report(f"decode attention ids {int(ids)} {tile or 'rule'}", k)
+da.IDS_IN_REGISTERS = False
+for cap in (96, 80):
     da.MAX_REGISTERS = cap
     k = compiled(da._decode_partial_kernel, lambda: da._launch_decode_attention(
         q, k_cache, v_cache, tables, lens, out, dim**-0.5, None, DecodeWorkspace.allocate(seqs, heads, dim)))

@@ -44,9 +44,14 @@ def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_d
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("num_splits", [1, 2, 3])
-def test_tile_edges(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
-    """Contexts at, one past and one short of whole tiles of 32 and 64, shorter than a tile, and empty."""
+@pytest.mark.parametrize("ids_in_registers", [False, True])
+def test_tile_edges(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits,
+                    ids_in_registers):
+    """Contexts at, one past and one short of whole tiles of 32 and 64, shorter than a tile, and empty;
+    block ids loaded per tile or once into registers (from entry 0, or from a split's or window's
+    first block)."""
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", ids_in_registers)
     seq_lens = [64, 65, 63, 128, 129, 31, 1, 0, 257, 192, 97]
     inputs = _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
     out = decode_attention(*inputs, head_dim**-0.5, window)
@@ -123,6 +128,31 @@ def test_nan_in_the_cache_is_not_hidden(monkeypatch, num_splits):
     assert not out[0].isnan().any() and out[1].isnan().all()
 
 
+@pytest.mark.parametrize("ids_reg_max", [0, 8, 16, 512])
+def test_block_ids_in_registers_only_up_to_their_limit(monkeypatch, ids_reg_max):
+    """The share's block ids go into registers when they fit IDS_REG_MAX (a power of 2 covering
+    the share plus one block); otherwise each tile loads its own. Same answer either way."""
+    calls = []
+    kernel = decode_module._decode_partial_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(kwargs["IDS_REG"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(decode_module, "_decode_partial_kernel", Spy())
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: 1)
+    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", True)
+    monkeypatch.setattr(decode_module, "IDS_REG_MAX", ids_reg_max)
+    # 7 table entries (112 tokens) at 64-token tiles: a 128-token share, 8 + 1 entries -> 16
+    inputs = _inputs([65, 3, 90], 4, 1, 64, 16, torch.float32)
+    out = decode_attention(*inputs, 64**-0.5)
+    assert calls == [16 if ids_reg_max >= 16 else 0]
+    assert_close(out, _expected(*inputs, 64**-0.5, None), torch.float32, ATTN_SCALE[torch.float32])
+
+
 def test_num_splits_depends_on_shapes_only():
     cpu = torch.device("cpu")
     assert decode_config.num_kv_splits(1, 8, 100, cpu) == 1  # short context: one split
@@ -135,7 +165,10 @@ def test_num_splits_depends_on_shapes_only():
 @pytest.mark.parametrize("num_kv_heads", [8, 32])
 @pytest.mark.parametrize("window", [None, 1024])
 @pytest.mark.parametrize("num_seqs", [1, 7, 64])
-def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs):
+@pytest.mark.parametrize("ids_in_registers", [False, True])
+def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs, ids_in_registers, monkeypatch):
+    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", ids_in_registers)
+    monkeypatch.setattr(decode_module, "IDS_REG_MAX", 1024)  # 8192 tokens at one split: 513 entries
     torch.manual_seed(num_seqs)
     seq_lens = torch.randint(1, 8193, (num_seqs,)).tolist()
     seq_lens[0] = 8192

@@ -88,13 +88,30 @@ def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, 
     _check(inputs, torch.bfloat16, window)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # 32- and 64-token tiles
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_block_ids_in_registers(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window,
+                                num_splits):
+    """IDS_IN_REGISTERS: each tile's block ids taken from the share's entries loaded once; rows at,
+    one past and one short of whole tiles, a padding row."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", True)
+    inputs = _inputs([64, 65, 1, 129, 2, 31, 150], num_q_heads, num_kv_heads, head_dim, block_size, dtype,
+                     padded_row=4)
+    _check(inputs, dtype, window)
+
+
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("ids_in_registers", [False, True])
 @pytest.mark.parametrize("batch, context", [(1, 256), (64, 256), (128, 416)])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
-def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, monkeypatch):
+def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, ids_in_registers, monkeypatch):
     monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
+    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", ids_in_registers)
     monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
     lens = [context - 7 * i % 50 for i in range(batch)]
     inputs = _inputs(lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16, padded_row=None)
