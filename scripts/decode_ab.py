@@ -64,6 +64,12 @@ VARIANTS |= {  # ninth session: gate/up + SiLU·mul through the skinny GEMM at 6
     "ids32s4": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (32, 4, 4)},
     "ids16s4": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (16, 4, 4)},
     "ids32s3w2": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (32, 2, 3)},
+    "ids32s4w2": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (32, 2, 4)},
+    # with rotary and the KV write fused into the attention kernel at every batch up to 128
+    "ids32s3_f": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (32, 4, 3),
+                  (ops, "FUSED_ROTARY_MAX_BATCH"): 128},
+    "ids32s3w2_f": {(da, "IDS_IN_REGISTERS"): True, (dc, "_TILE_OVERRIDE"): (32, 2, 3),
+                    (ops, "FUSED_ROTARY_MAX_BATCH"): 128},
 }
 DEFAULTS = {key: getattr(*key) for settings in VARIANTS.values() for key in settings}
 

@@ -46,5 +46,12 @@ case "$1" in
       | grep -E "FAILED|passed|failed|Error" | tail -8
     timeout 330 python3 scripts/decode_ab.py --models llama2-7b --batches 64,128 --rounds 1 \
       --variants rule,ids,ids64s3,ids32s3,ids32s4,ids16s4,ids32s3w2 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
-  *) echo "usage: $0 check|ab9|ab9b|ab11" >&2; exit 2 ;;
+  ab11b)  # eleventh session, second call: the GPU tests on the 2-warp tile, then two A/B rounds of the
+          # best of ab11 with and without rotary fused at b1/b8/b64/b128 (~5 min)
+    TANDEM_DECODE_TILE=32,2,3 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py \
+      tests/kernels/test_decode_attention_new_token.py -m gpu -k True 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
+    timeout 400 python3 scripts/decode_ab.py --models llama2-7b --batches 1,8,64,128 --rounds 2 \
+      --variants rule,ids32s3,ids32s3w2,ids32s4w2,ids32s3_f,ids32s3w2_f 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
+  *) echo "usage: $0 check|ab9|ab9b|ab11|ab11b" >&2; exit 2 ;;
 esac
