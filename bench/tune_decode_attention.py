@@ -66,7 +66,7 @@ def run_case(name, batch, context, scattered, copy_bw, grid=GRID, head_major=Fal
         try:
             launch_config = config
             if config == "rule-seqs-first":  # the shape rule's tiles, sequences as the fastest grid axis
-                launch_config = decode_config._tile_config(d, q.dtype) + (
+                launch_config = decode_config._tile_config(d, q.dtype, batch * hkv)[:3] + (
                     decode_config.num_kv_splits(batch, hkv, blocks_per_seq * block_size, q.device), False)
             fn = lambda: _launch_decode_attention(q, k, v, tables, lens, out, scale, None, None, launch_config)  # noqa: E731
             out.fill_(float("nan"))

@@ -46,8 +46,9 @@ PREFETCH_MAX_BATCH = 1
 # it at 5). For the engine A/B (scripts/decode_ab.py reg96, reg80); CUDA launches only.
 MAX_REGISTERS: int | None = None
 # The block ids of a program's share loaded once into registers (at most IDS_REG_MAX of them),
-# each tile's taken from there (tl.gather) instead of a load that its K/V loads wait for.
-IDS_IN_REGISTERS = False
+# each tile's taken from there (tl.gather) instead of a load that its K/V loads wait for: None
+# follows the shape rule (kernels.decode_config._tile_config), True / False force it (tests, A/Bs).
+IDS_IN_REGISTERS: bool | None = None
 IDS_REG_MAX = 512
 
 
@@ -264,14 +265,16 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     if sliding_window is not None:
         max_context_len = min(max_context_len, sliding_window)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
-    block_n, num_warps, num_stages = _tile_config(head_dim, q.dtype)
+    block_n, num_warps, num_stages, ids_in_registers = _tile_config(head_dim, q.dtype, num_seqs * num_kv_heads)
+    if IDS_IN_REGISTERS is not None:
+        ids_in_registers = IDS_IN_REGISTERS
     heads_first = HEADS_FIRST
     if config is not None:
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first
     direct = num_splits == 1
     ids_reg = 0
-    if IDS_IN_REGISTERS:  # the share's block table entries, rounded up to a power of 2
+    if ids_in_registers:  # the share's block table entries, rounded up to a power of 2
         share = triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
         ids_reg = triton.next_power_of_2(triton.cdiv(share, block_size) + 1)
         ids_reg = ids_reg if ids_reg <= IDS_REG_MAX else 0

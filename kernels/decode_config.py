@@ -65,9 +65,21 @@ def _tile_override() -> tuple[int, int, int] | None:
 _TILE_OVERRIDE = _tile_override()
 
 
-def _tile_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) from shapes only."""
+# Wide grids (num_seqs * num_kv_heads programs before splits; 16-bit, head_dim 128): 32-token tiles
+# on 3 stages with the block ids in registers (so the loop's loads run ahead), from WIDE_GRID on 4
+# warps, from WIDER_GRID on 2. Engine A/B, llama2-7b on an H200, two rounds (docs/benchmarks.md):
+# b64 6.44 -> 6.39 ms per step (4 warps; 2 warps 6.49), b128 9.32 -> 9.11 (2 warps; 4 warps 9.33);
+# at b1 and b8 (32 and 256 programs) the 64-token tile with per-tile ids stays (b8 4.34 vs 4.38).
+WIDE_GRID = 1024
+WIDER_GRID = 4096
+
+
+def _tile_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, num_warps, num_stages, block ids in registers) from shapes only;
+    ``num_programs``: num_seqs * num_kv_heads."""
     if _TILE_OVERRIDE is not None:
-        return _TILE_OVERRIDE
+        return (*_TILE_OVERRIDE, False)
+    if dtype in (torch.bfloat16, torch.float16) and head_dim == 128 and num_programs >= WIDE_GRID:
+        return 32, 2 if num_programs >= WIDER_GRID else 4, 3, True
     block_n = 32 if (dtype == torch.float32 and head_dim > 64) or head_dim > 128 else 64
-    return block_n, 4, 2
+    return block_n, 4, 2, False

@@ -27,6 +27,8 @@ VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost
     # merged with the one before (merge), both at f113132; half the decode attention programs'
     # tiles in reverse order (stagger, stagger_rev, at 9713b49)
     "rule": {},
+    # the rule before the wide-grid tiles (eleventh session): 64-token tiles, per-tile block ids
+    "old": {(da, "IDS_IN_REGISTERS"): False, (dc, "_TILE_OVERRIDE"): (64, 4, 2)},
     "no_prefetch": {(da, "PREFETCH"): False},
     "prefetch_b8": {(da, "PREFETCH_MAX_BATCH"): 8},
     "s3": {(dc, "_TILE_OVERRIDE"): (64, 4, 3)},  # the decode attention's stage count alone

@@ -53,5 +53,11 @@ case "$1" in
       | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
     timeout 400 python3 scripts/decode_ab.py --models llama2-7b --batches 1,8,64,128 --rounds 2 \
       --variants rule,ids32s3,ids32s3w2,ids32s4w2,ids32s3_f,ids32s3w2_f 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
-  *) echo "usage: $0 check|ab9|ab9b|ab11|ab11b" >&2; exit 2 ;;
+  ab11c)  # eleventh session, third call: the wide-grid rule against the old one on llama3-8b and llama3.2-1b
+          # (it applies from 1024 programs: 8B b128; 1B is head_dim 64, unchanged) and llama2-7b b64/b128 (~3 min)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_attention.py -m gpu \
+      2>&1 | tee "$OUT/gpu_tests.log" | grep -E "FAILED|passed|failed|Error" | tail -8
+    timeout 400 python3 scripts/decode_ab.py --models llama2-7b,llama3-8b --batches 64,128 --rounds 2 \
+      --variants rule,old 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step" ;;
+  *) echo "usage: $0 check|ab9|ab9b|ab11|ab11b|ab11c" >&2; exit 2 ;;
 esac

@@ -46,7 +46,7 @@ for ids, tile in ((False, None), (True, None), (True, (64, 4, 3)), (True, (32, 4
         q, k_cache, v_cache, tables, lens, out, dim**-0.5, None, DecodeWorkspace.allocate(seqs, heads, dim),
         config=tile and (*tile, 1)))
     report(f"decode attention ids {int(ids)} {tile or 'rule'}", k)
-da.IDS_IN_REGISTERS = False
+da.IDS_IN_REGISTERS = None
 for cap in (96, 80):
     da.MAX_REGISTERS = cap
     k = compiled(da._decode_partial_kernel, lambda: da._launch_decode_attention(

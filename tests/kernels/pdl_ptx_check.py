@@ -108,6 +108,13 @@ _KERNELS = [
                                   DIRECT_OUT=False, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
                                   NEW_TOKEN=True, PREFETCH=True),  # MHA (llama2-7b) at batch 1
      ("k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr")),
+    # wide grids: 32-token tiles, the block ids in registers (loaded from entry 0, or from the share's first block)
+    (_decode_partial_kernel, dict(GROUP=1, GROUP_PAD=16, BLOCK_N=32, HEAD_DIM=128, HAS_WINDOW=False,
+                                  DIRECT_OUT=True, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
+                                  IDS_REG=512), ()),
+    (_decode_partial_kernel, dict(GROUP=4, GROUP_PAD=16, BLOCK_N=32, HEAD_DIM=128, HAS_WINDOW=True,
+                                  DIRECT_OUT=False, DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True,
+                                  IDS_REG=64), ()),
     (_decode_reduce_kernel, dict(SPLITS_PAD=8, HEAD_DIM=128), ()),
 ] + [
     (_gemv_kernel, dict(BLOCK_N=n, BLOCK_K=k, EVEN_K=even, HAS_BIAS=bias, SILU_MUL=silu), ("w_ptr",))

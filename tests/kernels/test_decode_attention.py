@@ -96,6 +96,20 @@ def test_launch_settings_reach_the_kernels(monkeypatch):
         assert calls[-1][1]["PREFETCH"] is prefetch and calls[-1][1]["NEW_TOKEN"] is True
 
 
+def test_tile_rule_by_grid_width():
+    """Wide grids of 16-bit head_dim 128 (num_seqs * num_kv_heads programs) take 32-token tiles on
+    3 stages with the block ids in registers, 2 warps from WIDER_GRID; the rest the 64-token tile."""
+    rule = decode_config._tile_config
+    for dtype in (torch.bfloat16, torch.float16):
+        assert rule(128, dtype, 64 * 32) == (32, 4, 3, True)  # llama2-7b batch 64
+        assert rule(128, dtype, 128 * 32) == (32, 2, 3, True)  # llama2-7b batch 128
+        assert rule(128, dtype, 128 * 8) == (32, 4, 3, True)  # llama3-8b batch 128
+        assert rule(128, dtype, 64 * 8) == (64, 4, 2, False)  # llama3-8b batch 64
+        assert rule(128, dtype, 8 * 32) == (64, 4, 2, False)  # batch 8
+        assert rule(64, dtype, 256 * 8) == (64, 4, 2, False)  # head_dim 64: not measured
+    assert rule(128, torch.float32, 4096) == (32, 4, 2, False)
+
+
 def test_tile_override_is_checked(monkeypatch):
     monkeypatch.setenv("TANDEM_DECODE_TILE", "32,4,2")
     assert decode_config._tile_override() == (32, 4, 2)
