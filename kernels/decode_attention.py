@@ -277,7 +277,10 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     if ids_in_registers:  # the share's block table entries, rounded up to a power of 2
         share = triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
         ids_reg = triton.next_power_of_2(triton.cdiv(share, block_size) + 1)
-        ids_reg = ids_reg if ids_reg <= IDS_REG_MAX else 0
+        if ids_reg > IDS_REG_MAX:  # too many to hold: per-tile loads, on the tile made for them
+            ids_reg = 0
+            if config is None:
+                block_n, num_warps, num_stages, _ = _tile_config(head_dim, q.dtype)
     if direct:
         partial_out = partial_lse = out  # unused
         po_strides, pl_strides = (0, 0, 0), (0, 0)

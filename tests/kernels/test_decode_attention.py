@@ -145,26 +145,27 @@ def test_nan_in_the_cache_is_not_hidden(monkeypatch, num_splits):
 @pytest.mark.parametrize("ids_reg_max", [0, 8, 16, 512])
 def test_block_ids_in_registers_only_up_to_their_limit(monkeypatch, ids_reg_max):
     """The share's block ids go into registers when they fit IDS_REG_MAX (a power of 2 covering
-    the share plus one block); otherwise each tile loads its own. Same answer either way."""
+    the share plus one block); otherwise each tile loads its own, and a wide grid's tile falls
+    back to the one made for per-tile loads. Same answer either way."""
     calls = []
     kernel = decode_module._decode_partial_kernel
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                calls.append(kwargs["IDS_REG"])
+                calls.append((kwargs["IDS_REG"], kwargs["BLOCK_N"], kwargs["num_stages"]))
                 return kernel[grid](*args, **kwargs)
             return launch
 
     monkeypatch.setattr(decode_module, "_decode_partial_kernel", Spy())
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: 1)
-    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", True)
     monkeypatch.setattr(decode_module, "IDS_REG_MAX", ids_reg_max)
-    # 7 table entries (112 tokens) at 64-token tiles: a 128-token share, 8 + 1 entries -> 16
-    inputs = _inputs([65, 3, 90], 4, 1, 64, 16, torch.float32)
-    out = decode_attention(*inputs, 64**-0.5)
-    assert calls == [16 if ids_reg_max >= 16 else 0]
-    assert_close(out, _expected(*inputs, 64**-0.5, None), torch.float32, ATTN_SCALE[torch.float32])
+    monkeypatch.setattr(decode_config, "WIDE_GRID", 2)  # 3 sequences x 1 KV head: a "wide" grid here
+    # 7 table entries (112 tokens) at 32-token tiles: a 128-token share, 8 + 1 entries -> 16
+    inputs = _inputs([65, 3, 90], 4, 1, 128, 16, torch.bfloat16)
+    out = decode_attention(*inputs, 128**-0.5)
+    assert calls == [(16, 32, 3) if ids_reg_max >= 16 else (0, 64, 2)]
+    assert_close(out, _expected(*inputs, 128**-0.5, None), torch.bfloat16, ATTN_SCALE[torch.bfloat16])
 
 
 def test_num_splits_depends_on_shapes_only():
