@@ -152,6 +152,7 @@ class PrefillDone:
     finish_reason: str | None = None
     error: str | None = None
     prefill_worker_id: str = ""  # who sends it: a reply from an earlier dispatch is recognised and ignored
+    handoff_id: str = ""  # the PrefillJob's it answers: told apart even from the same worker's earlier job
     kind: ClassVar[str]
 
 

@@ -55,6 +55,8 @@ class PrefillHandoffs:
             return  # already failed by timeout; the blocks were freed then
         if msg.prefill_worker_id and msg.prefill_worker_id != request.prefill_worker_id:
             return  # from a worker the request was taken away from (re-dispatched): stale
+        if msg.handoff_id and msg.handoff_id != request.dispatch_id:
+            return  # from an earlier dispatch to the same worker (the request came back to it): stale
         ok = msg.status == "ok"
         self._end_handoff(request)
         request.receiver.on_done(ok, msg.error)
@@ -127,7 +129,7 @@ class PrefillHandoffs:
         request.receiver = KVReceiver(self.settings.transfer_timeout_s)
         self._end_handoff(request)  # a re-dispatch: the earlier worker's late chunks are refused
         self._handoff_seq += 1  # per worker: a reused request id never meets an old grant
-        request.handoff_id = f"{request.request_id}#{self._handoff_seq}"
+        request.handoff_id = request.dispatch_id = f"{request.request_id}#{self._handoff_seq}"
         request.dispatched_at = time.monotonic()
         self.transport.grant(request.handoff_id, request.block_ids)
         if not workers:

@@ -23,6 +23,7 @@ class DecodeRequest:
     prefill_pid: int | None = None  # its process, when it runs on this host (decode.quarantine)
     receiver: object | None = None  # kvtransfer.KVReceiver while PREFILLING
     handoff_id: str | None = None  # the current dispatch's grant on our pool while PREFILLING
+    dispatch_id: str | None = None  # the latest PrefillJob's handoff_id: only its PrefillDone answers it
     dispatched_at: float | None = None  # time.monotonic() of the current dispatch to a prefill worker
     abort_requested: bool = False
     finish_reason: str | None = None

@@ -264,7 +264,7 @@ class PrefillWorker:
     def _reply(self, state: PrefillState, status: str, error: str | None = None) -> None:
         job = state.job
         done = PrefillDone(job.request_id, status, state.first_token if status == "ok" else None,
-                           state.finish_reason, error, prefill_worker_id=self.worker_id)
+                           state.finish_reason, error, prefill_worker_id=self.worker_id, handoff_id=job.handoff_id)
         self.mailer.send(keys.inbox("decode", job.decode_worker_id), done)
 
 

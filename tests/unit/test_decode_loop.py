@@ -380,3 +380,38 @@ def test_a_prefill_pid_is_trusted_only_within_this_pid_namespace():
     assert dispatch(worker._pid_namespace) == 4242
     assert dispatch(worker._pid_namespace + 1) is None
     assert dispatch(0) is None
+
+
+def test_a_reply_to_an_earlier_dispatch_is_stale_even_from_the_same_worker():
+    """A request can come back to the worker it was first sent to (taken from it while its beats
+    lapsed, then from the next one): that worker's reply to the first, aborted job must not end
+    the second. Each PrefillDone names the job (handoff id) it answers."""
+    from kvtransfer import KVReceiver
+    from prefill.worker import PrefillWorker
+
+    worker = _worker()
+    worker.settings = types.SimpleNamespace(transfer_timeout_s=300.0, enable_prefix_caching=False)
+    worker.transport = types.SimpleNamespace(revoke_stops_writes=False, grant=lambda *a: None, revoke=lambda *a: None)
+    worker.kv_endpoint, worker.worker_id, worker._round_robin, worker._pid_namespace = {}, "d0", 0, "ns"
+    p0 = types.SimpleNamespace(worker_id="p0", started_at=1.0, host="elsewhere", pid_namespace="", pid=1,
+                               inbox="tandem:inbox:prefill:p0", num_waiting=0, num_running=0)
+    worker._taking_prefill_workers = worker._prefill_workers = [p0]
+    request = _prefilling(worker, "r1", None)
+    worker._send_prefill_job(request)  # the first job ...
+    worker._send_prefill_job(request)  # ... and, after two re-dispatches, the same worker's second
+    first, second = [m for _stream, m in worker.redis.sent]
+    assert first.handoff_id != second.handoff_id and request.prefill_worker_id == "p0"
+
+    sender = object.__new__(PrefillWorker)  # the prefill side echoes each job's handoff id
+    sender.worker_id, replies = "p0", []
+    sender.mailer = types.SimpleNamespace(send=lambda stream, msg: replies.append(msg))
+    for job, status in ((first, "aborted"), (second, "ok")):
+        sender._reply(types.SimpleNamespace(job=job, first_token=5, finish_reason=None), status)
+    stale, answer = replies
+    assert stale.handoff_id == first.handoff_id and answer.handoff_id == second.handoff_id
+
+    worker._on_prefill_done(stale)
+    assert "r1" in worker.scheduler.prefilling  # still waiting for the second job
+    request.receiver = KVReceiver(timeout_s=300.0)
+    worker._on_prefill_done(answer)
+    assert "r1" not in worker.scheduler.prefilling and request.output_token_ids == [5]
