@@ -17,7 +17,7 @@ from cluster.settings import Settings
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.cancellation import GenerationStreamResponse, until_disconnected
 from gateway.errors import install_error_handlers
-from gateway.generation import Generation
+from gateway.choices import Choices
 from gateway.metrics import CONTENT_TYPE, StatusMiddleware
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.responses import ResponseFormat, sse_events
@@ -54,14 +54,14 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         inp = await service.prepare_completion(body)
-        generation = await service.start(inp, prefix="cmpl", client_gone=request.is_disconnected)
-        return await _respond(request, body, generation, chat=False)
+        choices = await service.start(inp, prefix="cmpl", client_gone=request.is_disconnected)
+        return await _respond(request, body, choices, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         inp = await service.prepare_chat(body)
-        generation = await service.start(inp, prefix="chatcmpl", client_gone=request.is_disconnected)
-        return await _respond(request, body, generation, chat=True)
+        choices = await service.start(inp, prefix="chatcmpl", client_gone=request.is_disconnected)
+        return await _respond(request, body, choices, chat=True)
 
     @app.get("/v1/models")
     async def models():
@@ -76,18 +76,17 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     async def metrics():
         return Response(await service.metrics_text(), media_type=CONTENT_TYPE)
 
-    async def _respond(request: Request, body: SamplingFields, generation: Generation, chat: bool):
-        fmt = ResponseFormat(generation.request_id, generation.created, settings.model_name, chat,
-                             bool(body.return_token_ids), generation.input.prompt_token_ids)
+    async def _respond(request: Request, body: SamplingFields, choices: Choices, chat: bool):
+        fmt = ResponseFormat(choices.request_id, choices.created, settings.model_name, chat,
+                             bool(body.return_token_ids), choices.generations[0].input.prompt_token_ids)
         if body.stream:
-            events = sse_events(fmt, generation.deltas(), lambda: generation.usage, body.include_usage,
-                                body.continuous_usage)
-            return GenerationStreamResponse(events, generation)
+            events = sse_events(fmt, choices.deltas(), lambda: choices.usage, body.include_usage,
+                                body.continuous_usage, choices.n)
+            return GenerationStreamResponse(events, choices)
         try:
-            text, token_ids = await until_disconnected(request, generation.collect())
+            results = await until_disconnected(request, choices.collect())
         finally:
-            generation.close()
-        return JSONResponse(fmt.completion(text, token_ids, generation.finish_reason, generation.usage),
-                            headers={"X-Request-Id": generation.request_id})
+            choices.close()
+        return JSONResponse(fmt.completion(results, choices.usage), headers={"X-Request-Id": choices.request_id})
 
     return app

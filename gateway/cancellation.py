@@ -26,7 +26,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import ClientDisconnected
-from gateway.generation import Generation
+from gateway.choices import Choices
 
 T = TypeVar("T")
 
@@ -51,9 +51,9 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 class GenerationStreamResponse(StreamingResponse):
-    """SSE response that closes ``generation`` whatever happens to the stream."""
+    """SSE response that closes ``generation`` (a request's Choices) whatever happens to the stream."""
 
-    def __init__(self, content, generation: Generation):
+    def __init__(self, content, generation: Choices):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Request-Id": generation.request_id})
         self._generation = generation

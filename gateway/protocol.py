@@ -3,7 +3,7 @@
 Only the shape and per-field ranges are checked here; what needs the tokenizer
 or the length limits (prompt length, vocabulary, max_tokens against
 max_seq_len) is checked in ``gateway.validation``. Unknown fields are ignored
-like OpenAI does; fields we cannot honour (n > 1, echo, logprobs, tools and
+like OpenAI does; fields we cannot honour (best_of > 1, echo, logprobs, tools and
 function calls, a JSON response format, tool calls in the messages) are
 accepted only at their neutral value, so a request that relies on them gets
 a 400 instead of an answer that silently ignored them. As in OpenAI and vLLM,
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack carries to the workers
+MAX_CHOICES = 64  # n: each choice is a sequence of its own on a decode worker
 
 
 class _Strict(BaseModel):
@@ -101,8 +102,8 @@ class SamplingFields(_Strict):
     @field_validator("n")
     @classmethod
     def _n(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only n=1 is supported, got {value}")
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"must be between 1 and {MAX_CHOICES}, got {value}")
         return value
 
     @field_validator("best_of")

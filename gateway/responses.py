@@ -60,38 +60,41 @@ class ResponseFormat:
     def _envelope(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def completion(self, text: str, token_ids: list[int], finish_reason: str | None, usage: Usage) -> dict:
-        if self.chat:
-            body = self._envelope("chat.completion")
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
-        else:
-            body = self._envelope("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        self._add_token_ids(body, choice, token_ids, with_prompt=True)
-        body["choices"] = [choice]
+    def completion(self, choices: list[tuple[str, list[int], str | None]], usage: Usage) -> dict:
+        """``choices``: (text, token ids, finish_reason) per choice, in index order."""
+        body = self._envelope("chat.completion" if self.chat else "text_completion")
+        body["choices"] = []
+        for index, (text, token_ids, finish_reason) in enumerate(choices):
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text},
+                          "logprobs": None, "finish_reason": finish_reason}
+            else:
+                choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            self._add_token_ids(body, choice, token_ids, with_prompt=True)
+            body["choices"].append(choice)
         body["usage"] = usage.to_dict()
         return body
 
-    def chunk(self, delta: Delta, first: bool) -> dict:
-        """One streamed delta; ``first`` adds prompt_token_ids (completions only: chat has role_chunk)."""
+    def chunk(self, delta: Delta, first: bool, index: int = 0) -> dict:
+        """One streamed delta of choice ``index``; ``first`` (that choice's first) adds
+        prompt_token_ids (completions only: chat has role_chunk)."""
         if self.chat:
             body = self._envelope("chat.completion.chunk")
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}
+            choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}
         else:
             body = self._envelope("text_completion")
-            choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+            choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
         self._add_token_ids(body, choice, delta.token_ids, with_prompt=first)
         body["choices"] = [choice]
         return body
 
-    def role_chunk(self) -> dict:
-        """Chat streams open with the assistant role and no content."""
+    def role_chunk(self, index: int = 0) -> dict:
+        """Chat streams open with the assistant role and no content, one chunk per choice."""
         body = self._envelope("chat.completion.chunk")
-        body["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""},
+        body["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}]
-        if self.return_token_ids:
+        if self.return_token_ids and index == 0:
             body["prompt_token_ids"] = self.prompt_token_ids
         return body
 
@@ -111,22 +114,24 @@ class ResponseFormat:
             (body if self.chat else choice)["prompt_token_ids"] = self.prompt_token_ids
 
 
-async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[Delta], usage, include_usage: bool,
-                     continuous_usage: bool = False):
-    """The event stream of one generation. ``usage()`` is read after the last delta (and, with
-    ``continuous_usage``, for every chunk: the usage so far, as vLLM's continuous_usage_stats)."""
-    first = True
+async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[tuple[int, Delta]], usage, include_usage: bool,
+                     continuous_usage: bool = False, num_choices: int = 1):
+    """The event stream of one request: ``deltas`` yields (choice index, delta). ``usage()`` is
+    read after the last delta (and, with ``continuous_usage``, for every chunk: the usage so far,
+    as vLLM's continuous_usage_stats)."""
+    started: set[int] = set()  # choices that sent a chunk
     try:
         if fmt.chat:
-            yield sse(fmt.role_chunk())
-        async for delta in deltas:
+            for index in range(num_choices):
+                yield sse(fmt.role_chunk(index))
+        async for index, delta in deltas:
             if not delta.text and delta.finish_reason is None and not fmt.return_token_ids:
                 continue  # held-back text (partial character, possible stop string): nothing to send yet
-            chunk = fmt.chunk(delta, first=first and not fmt.chat)
+            chunk = fmt.chunk(delta, first=index not in started and not fmt.chat, index=index)
             if continuous_usage:
                 chunk["usage"] = usage().to_dict()
             yield sse(chunk)
-            first = False
+            started.add(index)
         if include_usage:
             yield sse(fmt.usage_chunk(usage()))
     except Exception as exc:  # after the 200 went out, an error can only travel in the stream

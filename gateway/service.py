@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from cluster.messages import GenerateRequest, WorkerInfo
 from cluster.settings import Settings
 from gateway.admission import AdmissionQueue
+from gateway.choices import Choices
 from gateway.errors import ClientDisconnected
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
@@ -35,7 +36,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.router import ROLES, Router
 from gateway.streams import POLL_S
 from gateway.tokenizer import load_tokenizer
-from gateway.validation import GenerationInput, Validator
+from gateway.validation import GenerationInput, Validator, choice_input
 
 log = structlog.get_logger(__name__)
 
@@ -83,13 +84,27 @@ class GatewayService:
         return await self._off_loop(self.validator.chat, body)
 
     async def start(self, inp: GenerationInput, prefix: str = "cmpl",
-                    client_gone: Callable[[], Awaitable[bool]] | None = None) -> Generation:
-        """Admit to a decode worker and submit; raises NoWorkerAvailable, ServerBusy (429) or
-        RedisError before any work starts, or ClientDisconnected where ``client_gone`` (asked
-        while queued and once more before submitting) says the client left."""
+                    client_gone: Callable[[], Awaitable[bool]] | None = None) -> Choices:
+        """Admit each of the request's ``inp.n`` choices to a decode worker and submit it; raises
+        NoWorkerAvailable, ServerBusy (429) or RedisError, or ClientDisconnected where
+        ``client_gone`` (asked while queued and once more before submitting) says the client
+        left. Choices already started when one cannot start are aborted."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         arrived_at = time.monotonic()
+        generations: list[Generation] = []
+        try:
+            for index in range(inp.n):
+                wire_id = request_id if inp.n == 1 else f"{request_id}-{index}"
+                generations.append(await self._start_one(choice_input(inp, index), wire_id, arrived_at, client_gone))
+        except BaseException:
+            for generation in generations:
+                generation.close()
+            raise
+        return Choices(request_id, generations)
+
+    async def _start_one(self, inp: GenerationInput, request_id: str, arrived_at: float,
+                         client_gone: Callable[[], Awaitable[bool]] | None) -> Generation:
         worker = await self.admission.admit(request_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority,
                                             client_gone=client_gone)
         if client_gone is not None and await client_gone():  # left while its room was being reserved
@@ -104,7 +119,7 @@ class GatewayService:
         self.metrics.running.inc()
         self.metrics.prompt_tokens.inc(len(inp.prompt_token_ids))
         log.info("request submitted", worker_id=worker.worker_id, num_prompt_tokens=len(inp.prompt_token_ids),
-                 max_tokens=inp.max_tokens)
+                 max_tokens=inp.max_tokens, choice=request_id)
         return generation
 
     async def submit(self, worker: WorkerInfo, wire_id: str, inp: GenerationInput,

@@ -8,12 +8,12 @@ and ``prompt + max_tokens <= max_seq_len``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.sampling import SamplingParams
 from cluster.settings import Settings
 from gateway.errors import InvalidRequest, ModelNotFound
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.tokenizer import vocab_size
 
 
@@ -30,6 +30,18 @@ class GenerationInput:
     priority: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    n: int = 1  # choices: each its own generation (gateway.choices)
+
+
+def choice_input(inp: GenerationInput, index: int) -> GenerationInput:
+    """Choice ``index`` of a request: a seeded one samples with seed + index (wrapped to int64),
+    so its choices differ and each can be reproduced; the rest is the request's."""
+    if index == 0 or inp.sampling.seed is None:
+        return inp
+    seed = inp.sampling.seed + index
+    if seed > INT64_MAX:
+        seed -= 2**64
+    return replace(inp, sampling=replace(inp.sampling, seed=seed))
 
 
 class Validator:
@@ -109,6 +121,7 @@ class Validator:
             priority=body.priority,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            n=body.n or 1,
         )
 
     def _check_model(self, model: str | None) -> None:

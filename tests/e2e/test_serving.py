@@ -126,6 +126,24 @@ def test_seeded_sampling_is_reproducible(cluster):
     first = client.completions.create(**kwargs).choices[0].text
     second = client.completions.create(**kwargs).choices[0].text
     assert first == second
+    # n choices: choice i samples as a single request seeded seed + i would
+    choices = client.completions.create(n=3, **kwargs).choices
+    assert [c.index for c in choices] == [0, 1, 2] and choices[0].text == first
+    for i in (1, 2):
+        alone = client.completions.create(**{**kwargs, "seed": 1234 + i}).choices[0].text
+        assert choices[i].text == alone
+    assert len({c.text for c in choices}) > 1
+
+
+def test_n_greedy_choices_each_match_hf_generate(cluster, hf_greedy, tiny_llama):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused")
+    completion = client.completions.create(model=cluster.settings.model_name, prompt=PROMPTS[3], n=2,
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    expected = tokenizer.decode(hf_greedy(tokenizer(PROMPTS[3]).input_ids, MAX_TOKENS), skip_special_tokens=True)
+    assert [c.text for c in completion.choices] == [expected, expected]
+    assert completion.usage.prompt_tokens == len(tokenizer(PROMPTS[3]).input_ids)
+    cluster.wait_blocks_free("decode", "decode-0")
 
 
 BAD_REQUESTS = [

@@ -9,15 +9,17 @@ from gateway.errors import WorkerLost
 from gateway.responses import DONE, Delta, ResponseFormat, Usage, sse, sse_events
 
 
-def collect(fmt, deltas, usage=Usage(3, 2), include_usage=False, fail=None):
+def collect(fmt, deltas, usage=Usage(3, 2), include_usage=False, fail=None, num_choices=1):
+    """``deltas``: Delta (choice 0) or (choice index, Delta)."""
     async def gen():
         for d in deltas:
-            yield d
+            yield d if isinstance(d, tuple) else (0, d)
         if fail is not None:
             raise fail
 
     async def run():
-        return [chunk async for chunk in sse_events(fmt, gen(), lambda: usage, include_usage)]
+        return [chunk async for chunk in sse_events(fmt, gen(), lambda: usage, include_usage,
+                                                    num_choices=num_choices)]
 
     return asyncio.run(run())
 
@@ -74,20 +76,39 @@ def test_token_ids_extension():
     chunks = payloads(collect(fmt, [Delta("", [1]), Delta("x", [2], "stop")]))
     assert chunks[0]["choices"][0]["token_ids"] == [1] and chunks[0]["choices"][0]["prompt_token_ids"] == [4, 5]
     assert chunks[1]["choices"][0]["token_ids"] == [2] and "prompt_token_ids" not in chunks[1]["choices"][0]
-    body = fmt.completion("x", [1, 2], "stop", Usage(2, 2, cached_tokens=1))
+    body = fmt.completion([("x", [1, 2], "stop")], Usage(2, 2, cached_tokens=1))
     assert body["choices"][0]["token_ids"] == [1, 2] and body["choices"][0]["prompt_token_ids"] == [4, 5]
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
 
 
 def test_non_streaming_bodies():
     usage = Usage(4, 1)
-    text = ResponseFormat("cmpl-1", 5, "tiny", chat=False).completion("hi", [3], "stop", usage)
+    text = ResponseFormat("cmpl-1", 5, "tiny", chat=False).completion([("hi", [3], "stop")], usage)
     assert text == {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "tiny",
                     "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
     chat = ResponseFormat("chatcmpl-1", 5, "tiny", chat=True, return_token_ids=True,
-                          prompt_token_ids=[9]).completion("hi", [3], "length", usage)
+                          prompt_token_ids=[9]).completion([("hi", [3], "length")], usage)
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert chat["prompt_token_ids"] == [9] and chat["choices"][0]["token_ids"] == [3]
     assert "prompt_tokens_details" not in chat["usage"]
+
+
+def test_choices_stream_by_index():
+    """n > 1: every chat choice opens with its role chunk; chunks carry their choice's index, and
+    each completions choice's first chunk has the prompt token ids."""
+    chat = payloads(collect(ResponseFormat("chatcmpl-1", 5, "tiny", chat=True),
+                            [(1, Delta("b", [8])), (0, Delta("a", [7], "stop")), (1, Delta("", [2], "length"))],
+                            num_choices=2))
+    assert [c["choices"][0]["index"] for c in chat[:-1]] == [0, 1, 1, 0, 1]
+    assert [c["choices"][0]["delta"] for c in chat[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert chat[2]["choices"][0]["delta"] == {"content": "b"} and chat[3]["choices"][0]["delta"] == {"content": "a"}
+    fmt = ResponseFormat("cmpl-1", 5, "tiny", chat=False, return_token_ids=True, prompt_token_ids=[4])
+    text = payloads(collect(fmt, [(1, Delta("b", [8])), (0, Delta("a", [7])), (1, Delta("c", [9], "length")),
+                                  (0, Delta("", [2], "stop"))], num_choices=2))
+    assert [("prompt_token_ids" in c["choices"][0], c["choices"][0]["index"]) for c in text[:-1]] == \
+        [(True, 1), (True, 0), (False, 1), (False, 0)]
+    body = fmt.completion([("a", [7, 2], "stop"), ("bc", [8, 9], "length")], Usage(1, 4))
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
+        [(0, "a", "stop"), (1, "bc", "length")]
