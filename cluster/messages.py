@@ -170,6 +170,8 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    # with SamplingParams.logprobs: one engine.logprobs entry per token of token_ids
+    logprobs: list | None = None
     kind: ClassVar[str]
 
 

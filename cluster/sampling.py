@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (as vLLM's default max_logprobs)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -11,6 +13,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's log-probability and the k most likely
 
     @property
     def greedy(self) -> bool:

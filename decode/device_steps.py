@@ -17,6 +17,7 @@ import torch
 from cluster.step_stats import StepStats
 from decode.request import DecodeRequest
 from engine.attention import SeqChunk
+from engine import logprobs
 from engine.block_allocator import BlockAllocator
 from engine.sampler import sample_async
 from engine.step_tokens import StepTokens, TokenFeed
@@ -64,7 +65,10 @@ class DeviceSteps:
             if previous is not None and any(src >= 0 for src in feed_rows):
                 feed = TokenFeed(previous.tokens.device_tokens, feed_rows)
             logits = self.runner.forward(chunks, feed)
-            tokens = StepTokens(sample_async(logits, [r.spec.sampling for r in batch], indices))
+            params = [r.spec.sampling for r in batch]
+            sampled = sample_async(logits, params, indices)
+            extra = logprobs.compute(logits, sampled, params) if logprobs.wanted(params) else None
+            tokens = StepTokens(sampled, extra)
         except Exception as exc:
             return exc
         self._step_seq += 1
@@ -84,6 +88,11 @@ class DeviceSteps:
         self.stats.record(len(step.batch), now - step.launched_at, now - self._read_at)
         self._read_at = now
         return token_ids
+
+    def logprob_entries(self, step: DeviceStep) -> list[list | None] | None:
+        """After ``read``: one engine.logprobs entry per row of ``step`` (None: no row asked)."""
+        host = step.tokens.extra()
+        return None if host is None else logprobs.entries(host, [r.spec.sampling for r in step.batch])
 
     def idle(self) -> None:
         self._read_at = time.perf_counter()  # an idle turn is not a step's time

@@ -261,8 +261,10 @@ class DecodeWorker(PrefillHandoffs):
         except Exception as exc:
             self._engine_failed(exc)
             return []
+        entries = self.steps.logprob_entries(step)
         events = self.scheduler.on_step(step.batch, token_ids, step.indices)
-        self.outbox.keep(self._token_events(events))
+        by_request = None if entries is None else {id(r): e for r, e in zip(step.batch, entries)}
+        self.outbox.keep(self._token_events(events, logprobs=by_request))
         return events
 
     def _engine_failed(self, exc: Exception) -> None:
@@ -277,11 +279,15 @@ class DecodeWorker(PrefillHandoffs):
         self.outbox.send(self._token_events(events, error))
 
     @staticmethod
-    def _token_events(events: list[tuple[DecodeRequest, int, str | None]], error: str | None = None) -> list:
+    def _token_events(events: list[tuple[DecodeRequest, int, str | None]], error: str | None = None,
+                      logprobs: dict[int, list | None] | None = None) -> list:
+        """``logprobs``: id(request) -> its step's engine.logprobs entry (the event's one new token)."""
         queued = []
         for request, index, reason in events:
             new_tokens = request.output_token_ids[index:] if reason != "error" else []
-            event = TokenEvent(request.request_id, index, new_tokens, reason, error if reason == "error" else None)
+            entry = logprobs.get(id(request)) if logprobs and new_tokens else None
+            event = TokenEvent(request.request_id, index, new_tokens, reason, error if reason == "error" else None,
+                               logprobs=None if entry is None else [entry])
             queued.append((request.spec.reply_to, event))
         return queued
 

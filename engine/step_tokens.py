@@ -40,21 +40,32 @@ def gather_fed(input_ids: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor)
 
 
 class StepTokens:
-    """One step's sampled tokens on their way to the host."""
+    """One step's sampled tokens on their way to the host, with ``extra`` tensors of the step
+    (its logprobs, when a row asked for them) copied alongside."""
 
-    def __init__(self, tokens: torch.Tensor):
+    def __init__(self, tokens: torch.Tensor, extra: tuple[torch.Tensor, ...] | None = None):
         self.device_tokens = tokens  # [B] int64: what a ``TokenFeed`` of the next step reads
         self._ready = None
+        self._host = _to_host(tokens)
+        self._extra = None if extra is None else tuple(_to_host(t) for t in extra)
         if tokens.is_cuda:  # copied to pinned memory behind the step
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(tokens.device))
-        else:
-            self._host = tokens
 
     def wait(self) -> list[int]:
         """-> the tokens as Python ints (waits for this step only, not for steps launched after it)."""
         if self._ready is not None:
             self._ready.synchronize()
         return self._host.tolist()
+
+    def extra(self) -> tuple[torch.Tensor, ...] | None:
+        """The ``extra`` tensors on the host (after ``wait``)."""
+        return self._extra
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

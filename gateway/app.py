@@ -78,7 +78,8 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
 
     async def _respond(request: Request, body: SamplingFields, choices: Choices, chat: bool):
         fmt = ResponseFormat(choices.request_id, choices.created, settings.model_name, chat,
-                             bool(body.return_token_ids), choices.generations[0].input.prompt_token_ids)
+                             bool(body.return_token_ids), choices.generations[0].input.prompt_token_ids,
+                             service.token_text)
         if body.stream:
             events = sse_events(fmt, choices.deltas(), lambda: choices.usage, body.include_usage,
                                 body.continuous_usage, choices.n)

@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from gateway.generation import Generation
-from gateway.responses import Delta, Usage
+from gateway.responses import ChoiceResult, Delta, Usage
 
 _END = object()  # a choice's pump is done
 
@@ -71,15 +71,17 @@ class Choices:
                 task.cancel()
             self.close()
 
-    async def collect(self) -> list[tuple[str, list[int], str | None]]:
-        """Run every choice to its end: (text, output token ids, finish_reason) per choice."""
+    async def collect(self) -> list[ChoiceResult]:
+        """Run every choice to its end."""
         tasks = [asyncio.ensure_future(g.collect()) for g in self.generations]
         try:
             results = await asyncio.gather(*tasks)
         finally:
             for task in tasks:
                 task.cancel()  # one failed (or the client left): the others stop too
-        return [(text, token_ids, g.finish_reason) for (text, token_ids), g in zip(results, self.generations)]
+        return [ChoiceResult(text, token_ids, g.finish_reason,
+                             g.output_logprobs if g.input.sampling.logprobs is not None else None)
+                for (text, token_ids), g in zip(results, self.generations)]
 
     def close(self) -> None:
         for generation in self.generations:

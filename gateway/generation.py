@@ -78,6 +78,7 @@ class Generation:
         self.arrival_time = time.time()  # wall clock, as the workers order their queues by it
         self.status = Status.SUBMITTED
         self.output_token_ids: list[int] = []
+        self.output_logprobs: list = []  # one entry per output token, when the request asked for logprobs
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
         self._started_at = time.monotonic() if arrived_at is None else arrived_at
@@ -139,7 +140,7 @@ class Generation:
                 if assembler.finish_reason == "error":
                     self._worker_done = True
                     raise WorkerFailed(f"the request failed on a worker: {assembler.error or 'unknown error'}")
-                delta = self._advance(new_token_ids, assembler.finish_reason)
+                delta = self._advance(new_token_ids, assembler.finish_reason, assembler.new_logprobs)
                 if delta is not None:
                     yield delta
                 if self.finish_reason is not None:
@@ -182,11 +183,16 @@ class Generation:
         self._first_token_at = time.monotonic()
         self.service.metrics.ttft.observe(self._first_token_at - self._started_at)
 
-    def _advance(self, new_token_ids: list[int], worker_finish: str | None) -> Delta | None:
+    def _advance(self, new_token_ids: list[int], worker_finish: str | None,
+                 new_logprobs: list | None = None) -> Delta | None:
         """New tokens -> the text that may be sent now; sets ``finish_reason`` at the end."""
         if not new_token_ids and worker_finish is None:
             return None
         self.output_token_ids.extend(new_token_ids)
+        logprobs = None
+        if self.input.sampling.logprobs is not None:
+            logprobs = list(new_logprobs or [None] * len(new_token_ids))
+            self.output_logprobs.extend(logprobs)
         # "stop" from a worker means the last token is EOS or a stop token: its text is not output
         text_token_ids = new_token_ids[:-1] if worker_finish == "stop" else new_token_ids
         text = self._stop.feed(self._detokenizer.add(text_token_ids))
@@ -201,7 +207,7 @@ class Generation:
             text += "" if self._stop.stopped else self._stop.flush()
             if self._stop.stopped:  # the released tail held a stop string
                 self.finish_reason = "stop"
-        return Delta(text, new_token_ids, self.finish_reason)
+        return Delta(text, new_token_ids, self.finish_reason, logprobs)
 
     def _let_go(self) -> None:
         """Stop counting on the current worker: release its reservation, send it an abort

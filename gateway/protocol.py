@@ -3,7 +3,7 @@
 Only the shape and per-field ranges are checked here; what needs the tokenizer
 or the length limits (prompt length, vocabulary, max_tokens against
 max_seq_len) is checked in ``gateway.validation``. Unknown fields are ignored
-like OpenAI does; fields we cannot honour (best_of > 1, echo, logprobs, tools and
+like OpenAI does; fields we cannot honour (best_of > 1, echo, tools and
 function calls, a JSON response format, tool calls in the messages) are
 accepted only at their neutral value, so a request that relies on them gets
 a 400 instead of an answer that silently ignored them. As in OpenAI and vLLM,
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from cluster.sampling import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack carries to the workers
@@ -172,9 +174,14 @@ class CompletionRequest(SamplingFields):
     @field_validator("logprobs")
     @classmethod
     def _logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("logprobs is not supported")
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"must be between 0 and {MAX_LOGPROBS}, got {value}")
         return value
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """How many top logprobs per token (0: the sampled token's only); None: no logprobs."""
+        return self.logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -230,19 +237,19 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"must be at least 1, got {value}")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs is not supported")
-        return value
-
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError("top_logprobs is not supported")
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"must be between 0 and {MAX_LOGPROBS}, got {value}")
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
         return value
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """How many top logprobs per token (0: the sampled token's only); None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None

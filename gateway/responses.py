@@ -10,7 +10,7 @@ after the stream started becomes ``data: {"error": ...}`` before ``[DONE]``.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from gateway.errors import error_payload
@@ -27,6 +27,17 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list | None = None  # one engine.logprobs entry per token id, when the request asked
+
+
+@dataclass
+class ChoiceResult:
+    """A finished choice of a non-streamed response."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list | None = None  # one engine.logprobs entry per token id, when the request asked
 
 
 @dataclass
@@ -56,38 +67,70 @@ class ResponseFormat:
     chat: bool
     return_token_ids: bool = False
     prompt_token_ids: list[int] | None = None
+    token_text: Callable[[int], str] | None = None  # a token id's text, for logprobs
 
     def _envelope(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def completion(self, choices: list[tuple[str, list[int], str | None]], usage: Usage) -> dict:
-        """``choices``: (text, token ids, finish_reason) per choice, in index order."""
+    def completion(self, choices: list[ChoiceResult], usage: Usage) -> dict:
         body = self._envelope("chat.completion" if self.chat else "text_completion")
         body["choices"] = []
-        for index, (text, token_ids, finish_reason) in enumerate(choices):
+        for index, result in enumerate(choices):
+            logprobs = self.logprobs(result.token_ids, result.logprobs, 0)
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text},
-                          "logprobs": None, "finish_reason": finish_reason}
+                choice = {"index": index, "message": {"role": "assistant", "content": result.text},
+                          "logprobs": logprobs, "finish_reason": result.finish_reason}
             else:
-                choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            self._add_token_ids(body, choice, token_ids, with_prompt=True)
+                choice = {"index": index, "text": result.text, "logprobs": logprobs,
+                          "finish_reason": result.finish_reason}
+            self._add_token_ids(body, choice, result.token_ids, with_prompt=True)
             body["choices"].append(choice)
         body["usage"] = usage.to_dict()
         return body
 
-    def chunk(self, delta: Delta, first: bool, index: int = 0) -> dict:
+    def chunk(self, delta: Delta, first: bool, index: int = 0, text_offset: int = 0) -> dict:
         """One streamed delta of choice ``index``; ``first`` (that choice's first) adds
-        prompt_token_ids (completions only: chat has role_chunk)."""
+        prompt_token_ids (completions only: chat has role_chunk); ``text_offset``: where the
+        delta's tokens start in the choice's text (completions' logprobs)."""
+        logprobs = self.logprobs(delta.token_ids, delta.logprobs, text_offset)
         if self.chat:
             body = self._envelope("chat.completion.chunk")
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-            choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": delta.finish_reason}
+            choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         else:
             body = self._envelope("text_completion")
-            choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+            choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         self._add_token_ids(body, choice, delta.token_ids, with_prompt=first)
         body["choices"] = [choice]
         return body
+
+    def logprobs(self, token_ids: list[int], entries: list | None, text_offset: int) -> dict | None:
+        """OpenAI's logprobs object of some tokens (None when the request did not ask): for chat
+        ``{"content": [{token, logprob, bytes, top_logprobs}]}``; for completions ``{tokens,
+        token_logprobs, top_logprobs (the top k and the sampled token), text_offset}``."""
+        if entries is None:
+            return None
+        texts = [self.token_text(t) for t in token_ids]
+        if self.chat:
+            def item(text: str, logprob: float | None) -> dict:
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {"content": [
+                {**item(text, entry and entry[0]),
+                 "top_logprobs": [item(self.token_text(i), lp) for i, lp in (entry[1] if entry else [])]}
+                for text, entry in zip(texts, entries)]}
+        offsets, top = [], []
+        for text, entry in zip(texts, entries):
+            offsets.append(text_offset)
+            text_offset += len(text)
+            if entry is None:
+                top.append(None)
+                continue
+            best = {self.token_text(i): lp for i, lp in entry[1]}
+            best.setdefault(text, entry[0])
+            top.append(best)
+        return {"tokens": texts, "token_logprobs": [e and e[0] for e in entries], "top_logprobs": top,
+                "text_offset": offsets}
 
     def role_chunk(self, index: int = 0) -> dict:
         """Chat streams open with the assistant role and no content, one chunk per choice."""
@@ -120,14 +163,18 @@ async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[tuple[int, Delta
     read after the last delta (and, with ``continuous_usage``, for every chunk: the usage so far,
     as vLLM's continuous_usage_stats)."""
     started: set[int] = set()  # choices that sent a chunk
+    offsets: dict[int, int] = {}  # per choice: where its next token's text starts (completions' logprobs)
     try:
         if fmt.chat:
             for index in range(num_choices):
                 yield sse(fmt.role_chunk(index))
         async for index, delta in deltas:
-            if not delta.text and delta.finish_reason is None and not fmt.return_token_ids:
+            if not delta.text and delta.finish_reason is None and not fmt.return_token_ids and not delta.logprobs:
                 continue  # held-back text (partial character, possible stop string): nothing to send yet
-            chunk = fmt.chunk(delta, first=index not in started and not fmt.chat, index=index)
+            offset = offsets.get(index, 0)
+            if delta.logprobs:
+                offsets[index] = offset + sum(len(fmt.token_text(t)) for t in delta.token_ids)
+            chunk = fmt.chunk(delta, first=index not in started and not fmt.chat, index=index, text_offset=offset)
             if continuous_usage:
                 chunk["usage"] = usage().to_dict()
             yield sse(chunk)

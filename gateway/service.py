@@ -12,6 +12,7 @@ collect the returned ``Generation``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -75,6 +76,10 @@ class GatewayService:
         # one thread: tokenizers are not safe to share across threads, and the loop must not block
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._background: set[asyncio.Task] = set()
+        # a token id's own text, for logprobs (decoded alone, special tokens included; on the loop,
+        # as the detokenizer runs)
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     # ---- requests -------------------------------------------------------------------
     async def prepare_completion(self, body: CompletionRequest) -> GenerationInput:

@@ -60,10 +60,13 @@ class TokenAssembler:
     num_tokens: int = 0  # output tokens released so far
     finish_reason: str | None = None
     error: str | None = None
+    new_logprobs: list = field(default_factory=list)  # the logprobs entries of add's last tokens (None: none)
     _pending: dict[int, TokenEvent] = field(default_factory=dict)
 
     def add(self, event: TokenEvent) -> list[int]:
-        """Tokens that became contiguous with this event; sets ``finish_reason`` when the end arrives."""
+        """Tokens that became contiguous with this event; sets ``finish_reason`` when the end arrives.
+        Their logprobs entries (one per token, None where the event had none) are in ``new_logprobs``."""
+        self.new_logprobs = []
         if self.finish_reason is not None:
             return []
         self._pending[event.index] = _merge(self._pending.get(event.index), event)
@@ -76,6 +79,8 @@ class TokenAssembler:
                 item = self._pending.pop(index)
                 fresh = item.token_ids[self.num_tokens - index :]
                 new_token_ids.extend(fresh)
+                entries = item.logprobs or [None] * len(item.token_ids)
+                self.new_logprobs.extend(entries[self.num_tokens - index :])
                 self.num_tokens += len(fresh)
                 if item.finish_reason is not None:  # the last event (it may repeat known tokens)
                     self.finish_reason, self.error = item.finish_reason, item.error

@@ -110,6 +110,7 @@ class Validator:
             top_p=1.0 if body.top_p is None else float(body.top_p),
             top_k=top_k,
             seed=body.seed,
+            logprobs=getattr(body, "requested_logprobs", None),
         )
         return GenerationInput(
             prompt_token_ids=prompt_token_ids,

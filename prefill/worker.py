@@ -31,7 +31,8 @@ from engine.block_allocator import BlockAllocator
 from engine.warmup import warm_up_prefill
 from engine.placement import build_runner, device_identity, resolve_transport
 from engine.prefix_cache import PrefixCache
-from engine.sampler import sample
+from engine import logprobs
+from engine.sampler import sample_async
 from kvtransfer import KVPoll, KVSender, get_transport
 from kvtransfer.base import TransferError
 from prefill.job import PrefillState
@@ -225,9 +226,14 @@ class PrefillWorker:
                 rows.append(row)
         if not completed:
             return
-        token_ids = sample(logits[rows], [s.job.sampling for s in completed], [0] * len(completed))
+        params = [s.job.sampling for s in completed]
+        first_logits = logits[rows]
+        sampled = sample_async(first_logits, params, [0] * len(completed))
+        token_ids = sampled.tolist()
+        entries = (logprobs.entries(tuple(t.cpu() for t in logprobs.compute(first_logits, sampled, params)), params)
+                   if logprobs.wanted(params) else [None] * len(completed))
         queued = []
-        for state, token_id in zip(completed, token_ids):
+        for state, token_id, entry in zip(completed, token_ids, entries):
             job = state.job
             state.first_token = token_id
             state.finish_reason = finish_reason(
@@ -236,7 +242,8 @@ class PrefillWorker:
                 stop_token_ids=job.stop_token_ids, eos_token_ids=self.eos_token_ids, ignore_eos=job.ignore_eos,
             )
             queued.append((job.reply_to, TokenEvent(job.request_id, 0, [token_id], state.finish_reason,
-                                                    num_cached_tokens=state.num_cached_tokens)))
+                                                    num_cached_tokens=state.num_cached_tokens,
+                                                    logprobs=None if entry is None else [entry])))
             state.sender.finish()
         self.outbox.send(queued)
 

@@ -34,3 +34,21 @@ def hf_greedy(tiny_llama):
         return out[0, len(prompt_ids):].tolist()
 
     return generate
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_logprobs(tiny_llama):
+    """HF generate() on the same weights -> (tokens, log-softmax of each step's raw logits [n, V])."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+    def generate(prompt_ids: list[int], max_new_tokens: int):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                 output_logits=True, return_dict_in_generate=True)
+        logits = torch.cat(out.logits)  # [new tokens, V]
+        return out.sequences[0, len(prompt_ids):].tolist(), torch.log_softmax(logits.float(), dim=-1)
+
+    return generate

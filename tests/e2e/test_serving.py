@@ -146,6 +146,36 @@ def test_n_greedy_choices_each_match_hf_generate(cluster, hf_greedy, tiny_llama)
     cluster.wait_blocks_free("decode", "decode-0")
 
 
+def test_logprobs_are_hf_log_softmax_of_each_step(cluster, hf_greedy_logprobs, tiny_llama):
+    """Greedy, through prefill (token 0) and decode (the rest): each token's logprob and the top 3
+    are HF's log-softmax of that step's raw logits."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt_ids = tokenizer(PROMPTS[4]).input_ids
+    expected_ids, expected = hf_greedy_logprobs(prompt_ids, 8)
+    body = httpx.post(f"{cluster.base_url}/v1/completions", timeout=120, json={
+        "prompt": prompt_ids, "max_tokens": 8, "temperature": 0, "logprobs": 3, "return_token_ids": True}).json()
+    choice = body["choices"][0]
+    assert choice["token_ids"] == expected_ids
+    logprobs = choice["logprobs"]
+    for step, token_id in enumerate(expected_ids):
+        assert abs(logprobs["token_logprobs"][step] - expected[step, token_id].item()) < 1e-4
+        values, ids = expected[step].topk(3)
+        top = logprobs["top_logprobs"][step]
+        for token_id_k, value in zip(ids.tolist(), values.tolist()):
+            assert abs(top[tokenizer.decode([token_id_k])] - value) < 1e-4
+    streamed = []
+    with httpx.stream("POST", f"{cluster.base_url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "logprobs": True,
+            "ignore_eos": True,
+            "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                if chunk["choices"] and chunk["choices"][0]["logprobs"]:
+                    streamed += chunk["choices"][0]["logprobs"]["content"]
+    assert len(streamed) == 6 and all(item["logprob"] <= 0.0 and item["top_logprobs"] == [] for item in streamed)
+
+
 BAD_REQUESTS = [
     ({"model": "tiny", "prompt": "x" * 5000, "max_tokens": 4}, "prompt"),  # longer than max_input_len
     ({"prompt": "hello", "max_tokens": 10_000}, "max_tokens"),  # cannot fit max_seq_len

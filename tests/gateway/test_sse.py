@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from gateway.errors import WorkerLost
-from gateway.responses import DONE, Delta, ResponseFormat, Usage, sse, sse_events
+from gateway.responses import DONE, ChoiceResult, Delta, ResponseFormat, Usage, sse, sse_events
 
 
 def collect(fmt, deltas, usage=Usage(3, 2), include_usage=False, fail=None, num_choices=1):
@@ -76,19 +76,19 @@ def test_token_ids_extension():
     chunks = payloads(collect(fmt, [Delta("", [1]), Delta("x", [2], "stop")]))
     assert chunks[0]["choices"][0]["token_ids"] == [1] and chunks[0]["choices"][0]["prompt_token_ids"] == [4, 5]
     assert chunks[1]["choices"][0]["token_ids"] == [2] and "prompt_token_ids" not in chunks[1]["choices"][0]
-    body = fmt.completion([("x", [1, 2], "stop")], Usage(2, 2, cached_tokens=1))
+    body = fmt.completion([ChoiceResult("x", [1, 2], "stop")], Usage(2, 2, cached_tokens=1))
     assert body["choices"][0]["token_ids"] == [1, 2] and body["choices"][0]["prompt_token_ids"] == [4, 5]
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
 
 
 def test_non_streaming_bodies():
     usage = Usage(4, 1)
-    text = ResponseFormat("cmpl-1", 5, "tiny", chat=False).completion([("hi", [3], "stop")], usage)
+    text = ResponseFormat("cmpl-1", 5, "tiny", chat=False).completion([ChoiceResult("hi", [3], "stop")], usage)
     assert text == {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "tiny",
                     "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
     chat = ResponseFormat("chatcmpl-1", 5, "tiny", chat=True, return_token_ids=True,
-                          prompt_token_ids=[9]).completion([("hi", [3], "length")], usage)
+                          prompt_token_ids=[9]).completion([ChoiceResult("hi", [3], "length")], usage)
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert chat["prompt_token_ids"] == [9] and chat["choices"][0]["token_ids"] == [3]
@@ -109,6 +109,30 @@ def test_choices_stream_by_index():
                                   (0, Delta("", [2], "stop"))], num_choices=2))
     assert [("prompt_token_ids" in c["choices"][0], c["choices"][0]["index"]) for c in text[:-1]] == \
         [(True, 1), (True, 0), (False, 1), (False, 0)]
-    body = fmt.completion([("a", [7, 2], "stop"), ("bc", [8, 9], "length")], Usage(1, 4))
+    body = fmt.completion([ChoiceResult("a", [7, 2], "stop"), ChoiceResult("bc", [8, 9], "length")], Usage(1, 4))
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
         [(0, "a", "stop"), (1, "bc", "length")]
+
+
+def test_logprobs_objects_of_both_endpoints():
+    """Completions: tokens, token_logprobs, top_logprobs (the top k and the sampled token) and
+    text offsets that continue across chunks; chat: content items with bytes and top_logprobs."""
+    texts = {1: "He", 2: "llo", 3: "!", 9: "x"}
+    entries = [[-0.5, [[1, -0.5], [9, -1.5]]], [-2.0, [[9, -0.1], [3, -1.0]]]]  # token 2 is not in its top 2
+    fmt = ResponseFormat("cmpl-1", 5, "tiny", chat=False, token_text=texts.__getitem__)
+    chunks = payloads(collect(fmt, [Delta("He", [1], logprobs=entries[:1]), Delta("", [2], logprobs=entries[1:]),
+                                    Delta("llo", [], "length", logprobs=[])]))
+    first, second = chunks[0]["choices"][0]["logprobs"], chunks[1]["choices"][0]["logprobs"]
+    assert first == {"tokens": ["He"], "token_logprobs": [-0.5], "top_logprobs": [{"He": -0.5, "x": -1.5}],
+                     "text_offset": [0]}
+    assert second == {"tokens": ["llo"], "token_logprobs": [-2.0],
+                      "top_logprobs": [{"x": -0.1, "!": -1.0, "llo": -2.0}], "text_offset": [2]}
+    assert chunks[1]["choices"][0]["text"] == ""  # text held back, its token's logprobs still sent
+    chat = ResponseFormat("chatcmpl-1", 5, "tiny", chat=True, token_text=texts.__getitem__)
+    body = chat.completion([ChoiceResult("Hello", [1, 2], "stop", entries)], Usage(1, 2))
+    (item0, item1) = body["choices"][0]["logprobs"]["content"]
+    assert item0 == {"token": "He", "logprob": -0.5, "bytes": [72, 101],
+                     "top_logprobs": [{"token": "He", "logprob": -0.5, "bytes": [72, 101]},
+                                      {"token": "x", "logprob": -1.5, "bytes": [120]}]}
+    assert item1["token"] == "llo" and [t["token"] for t in item1["top_logprobs"]] == ["x", "!"]
+    assert chat.completion([ChoiceResult("Hello", [1, 2], "stop")], Usage(1, 2))["choices"][0]["logprobs"] is None
