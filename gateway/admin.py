@@ -147,9 +147,11 @@ class AdminServicer(pb_grpc.AdminServicer):
         request_id = request.request_id
         if not request_id:
             raise AdminError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        # the workers hold it under its id, or "<id>.<n>" after n failovers (gateway.generation)
-        wire = re.compile(re.escape(request_id) + r"(\.\d+)?")
+        # the workers hold it under its id, or each of its n choices under "<id>-<i>" (gateway.choices),
+        # either with ".<n>" after n failovers (gateway.generation)
+        wire = re.compile(re.escape(request_id) + r"(-\d+)?(\.\d+)?")
         pattern = _glob_escape(request_id) + "*"
+        cancelled = []  # (worker id, wire id)
         for worker in await live_workers(self._client, "decode"):
             async for field, _tokens in self._client.hscan_iter(keys.admitted(worker.worker_id), match=pattern):
                 wire_id = field.decode() if isinstance(field, bytes) else field
@@ -158,8 +160,10 @@ class AdminServicer(pb_grpc.AdminServicer):
                                             {FIELD: encode(AbortRequest(wire_id, CANCEL_REASON))})
                     log.info("request cancelled through the admin API", request_id=wire_id,
                              worker_id=worker.worker_id)
-                    return pb.CancelRequestResponse(worker_id=worker.worker_id)
-        raise AdminError(grpc.StatusCode.NOT_FOUND, f"no decode worker holds request {request_id!r}")
+                    cancelled.append((worker.worker_id, wire_id))
+        if not cancelled:
+            raise AdminError(grpc.StatusCode.NOT_FOUND, f"no decode worker holds request {request_id!r}")
+        return pb.CancelRequestResponse(worker_id=cancelled[0][0], request_ids=sorted(w for _, w in cancelled))
 
     async def _policies(self):
         live = await self._client.hgetall(keys.policy())

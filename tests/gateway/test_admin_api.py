@@ -212,3 +212,23 @@ def test_redis_unavailable_is_a_clear_status(admin, rclient, redis_server):
     finally:
         redis_lib.Redis.from_url(redis_server, password="locked").config_set("requirepass", "")
     assert status == grpc.StatusCode.UNAVAILABLE
+
+
+def test_cancel_of_a_request_with_n_choices_ends_every_choice(admin, fake_worker, text_ids):
+    worker = fake_worker(token_script(text_ids[:40], delay_s=0.1))
+    server, stub = admin(request_timeout_s=3.0)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        response=post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 40, "n": 3})))
+    thread.start()
+    assert wait_for(lambda: len(worker.requests) == 3)
+    choice_ids = sorted(r.request_id for r in worker.requests)
+    base = choice_ids[0].rsplit("-", 1)[0]
+    one = stub.CancelRequest(pb.CancelRequestRequest(request_id=choice_ids[1]))  # one choice alone
+    assert list(one.request_ids) == [choice_ids[1]]
+    assert wait_for(lambda: [a.request_id for a in worker.aborts] == [choice_ids[1]])  # its room given back
+    response = stub.CancelRequest(pb.CancelRequestRequest(request_id=base))  # the request: every choice left
+    assert list(response.request_ids) == [choice_ids[0], choice_ids[2]] and response.worker_id == worker.worker_id
+    assert wait_for(lambda: sorted(a.request_id for a in worker.aborts) == choice_ids)
+    thread.join(timeout=30)
+    assert not thread.is_alive()
