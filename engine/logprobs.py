@@ -17,6 +17,8 @@ import torch
 
 from cluster.sampling import MAX_LOGPROBS, SamplingParams
 
+FLOOR = -9999.0
+
 
 def wanted(params: list[SamplingParams]) -> bool:
     return any(p.logprobs is not None for p in params)
@@ -41,5 +43,10 @@ def entries(host: tuple[torch.Tensor, ...], params: list[SamplingParams]) -> lis
             out.append(None)
             continue
         k = min(p.logprobs, len(top_ids[row]))
-        out.append([sampled[row], [[top_ids[row][j], top_values[row][j]] for j in range(k)]])
+        out.append([_finite(sampled[row]), [[top_ids[row][j], _finite(top_values[row][j])] for j in range(k)]])
     return out
+
+
+def _finite(logprob: float) -> float:
+    """-inf (a masked logit) as -9999.0, as vLLM: JSON has no infinities."""
+    return max(logprob, FLOOR)

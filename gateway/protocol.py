@@ -110,9 +110,11 @@ class SamplingFields(_Strict):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of(cls, value: int | None) -> int | None:
+    def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value not in (None, 1):
             raise ValueError(f"only best_of=1 is supported, got {value}")
+        if value is not None and value < (info.data.get("n") or 1):
+            raise ValueError(f"best_of must not be less than n ({info.data.get('n')}), got {value}")
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")

@@ -163,6 +163,7 @@ async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[tuple[int, Delta
     read after the last delta (and, with ``continuous_usage``, for every chunk: the usage so far,
     as vLLM's continuous_usage_stats)."""
     started: set[int] = set()  # choices that sent a chunk
+    finished: set[int] = set()  # choices whose last chunk went out
     offsets: dict[int, int] = {}  # per choice: where its next token's text starts (completions' logprobs)
     try:
         if fmt.chat:
@@ -179,9 +180,13 @@ async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[tuple[int, Delta
                 chunk["usage"] = usage().to_dict()
             yield sse(chunk)
             started.add(index)
+            if delta.finish_reason is not None:
+                finished.add(index)
         if include_usage:
             yield sse(fmt.usage_chunk(usage()))
     except Exception as exc:  # after the 200 went out, an error can only travel in the stream
-        yield sse(fmt.chunk(Delta("", [], "error"), first=False))
+        for index in range(num_choices):  # every choice not yet ended ends here
+            if index not in finished:
+                yield sse(fmt.chunk(Delta("", [], "error"), first=False, index=index))
         yield sse(error_payload(exc)[1])
     yield DONE

@@ -84,6 +84,8 @@ class PrefillWorker:
         )
         self._connections: dict[tuple, object] = {}  # (decode worker id, its endpoint) -> Connection
         self._pool_of: dict[str, tuple] = {}  # decode worker id -> the key of its pool's connection
+        # a request sent back to this worker (re-dispatched) while its first job still drains: request id -> job
+        self._deferred: dict[str, PrefillJob] = {}
         self._started_at = time.time()
         self._device_identity = device_identity(self.runner.device)
         self.stats = StepStats(self.role)
@@ -104,6 +106,7 @@ class PrefillWorker:
             self.stats.record(sum(n for _, n in chunks), time.perf_counter() - forward_started,
                               time.perf_counter() - started)
         self._poll_transfers()
+        self._accept_deferred()
         if self.prefix_index is not None:
             self.prefix_index.sync()
         self.stats.maybe_log(jobs=len(self.scheduler.jobs), transferring=len(self.scheduler.transferring),
@@ -140,7 +143,13 @@ class PrefillWorker:
                 log.error("unexpected message", kind=msg.kind)
 
     def _accept(self, job: PrefillJob) -> None:
-        if job.request_id in self.scheduler.jobs:
+        current = self.scheduler.jobs.get(job.request_id)
+        if current is not None:
+            if job.handoff_id and job.handoff_id != current.job.handoff_id:
+                # the request came back here (its first job was taken away while this worker's beats
+                # lapsed) and that job still drains its writes: this one is taken once it is gone
+                self._deferred[job.request_id] = job
+                return
             log.error("duplicate prefill job ignored", request_id=job.request_id)
             return
         state = PrefillState(job=job)
@@ -174,7 +183,14 @@ class PrefillWorker:
             self._connections[key] = self.transport.connect(endpoint)
         return self._connections[key]
 
+    def _accept_deferred(self) -> None:
+        for request_id in [r for r in self._deferred if r not in self.scheduler.jobs]:
+            self._accept(self._deferred.pop(request_id))
+
     def _abort(self, request_id: str) -> None:
+        deferred = self._deferred.pop(request_id, None)
+        if deferred is not None:  # the later job (the first one's abort came before it)
+            self._reply(PrefillState(job=deferred), "aborted")
         state = self.scheduler.jobs.get(request_id)
         if state is None or state.status is RequestStatus.TRANSFERRING:
             return  # unknown (already reported) or draining: PrefillDone follows anyway

@@ -136,3 +136,12 @@ def test_logprobs_objects_of_both_endpoints():
                                       {"token": "x", "logprob": -1.5, "bytes": [120]}]}
     assert item1["token"] == "llo" and [t["token"] for t in item1["top_logprobs"]] == ["x", "!"]
     assert chat.completion([ChoiceResult("Hello", [1, 2], "stop")], Usage(1, 2))["choices"][0]["logprobs"] is None
+
+
+def test_an_error_ends_every_choice_not_yet_ended():
+    fmt = ResponseFormat("cmpl-1", 5, "tiny", chat=False)
+    chunks = payloads(collect(fmt, [(1, Delta("a", [1], "length")), (0, Delta("b", [2]))], num_choices=3,
+                              fail=WorkerLost("worker gone")))
+    errors = [c["choices"][0]["index"] for c in chunks if isinstance(c, dict) and c.get("choices")
+              and c["choices"][0]["finish_reason"] == "error"]
+    assert errors == [0, 2] and chunks[-2]["error"]["code"] == "worker_lost"

@@ -62,6 +62,7 @@ COMPLETION_CASES = {
     "top_k below -1": ({"prompt": "hi", "top_k": -2}, "top_k"),
     "n < 1": ({"prompt": "hi", "n": 0}, "n"),
     "n above the limit": ({"prompt": "hi", "n": 65}, "n"),
+    "best_of below n": ({"prompt": "hi", "n": 3, "best_of": 1}, "best_of"),
     "best_of > 1": ({"prompt": "hi", "best_of": 3}, "best_of"),
     "echo": ({"prompt": "hi", "echo": True}, "echo"),
     "logprobs above the limit": ({"prompt": "hi", "logprobs": 21}, "logprobs"),

@@ -415,3 +415,40 @@ def test_a_reply_to_an_earlier_dispatch_is_stale_even_from_the_same_worker():
     request.receiver = KVReceiver(timeout_s=300.0)
     worker._on_prefill_done(answer)
     assert "r1" not in worker.scheduler.prefilling and request.output_token_ids == [5]
+
+
+def test_a_job_sent_back_to_a_prefill_worker_still_draining_its_first_waits_for_it():
+    """The re-dispatched job reaches the worker while the first, aborted one still drains its
+    writes (same request id): it is taken once the first is gone, not dropped as a duplicate
+    (its decode side would wait out the transfer timeout); an abort then ends it at once."""
+    from prefill.worker import PrefillWorker
+    from cluster.request_state import RequestStatus as PrefillStatus
+
+    first = types.SimpleNamespace(request_id="r1", handoff_id="r1#1", decode_worker_id="d0")
+    second = types.SimpleNamespace(request_id="r1", handoff_id="r1#2", decode_worker_id="d0")
+
+    def prefill_worker():
+        worker = object.__new__(PrefillWorker)
+        worker.worker_id, worker._deferred = "p0", {}
+        draining = types.SimpleNamespace(job=first, status=PrefillStatus.TRANSFERRING)
+        worker.scheduler = types.SimpleNamespace(jobs={"r1": draining})
+        worker.replies = []
+        worker.mailer = types.SimpleNamespace(send=lambda stream, msg: worker.replies.append(msg))
+        return worker
+
+    worker = prefill_worker()
+    worker._accept(second)
+    worker._accept(first)  # a true duplicate (the same job) is still ignored
+    assert worker._deferred == {"r1": second}
+    worker._accept_deferred()
+    assert worker._deferred == {"r1": second}  # the first still drains
+    del worker.scheduler.jobs["r1"]
+    accepted = []
+    worker._accept = accepted.append
+    worker._accept_deferred()
+    assert accepted == [second] and worker._deferred == {}
+
+    worker = prefill_worker()
+    worker._accept(second)
+    worker._abort("r1")  # the client's abort of the later job: answered at once, under its handoff id
+    assert [(m.status, m.handoff_id) for m in worker.replies] == [("aborted", "r1#2")] and worker._deferred == {}

@@ -27,11 +27,12 @@ def test_entries_are_the_log_softmax_of_the_logits_per_row():
     assert entries[2][1] == [] and abs(entries[2][0] - reference[2, 17].item()) < 1e-5
 
 
-def test_top_logprobs_are_capped_by_the_vocabulary():
-    logits = torch.randn(1, 4)
+def test_top_logprobs_are_capped_by_the_vocabulary_and_never_infinite():
+    logits = torch.tensor([[0.0, 1.0, float("-inf"), 2.0]])
     params = [SamplingParams(logprobs=20)]
-    (entry,) = logprobs.entries(logprobs.compute(logits, torch.tensor([1]), params), params)
+    (entry,) = logprobs.entries(logprobs.compute(logits, torch.tensor([2]), params), params)
     assert len(entry[1]) == 4
+    assert entry[0] == logprobs.FLOOR and entry[1][-1] == [2, logprobs.FLOOR]  # JSON has no -inf
 
 
 def test_step_tokens_carry_extra_tensors_to_the_host():
