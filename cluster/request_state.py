@@ -36,13 +36,24 @@ def finish_reason(
     stop_token_ids: list[int] | tuple[int, ...],
     eos_token_ids: list[int] | tuple[int, ...],
     ignore_eos: bool,
+    min_tokens: int = 0,
 ) -> str | None:
     """Why a request ends after emitting ``token_id``, or None if it goes on.
 
-    ``num_output_tokens`` and ``num_total_tokens`` already count ``token_id``.
+    ``num_output_tokens`` and ``num_total_tokens`` already count ``token_id``. Within the first
+    ``min_tokens`` tokens no stop or EOS token ends it (the sampler does not pick them there).
     """
-    if token_id in stop_token_ids or (not ignore_eos and token_id in eos_token_ids):
+    stops = num_output_tokens > min_tokens
+    if stops and (token_id in stop_token_ids or (not ignore_eos and token_id in eos_token_ids)):
         return "stop"
     if num_output_tokens >= max_tokens or num_total_tokens >= max_seq_len:
         return "length"
     return None
+
+
+def banned_token_ids(sampling, output_index: int, stop_token_ids, eos_token_ids, ignore_eos: bool) -> list[int]:
+    """The tokens the sampler must not pick for output token ``output_index`` (0-based):
+    while fewer than ``sampling.min_tokens`` are out, the stop tokens and (unless ignored) EOS."""
+    if output_index >= sampling.min_tokens:
+        return []
+    return list(stop_token_ids) + ([] if ignore_eos else list(eos_token_ids))

@@ -14,6 +14,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's log-probability and the k most likely
+    min_tokens: int = 0  # no EOS or stop token (nor stop string) ends the output before this many tokens
 
     @property
     def greedy(self) -> bool:

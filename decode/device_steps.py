@@ -14,6 +14,7 @@ from typing import NamedTuple
 import structlog
 import torch
 
+from cluster.request_state import banned_token_ids
 from cluster.step_stats import StepStats
 from decode.request import DecodeRequest
 from engine.attention import SeqChunk
@@ -36,8 +37,9 @@ class DeviceStep(NamedTuple):
 
 
 class DeviceSteps:
-    def __init__(self, runner, allocator: BlockAllocator, stats: StepStats):
+    def __init__(self, runner, allocator: BlockAllocator, stats: StepStats, eos_token_ids=()):
         self.runner, self.allocator, self.stats = runner, allocator, stats
+        self.eos_token_ids = list(eos_token_ids)  # banned with the stop tokens before min_tokens
         self.in_flight: DeviceStep | None = None  # the newest step launched and not read
         self._step_seq = 0
         self._read_at = time.perf_counter()
@@ -66,7 +68,11 @@ class DeviceSteps:
                 feed = TokenFeed(previous.tokens.device_tokens, feed_rows)
             logits = self.runner.forward(chunks, feed)
             params = [r.spec.sampling for r in batch]
-            sampled = sample_async(logits, params, indices)
+            banned = None
+            if any(p.min_tokens > i for p, i in zip(params, indices)):
+                banned = [banned_token_ids(r.spec.sampling, i, r.spec.stop_token_ids, self.eos_token_ids,
+                                           r.spec.ignore_eos) for r, i in zip(batch, indices)]
+            sampled = sample_async(logits, params, indices, banned)
             extra = logprobs.compute(logits, sampled, params) if logprobs.wanted(params) else None
             tokens = StepTokens(sampled, extra)
         except Exception as exc:

@@ -284,6 +284,7 @@ class DecodeScheduler:
             stop_token_ids=spec.stop_token_ids,
             eos_token_ids=self.eos_token_ids,
             ignore_eos=spec.ignore_eos,
+            min_tokens=spec.sampling.min_tokens,
         )
 
     def _slide_window(self, request: DecodeRequest) -> None:

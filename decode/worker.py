@@ -103,7 +103,7 @@ class DecodeWorker(PrefillHandoffs):
         self._early_aborts: dict[str, float] = {}  # request id -> when an abort came before the request
         self._init_handoffs(settings)
         self.stats = StepStats(self.role)
-        self.steps = DeviceSteps(self.runner, self.allocator, self.stats)
+        self.steps = DeviceSteps(self.runner, self.allocator, self.stats, self.runner.config.eos_token_ids)
         self.run_ahead = run_ahead(settings.decode_run_ahead, self.runner.device, self.scheduler)
 
     # ---- the loop -------------------------------------------------------------------

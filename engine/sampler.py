@@ -20,20 +20,25 @@ _SEED_STRIDE = 1_000_003
 _MIN_TEMPERATURE = 1e-5
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int],
+           banned: list[list[int]] | None = None) -> list[int]:
     """logits [B, V] fp32; params and step_indices one per row -> B token ids.
 
     step_indices[b] is the index of the token being generated for row b's
-    request (0 for the first token).
+    request (0 for the first token); ``banned`` as in ``sample_async``.
     """
-    return sample_async(logits, params, step_indices).tolist()
+    return sample_async(logits, params, step_indices, banned).tolist()
 
 
-def sample_async(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:
-    """As ``sample``, but -> [B] int64 on the logits' device, without waiting for it."""
+def sample_async(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int],
+                 banned: list[list[int]] | None = None) -> torch.Tensor:
+    """As ``sample``, but -> [B] int64 on the logits' device, without waiting for it.
+    ``banned``: per row, token ids it must not pick (min_tokens: its stop and EOS tokens)."""
     num_rows = logits.shape[0]
     if len(params) != num_rows or len(step_indices) != num_rows:
         raise ValueError(f"{num_rows} logits rows but {len(params)} params and {len(step_indices)} step indices")
+    if banned is not None and any(banned):
+        logits = _ban(logits, banned)
     tokens = logits.argmax(dim=-1)  # [B]; greedy rows keep this
     random_rows = [b for b, p in enumerate(params) if p.temperature != 0]
     if random_rows:
@@ -43,6 +48,15 @@ def sample_async(logits: torch.Tensor, params: list[SamplingParams], step_indice
         )
         tokens = tokens.index_copy(0, rows, chosen)
     return tokens
+
+
+def _ban(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    """A copy of ``logits`` with each row's banned ids at -inf."""
+    rows = [r for r, ids in enumerate(banned) for _ in ids]
+    cols = [t for ids in banned for t in ids]
+    logits = logits.clone()
+    logits[_to_device(torch.tensor(rows), logits.device), _to_device(torch.tensor(cols), logits.device)] = float("-inf")
+    return logits
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:

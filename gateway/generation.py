@@ -195,7 +195,8 @@ class Generation:
             self.output_logprobs.extend(logprobs)
         # "stop" from a worker means the last token is EOS or a stop token: its text is not output
         text_token_ids = new_token_ids[:-1] if worker_finish == "stop" else new_token_ids
-        text = self._stop.feed(self._detokenizer.add(text_token_ids))
+        text = self._stop.feed(self._detokenizer.add(text_token_ids),
+                               match=len(self.output_token_ids) >= self.input.sampling.min_tokens)
         if self._stop.stopped:
             self.finish_reason = "stop"
             self._abort_reason = "stop string"

@@ -127,8 +127,8 @@ class SamplingFields(_Strict):
     @field_validator("min_tokens")
     @classmethod
     def _min_tokens(cls, value: int) -> int:
-        if value != 0:
-            raise ValueError("min_tokens is not supported: only 0 is accepted")
+        if not 0 <= value <= INT64_MAX:
+            raise ValueError(f"must be 0 or more, got {value}")
         return value
 
     @field_validator("logit_bias")

@@ -20,13 +20,15 @@ class StopChecker:
         self._num_sent = 0
         self.stopped = False
 
-    def feed(self, new_text: str) -> str:
-        """Add output text; return what may be sent now. Sets ``stopped`` on a match."""
+    def feed(self, new_text: str, match: bool = True) -> str:
+        """Add output text; return what may be sent now. Sets ``stopped`` on a match. With
+        ``match`` False (min_tokens not reached) the text cannot stop the output; a stop string
+        that ends in text fed later still can, even if it starts here (as vLLM checks)."""
         if self.stopped or not new_text:
             return ""
         search_from = max(len(self._text) - self._hold, 0)
         self._text += new_text
-        match = self._first_match(search_from)
+        match = self._first_match(search_from) if match else None
         if match is not None:
             start, stop = match
             end = start + len(stop) if self._include else start

@@ -102,6 +102,9 @@ class Validator:
                 f"sequence length {max_seq_len}",
                 param=name, code="context_length_exceeded",
             )
+        if body.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens ({body.min_tokens}) is more than {name} ({max_tokens})",
+                                 param="min_tokens")
         stop_token_ids = list(body.stop_token_ids or [])
         self._check_vocab(stop_token_ids, "stop_token_ids")
         top_k = body.top_k if body.top_k and body.top_k > 0 else 0
@@ -111,6 +114,7 @@ class Validator:
             top_k=top_k,
             seed=body.seed,
             logprobs=getattr(body, "requested_logprobs", None),
+            min_tokens=body.min_tokens,
         )
         return GenerationInput(
             prompt_token_ids=prompt_token_ids,

@@ -23,7 +23,7 @@ from cluster.worker_loop import run_steps, worker_info
 from cluster.policy import LivePolicies
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import Heartbeat
-from cluster.request_state import RequestStatus, finish_reason
+from cluster.request_state import RequestStatus, banned_token_ids, finish_reason
 from cluster.settings import Settings
 from cluster.step_stats import StepStats
 from engine.attention import SeqChunk
@@ -244,7 +244,9 @@ class PrefillWorker:
             return
         params = [s.job.sampling for s in completed]
         first_logits = logits[rows]
-        sampled = sample_async(first_logits, params, [0] * len(completed))
+        banned = [banned_token_ids(s.job.sampling, 0, s.job.stop_token_ids, self.eos_token_ids, s.job.ignore_eos)
+                  for s in completed]
+        sampled = sample_async(first_logits, params, [0] * len(completed), banned)
         token_ids = sampled.tolist()
         entries = (logprobs.entries(tuple(t.cpu() for t in logprobs.compute(first_logits, sampled, params)), params)
                    if logprobs.wanted(params) else [None] * len(completed))
@@ -256,6 +258,7 @@ class PrefillWorker:
                 token_id, 1, state.num_prompt_tokens + 1,
                 max_tokens=job.max_tokens, max_seq_len=self.settings.max_seq_len,
                 stop_token_ids=job.stop_token_ids, eos_token_ids=self.eos_token_ids, ignore_eos=job.ignore_eos,
+                min_tokens=job.sampling.min_tokens,
             )
             queued.append((job.reply_to, TokenEvent(job.request_id, 0, [token_id], state.finish_reason,
                                                     num_cached_tokens=state.num_cached_tokens,

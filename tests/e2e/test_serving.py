@@ -176,6 +176,43 @@ def test_logprobs_are_hf_log_softmax_of_each_step(cluster, hf_greedy_logprobs, t
     assert len(streamed) == 6 and all(item["logprob"] <= 0.0 and item["top_logprobs"] == [] for item in streamed)
 
 
+def test_min_tokens_matches_hf_min_new_tokens(cluster, hf_greedy, tiny_llama):
+    """Stop tokens that would be picked at token 0 (the prefill worker's) and at a later token
+    below min_tokens (the decode worker's) wait for min_tokens, as HF's min_new_tokens holds off
+    its eos ids; the tokens equal HF's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt_ids = tokenizer(PROMPTS[5]).input_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+
+    def hf(stop):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=12, min_new_tokens=4, do_sample=False,
+                                 eos_token_id=stop + eos, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+        return out[0, len(prompt_ids):].tolist()
+
+    def unbanned_pick(prefix):
+        with torch.inference_mode():
+            return int(model(torch.tensor([prompt_ids + prefix])).logits[0, -1].argmax())
+
+    stop = [hf_greedy(prompt_ids, 1)[0]]  # token 0's own pick
+    for _ in range(8):  # add what would come at token 1 until some token 1-3 would pick a stop token
+        expected = hf(stop)
+        picks = [unbanned_pick(expected[:k]) for k in (1, 2, 3)]
+        if any(p in stop for p in picks):
+            break
+        stop.append(picks[0])
+    assert any(p in stop for p in picks), "no decode step of this prompt would pick a stop token"
+    body = httpx.post(f"{cluster.base_url}/v1/completions", timeout=120, json={
+        "prompt": prompt_ids, "max_tokens": 12, "min_tokens": 4, "stop_token_ids": stop, "temperature": 0,
+        "return_token_ids": True}).json()
+    assert body["choices"][0]["token_ids"] == expected and expected[0] != stop[0] and len(expected) >= 4
+
+
 BAD_REQUESTS = [
     ({"model": "tiny", "prompt": "x" * 5000, "max_tokens": 4}, "prompt"),  # longer than max_input_len
     ({"prompt": "hello", "max_tokens": 10_000}, "max_tokens"),  # cannot fit max_seq_len

@@ -110,3 +110,25 @@ def test_tied_logits_at_the_top_k_cut_are_kept_as_hf_does(temperature, top_k, to
     assert torch.all((got - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-3), (freq, want)
     if top_p == 1.0:  # no top-p cut: the tied tokens are equally likely, as in HF
         assert (freq[1:4] - freq[1:4].mean()).abs().max() < 0.02 and freq[1:4].min() > 0.05
+
+
+def test_banned_tokens_are_never_picked_greedy_or_sampled():
+    """min_tokens: a row's banned ids (its stop and EOS tokens) are out of the running; other rows
+    and the caller's logits are untouched."""
+    from cluster.request_state import banned_token_ids, finish_reason
+
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]])
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    assert sample(logits, params, [0, 0], banned=[[1], []]) == [2, 1]
+    assert torch.equal(logits, before)
+    sampled = sample(logits.repeat(50, 1), [SamplingParams(temperature=5.0, seed=s) for s in range(100)],
+                     [0] * 100, banned=[[1, 2]] * 100)
+    assert set(sampled) <= {0, 3}
+    spec = SamplingParams(min_tokens=2)
+    assert banned_token_ids(spec, 1, [3], [2], ignore_eos=False) == [3, 2]
+    assert banned_token_ids(spec, 1, [3], [2], ignore_eos=True) == [3]
+    assert banned_token_ids(spec, 2, [3], [2], ignore_eos=False) == []
+    kwargs = dict(max_tokens=10, max_seq_len=100, stop_token_ids=[3], eos_token_ids=[2], ignore_eos=False)
+    assert finish_reason(2, 2, 5, min_tokens=2, **kwargs) is None  # the 2nd token cannot stop yet
+    assert finish_reason(2, 3, 6, min_tokens=2, **kwargs) == "stop"

@@ -1,6 +1,6 @@
 """vLLM's output controls through the real gateway: special tokens (skip_special_tokens, and
 added tokens marked special beyond the special-tokens map), include_stop_str_in_output,
-continuous usage stats, min_tokens refused; the cached-token count whatever order the first
+continuous usage stats, min_tokens (stop strings wait for it); the cached-token count whatever order the first
 events arrive in."""
 
 from __future__ import annotations
@@ -61,13 +61,21 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(serve, fake_
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 4
 
 
-def test_min_tokens_is_refused(serve, fake_worker, text_ids):
-    worker = fake_worker(token_script(text_ids[:3], "length"))
+def test_min_tokens_reaches_the_workers_and_holds_off_stop_strings(serve, fake_worker, tokenizer):
+    """min_tokens goes to the workers (they keep EOS and stop tokens out until then); a stop
+    string found in the text of the first min_tokens tokens does not end the output."""
+    ids = tokenizer.encode("ab ab ab cd", add_special_tokens=False)
+    worker = fake_worker(token_script(ids, "length"))
     server = serve()
-    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "min_tokens": 2})
-    assert response.status_code == 400 and "min_tokens" in response.json()["error"]["message"]
-    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "min_tokens": 0}).status_code == 200
-    assert len(worker.requests) == 1
+    body = {"prompt": "hi", "max_tokens": len(ids), "stop": ["ab"], "min_tokens": len(ids)}
+    assert post(server, "/v1/completions", {**body, "min_tokens": len(ids) + 1}).status_code == 400  # > max_tokens
+    assert post(server, "/v1/completions", {**body, "min_tokens": -1}).status_code == 400
+    response = post(server, "/v1/completions", body).json()
+    assert worker.requests[0].sampling.min_tokens == len(ids)
+    assert response["choices"][0]["text"] == "ab ab ab cd" and response["choices"][0]["finish_reason"] == "length"
+    cut = post(server, "/v1/completions", {**body, "min_tokens": 0}).json()
+    assert cut["choices"][0]["text"] == "" and cut["choices"][0]["finish_reason"] == "stop"
+
 
 
 def test_cached_tokens_are_counted_when_the_first_token_arrives_second(serve, fake_worker, text_ids):

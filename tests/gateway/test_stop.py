@@ -77,3 +77,10 @@ def test_at_one_position_the_first_listed_stop_string_wins():
     assert run(["ab", "abc"], ["xxabcx"])[0] == "xx"
     checker = StopChecker(["abc", "ab"], include_stop=True)
     assert checker.feed("xxabcx") == "xxabc"
+
+
+def test_text_fed_before_min_tokens_cannot_stop_but_a_stop_string_ending_later_can():
+    checker = StopChecker(["STOP"])
+    assert checker.feed("a STOP b ST", match=False) == "a STOP b"  # held back: what could start a stop string
+    assert not checker.stopped
+    assert checker.feed("OP c") == " " and checker.stopped and checker.text == "a STOP b "
