@@ -51,7 +51,10 @@ def sample_async(logits: torch.Tensor, params: list[SamplingParams], step_indice
 
 
 def _ban(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
-    """A copy of ``logits`` with each row's banned ids at -inf."""
+    """A copy of ``logits`` with each row's banned ids at -inf (ids outside the logits, which the
+    model cannot produce anyway, are left out rather than indexed)."""
+    vocab = logits.shape[-1]
+    banned = [[t for t in ids if 0 <= t < vocab] for ids in banned]
     rows = [r for r, ids in enumerate(banned) for _ in ids]
     cols = [t for ids in banned for t in ids]
     logits = logits.clone()

@@ -195,8 +195,7 @@ class Generation:
             self.output_logprobs.extend(logprobs)
         # "stop" from a worker means the last token is EOS or a stop token: its text is not output
         text_token_ids = new_token_ids[:-1] if worker_finish == "stop" else new_token_ids
-        text = self._stop.feed(self._detokenizer.add(text_token_ids),
-                               match=len(self.output_token_ids) >= self.input.sampling.min_tokens)
+        text = self._feed_text(text_token_ids, len(self.output_token_ids) - len(new_token_ids))
         if self._stop.stopped:
             self.finish_reason = "stop"
             self._abort_reason = "stop string"
@@ -209,6 +208,20 @@ class Generation:
             if self._stop.stopped:  # the released tail held a stop string
                 self.finish_reason = "stop"
         return Delta(text, new_token_ids, self.finish_reason, logprobs)
+
+    def _feed_text(self, token_ids: list[int], num_before: int) -> str:
+        """Detokenize ``token_ids`` (output tokens num_before on) through the stop strings. With
+        min_tokens, token by token: as vLLM, no stop string may end in the text of the first
+        min_tokens tokens, whatever the batches the tokens arrive in."""
+        min_tokens = self.input.sampling.min_tokens
+        if num_before + len(token_ids) <= min_tokens or num_before >= min_tokens:
+            return self._stop.feed(self._detokenizer.add(token_ids), match=num_before >= min_tokens)
+        text = ""
+        for offset, token_id in enumerate(token_ids):
+            text += self._stop.feed(self._detokenizer.add([token_id]), match=num_before + offset >= min_tokens)
+            if self._stop.stopped:
+                break
+        return text
 
     def _let_go(self) -> None:
         """Stop counting on the current worker: release its reservation, send it an abort

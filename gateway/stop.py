@@ -18,6 +18,7 @@ class StopChecker:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._text = ""
         self._num_sent = 0
+        self._unmatched = 0  # text up to here was fed with match=False: no stop string may end in it
         self.stopped = False
 
     def feed(self, new_text: str, match: bool = True) -> str:
@@ -28,6 +29,8 @@ class StopChecker:
             return ""
         search_from = max(len(self._text) - self._hold, 0)
         self._text += new_text
+        if not match:
+            self._unmatched = len(self._text)
         match = self._first_match(search_from) if match else None
         if match is not None:
             start, stop = match
@@ -47,12 +50,19 @@ class StopChecker:
         return self._text
 
     def _first_match(self, start: int) -> tuple[int, str] | None:
-        """(position, stop string) of the earliest match; at one position, the first listed."""
-        found = [(p, i) for i, p in enumerate(self._text.find(s, start) for s in self._stops) if p >= 0]
+        """(position, stop string) of the earliest match ending past the unmatched text; at one
+        position, the first listed."""
+        found = [(p, i) for i, p in enumerate(self._find(s, start) for s in self._stops) if p >= 0]
         if not found:
             return None
         position, index = min(found)
         return position, self._stops[index]
+
+    def _find(self, stop: str, start: int) -> int:
+        position = self._text.find(stop, start)
+        while 0 <= position and position + len(stop) <= self._unmatched:
+            position = self._text.find(stop, position + 1)
+        return position
 
     def _take(self, end: int) -> str:
         if end <= self._num_sent:

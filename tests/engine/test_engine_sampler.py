@@ -125,6 +125,8 @@ def test_banned_tokens_are_never_picked_greedy_or_sampled():
     sampled = sample(logits.repeat(50, 1), [SamplingParams(temperature=5.0, seed=s) for s in range(100)],
                      [0] * 100, banned=[[1, 2]] * 100)
     assert set(sampled) <= {0, 3}
+    # an id the logits do not have (a stop token beyond the model's vocabulary): ignored, no crash
+    assert sample(logits, params, [0, 0], banned=[[1, 4, -1], [9]]) == [2, 1]
     spec = SamplingParams(min_tokens=2)
     assert banned_token_ids(spec, 1, [3], [2], ignore_eos=False) == [3, 2]
     assert banned_token_ids(spec, 1, [3], [2], ignore_eos=True) == [3]

@@ -88,3 +88,25 @@ def test_cached_tokens_are_counted_when_the_first_token_arrives_second(serve, fa
     server = serve()
     usage = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3}).json()["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
+def test_min_tokens_gate_counts_tokens_not_event_batches(serve, fake_worker, tokenizer):
+    """No stop string may end in the text of the first min_tokens tokens (as vLLM): not in the
+    last of them, and not when token 0 arrives after later ones and they are released together."""
+    ids = tokenizer.encode("cd cd ab", add_special_tokens=False)
+    fake = fake_worker(token_script(ids, "length"))
+    server = serve()
+    body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": len(ids), "min_tokens": len(ids),
+                                            "stop": ["ab"]}).json()
+    assert body["choices"][0]["text"] == "cd cd ab" and body["choices"][0]["finish_reason"] == "length"
+    fake.stop()
+    ids = tokenizer.encode("ab cd cd cd", add_special_tokens=False)
+
+    def late_first(req):  # token 0 (the prefill worker's) after the decode worker's
+        events = token_script(ids, "length")(req)
+        return events[1:] + events[:1]
+
+    fake_worker(late_first, worker_id="decode-fake-1")
+    body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": len(ids), "min_tokens": 2,
+                                            "stop": ["ab"]}).json()
+    assert body["choices"][0]["text"] == "ab cd cd cd" and body["choices"][0]["finish_reason"] == "length"

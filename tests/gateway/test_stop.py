@@ -84,3 +84,10 @@ def test_text_fed_before_min_tokens_cannot_stop_but_a_stop_string_ending_later_c
     assert checker.feed("a STOP b ST", match=False) == "a STOP b"  # held back: what could start a stop string
     assert not checker.stopped
     assert checker.feed("OP c") == " " and checker.stopped and checker.text == "a STOP b "
+
+
+def test_a_shorter_stop_string_inside_the_unmatched_text_is_not_found_later():
+    checker = StopChecker(["ab", "xxxxxx"])
+    assert checker.feed("zzab", match=False) == "" and not checker.stopped  # held: could start "xxxxxx"
+    assert checker.feed("q") == "" and not checker.stopped  # "ab" ended in unmatched text
+    assert checker.flush() == "zzabq"
