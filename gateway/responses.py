@@ -173,9 +173,10 @@ async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[tuple[int, Delta
             if not delta.text and delta.finish_reason is None and not fmt.return_token_ids and not delta.logprobs:
                 continue  # held-back text (partial character, possible stop string): nothing to send yet
             offset = offsets.get(index, 0)
-            if delta.logprobs:
-                offsets[index] = offset + sum(len(fmt.token_text(t)) for t in delta.token_ids)
             chunk = fmt.chunk(delta, first=index not in started and not fmt.chat, index=index, text_offset=offset)
+            logprobs = chunk["choices"][0]["logprobs"]
+            if logprobs and "tokens" in logprobs:  # completions: the next token's text starts after these
+                offsets[index] = offset + sum(map(len, logprobs["tokens"]))
             if continuous_usage:
                 chunk["usage"] = usage().to_dict()
             yield sse(chunk)

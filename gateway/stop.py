@@ -31,9 +31,9 @@ class StopChecker:
         self._text += new_text
         if not match:
             self._unmatched = len(self._text)
-        match = self._first_match(search_from) if match else None
-        if match is not None:
-            start, stop = match
+        found = self._first_match(search_from) if match else None
+        if found is not None:
+            start, stop = found
             end = start + len(stop) if self._include else start
             self.stopped = True
             self._text = self._text[:end]

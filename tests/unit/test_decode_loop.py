@@ -1,6 +1,7 @@
 """The pipelined decode loop (step N+1 launched before step N's tokens are published),
 with the engine, inbox and Redis replaced by small fakes: tokens survive a Redis error
-in any part of a turn, and the last tokens go out without waiting on the inbox."""
+in any part of a turn, and the last tokens go out without waiting on the inbox. The fakes
+serve test_decode_handoffs (the prefill handoff) and test_sampled_logprobs too."""
 
 import time
 import types
@@ -10,7 +11,7 @@ import redis
 import torch
 
 from cluster.inbox import Mailer
-from cluster.messages import FIELD, AbortRequest, GenerateRequest, PrefillDone, WorkerInfo, decode
+from cluster.messages import FIELD, AbortRequest, GenerateRequest, decode
 from cluster.outputs import Outbox
 from cluster.sampling import SamplingParams
 from cluster.step_stats import StepStats
@@ -235,28 +236,6 @@ def test_messages_a_redis_error_cut_off_are_handled_next_turn():
     assert [(stream, m.request_id) for stream, m in worker.redis.sent] == [("tandem:inbox:prefill:p0", "r1")]
 
 
-def test_a_prefill_worker_restarted_under_its_id_counts_as_lost(monkeypatch):
-    """Its new process never saw the job (NOACK inbox): the request is re-dispatched at once
-    instead of waiting out its transfer timeout."""
-    import decode.handoffs as worker_module
-
-    worker = _worker()
-    del worker._refresh_peers  # the real one
-    same, restarted = _prefilling(worker, "same", "p0", 1.0), _prefilling(worker, "restarted", "p1", 1.0)
-    gone = _prefilling(worker, "gone", "p2", 1.0)
-    worker.settings = types.SimpleNamespace(model_name="m")
-    peers = [types.SimpleNamespace(worker_id="p0", started_at=1.0, device="cpu", model="m"),
-             types.SimpleNamespace(worker_id="p1", started_at=2.0, device="cpu", model="m"),  # p1 restarted
-             types.SimpleNamespace(worker_id="p2", started_at=1.0, device="cpu", model="other", role="prefill")]  # p2: not ours
-    monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
-    redispatched = []
-    worker._send_prefill_job = redispatched.append
-    worker._peers_checked_at, worker._device_identity = 0.0, "cpu"
-    worker._refresh_peers()
-    assert redispatched == [restarted, gone] and same not in redispatched
-    assert sorted(m.request_id for _s, m in worker.redis.sent) == ["gone", "restarted"]  # the old jobs aborted
-
-
 def test_an_aborted_request_ends_its_stream_with_abort():
     """An admin cancel reaches the worker as an abort: the client's stream must end too."""
     worker = _worker()
@@ -287,168 +266,3 @@ def test_an_abort_that_overtakes_its_request_ends_the_request_on_arrival():
     worker._handle_messages([GenerateRequest(request_id="r9", prompt_token_ids=[1], sampling=SamplingParams(),
                                              max_tokens=2, reply_to="gw")])
     assert "r9" in worker.scheduler.requests  # remembered once, not for ever
-
-
-
-def test_a_lost_prefill_workers_blocks_are_held_until_it_is_done_with_them(monkeypatch):
-    """shm and cuda_ipc write the decode pool directly: a prefill worker taken for lost may only
-    be frozen and still write its chunk. The redo gets fresh blocks; the old ones stay out of use
-    until that worker's PrefillDone (or its end), never handed to another request meanwhile."""
-    import decode.handoffs as worker_module
-
-    worker = _worker()
-    del worker._refresh_peers  # the real one
-    worker.settings = types.SimpleNamespace(model_name="m")
-    request = _prefilling(worker, "r1", "p0", 1.0)
-    old_blocks = list(request.block_ids)
-    free_before = worker.allocator.num_free
-    peers = [types.SimpleNamespace(worker_id="p1", started_at=1.0, device="cpu", model="m")]  # p0's beats lapsed
-    monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
-    redispatched = []
-    worker._send_prefill_job = lambda r: (redispatched.append(r), setattr(r, "prefill_worker_id", "p1"))
-    worker._peers_checked_at, worker._device_identity = 0.0, "cpu"
-    worker._refresh_peers()
-    assert redispatched == [request] and request.block_ids and not set(request.block_ids) & set(old_blocks)
-    assert worker.quarantine.num_blocks == len(old_blocks)
-    assert worker.allocator.num_free == free_before - len(old_blocks)  # the old ones are not free
-    worker._on_prefill_done(PrefillDone("r1", "aborted", prefill_worker_id="p0"))  # p0 woke, stopped
-    assert worker.quarantine.num_blocks == 0 and worker.allocator.num_free == free_before
-    assert "r1" in worker.scheduler.prefilling  # the redo goes on (p0's reply is stale for it)
-
-
-def test_a_failed_handoff_holds_its_blocks_until_the_worker_is_seen_to_have_restarted(monkeypatch):
-    import decode.handoffs as worker_module
-    from kvtransfer import KVReceiver
-
-    worker = _worker()
-    del worker._refresh_peers, worker._check_handoffs
-    worker.settings = types.SimpleNamespace(model_name="m")
-    worker._end_handoff = lambda request: None
-    request = _prefilling(worker, "r1", "p0", 1.0)
-    request.receiver = KVReceiver(timeout_s=300.0)
-    request.receiver.fail("kv handoff timed out")
-    free_before = worker.allocator.num_free
-    worker._check_handoffs()
-    assert "r1" not in worker.scheduler.requests and worker.allocator.num_free == free_before  # held
-    peers = [types.SimpleNamespace(worker_id="p0", started_at=2.0, device="cpu", model="m")]  # a new run
-    monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
-    worker._peers_checked_at, worker._device_identity = 0.0, "cpu"
-    worker._refresh_peers()
-    assert worker.quarantine.num_blocks == 0 and worker.allocator.num_free > free_before
-
-
-def test_with_a_transport_that_stops_late_writes_nothing_is_held():
-    from kvtransfer import KVReceiver
-
-    worker = _worker()
-    del worker._check_handoffs
-    worker.transport = types.SimpleNamespace(revoke_stops_writes=True)  # nccl: grants
-    worker._end_handoff = lambda request: None
-    request = _prefilling(worker, "r1", "p0", 1.0)
-    request.receiver = KVReceiver(timeout_s=300.0)
-    request.receiver.fail("kv handoff timed out")
-    free_before, held = worker.allocator.num_free, len(request.block_ids)
-    worker._check_handoffs()
-    assert worker.quarantine.num_blocks == 0 and worker.allocator.num_free == free_before + held
-
-
-
-def test_a_prefill_pid_is_trusted_only_within_this_pid_namespace():
-    """Containers can share a hostname (and /dev/shm or a GPU) but not a PID namespace: there a
-    prefill worker's pid says nothing about its process here, and held blocks must wait."""
-    import os
-
-    from cluster.service import pid_namespace
-
-    worker = _worker()
-    worker._pid_namespace = pid_namespace()
-    worker.redis = types.SimpleNamespace(xadd=lambda *a, **k: None)
-    worker.transport = types.SimpleNamespace(grant=lambda *a: None, revoke_stops_writes=False)
-    worker._end_handoff, worker._cached_prefixes = (lambda request: None), (lambda request, workers: {})
-    worker._round_robin, worker._handoff_seq = 0, 0
-    worker.settings = types.SimpleNamespace(transfer_timeout_s=300.0)
-    worker.kv_endpoint, worker.worker_id = {}, "decode-0"
-
-    def dispatch(namespace):
-        request = _prefilling(worker, f"r{namespace}", None, None)
-        worker._prefill_workers = [WorkerInfo("p0", "prefill", "m", "inbox", 4242, os.uname().nodename, 1.0, 1.0, 8, 8,
-                                              pid_namespace=namespace)]
-        worker._taking_prefill_workers = worker._prefill_workers
-        worker._send_prefill_job(request)
-        return request.prefill_pid
-
-    assert dispatch(worker._pid_namespace) == 4242
-    assert dispatch(worker._pid_namespace + 1) is None
-    assert dispatch(0) is None
-
-
-def test_a_reply_to_an_earlier_dispatch_is_stale_even_from_the_same_worker():
-    """A request can come back to the worker it was first sent to (taken from it while its beats
-    lapsed, then from the next one): that worker's reply to the first, aborted job must not end
-    the second. Each PrefillDone names the job (handoff id) it answers."""
-    from kvtransfer import KVReceiver
-    from prefill.worker import PrefillWorker
-
-    worker = _worker()
-    worker.settings = types.SimpleNamespace(transfer_timeout_s=300.0, enable_prefix_caching=False)
-    worker.transport = types.SimpleNamespace(revoke_stops_writes=False, grant=lambda *a: None, revoke=lambda *a: None)
-    worker.kv_endpoint, worker.worker_id, worker._round_robin, worker._pid_namespace = {}, "d0", 0, "ns"
-    p0 = types.SimpleNamespace(worker_id="p0", started_at=1.0, host="elsewhere", pid_namespace="", pid=1,
-                               inbox="tandem:inbox:prefill:p0", num_waiting=0, num_running=0)
-    worker._taking_prefill_workers = worker._prefill_workers = [p0]
-    request = _prefilling(worker, "r1", None)
-    worker._send_prefill_job(request)  # the first job ...
-    worker._send_prefill_job(request)  # ... and, after two re-dispatches, the same worker's second
-    first, second = [m for _stream, m in worker.redis.sent]
-    assert first.handoff_id != second.handoff_id and request.prefill_worker_id == "p0"
-
-    sender = object.__new__(PrefillWorker)  # the prefill side echoes each job's handoff id
-    sender.worker_id, replies = "p0", []
-    sender.mailer = types.SimpleNamespace(send=lambda stream, msg: replies.append(msg))
-    for job, status in ((first, "aborted"), (second, "ok")):
-        sender._reply(types.SimpleNamespace(job=job, first_token=5, finish_reason=None), status)
-    stale, answer = replies
-    assert stale.handoff_id == first.handoff_id and answer.handoff_id == second.handoff_id
-
-    worker._on_prefill_done(stale)
-    assert "r1" in worker.scheduler.prefilling  # still waiting for the second job
-    request.receiver = KVReceiver(timeout_s=300.0)
-    worker._on_prefill_done(answer)
-    assert "r1" not in worker.scheduler.prefilling and request.output_token_ids == [5]
-
-
-def test_a_job_sent_back_to_a_prefill_worker_still_draining_its_first_waits_for_it():
-    """The re-dispatched job reaches the worker while the first, aborted one still drains its
-    writes (same request id): it is taken once the first is gone, not dropped as a duplicate
-    (its decode side would wait out the transfer timeout); an abort then ends it at once."""
-    from prefill.worker import PrefillWorker
-    from cluster.request_state import RequestStatus as PrefillStatus
-
-    first = types.SimpleNamespace(request_id="r1", handoff_id="r1#1", decode_worker_id="d0")
-    second = types.SimpleNamespace(request_id="r1", handoff_id="r1#2", decode_worker_id="d0")
-
-    def prefill_worker():
-        worker = object.__new__(PrefillWorker)
-        worker.worker_id, worker._deferred = "p0", {}
-        draining = types.SimpleNamespace(job=first, status=PrefillStatus.TRANSFERRING)
-        worker.scheduler = types.SimpleNamespace(jobs={"r1": draining})
-        worker.replies = []
-        worker.mailer = types.SimpleNamespace(send=lambda stream, msg: worker.replies.append(msg))
-        return worker
-
-    worker = prefill_worker()
-    worker._accept(second)
-    worker._accept(first)  # a true duplicate (the same job) is still ignored
-    assert worker._deferred == {"r1": second}
-    worker._accept_deferred()
-    assert worker._deferred == {"r1": second}  # the first still drains
-    del worker.scheduler.jobs["r1"]
-    accepted = []
-    worker._accept = accepted.append
-    worker._accept_deferred()
-    assert accepted == [second] and worker._deferred == {}
-
-    worker = prefill_worker()
-    worker._accept(second)
-    worker._abort("r1")  # the client's abort of the later job: answered at once, under its handoff id
-    assert [(m.status, m.handoff_id) for m in worker.replies] == [("aborted", "r1#2")] and worker._deferred == {}
