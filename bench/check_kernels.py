@@ -27,15 +27,15 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import decode_attention as decode_module  # noqa: E402
-from kernels import prefill_attention as prefill_module  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels.activation import silu_mul  # noqa: E402
-from kernels.block_copy import gather_blocks, scatter_blocks  # noqa: E402
-from kernels.decode_attention import DecodeWorkspace, decode_attention  # noqa: E402
-from kernels.prefill_attention import prefill_attention  # noqa: E402
-from kernels.rms_norm import fused_add_rms_norm  # noqa: E402
-from kernels.rotary import rotary_kv_write  # noqa: E402
+from tandem.kernels import decode_attention as decode_module  # noqa: E402
+from tandem.kernels import prefill_attention as prefill_module  # noqa: E402
+from tandem.kernels import reference  # noqa: E402
+from tandem.kernels.activation import silu_mul  # noqa: E402
+from tandem.kernels.block_copy import gather_blocks, scatter_blocks  # noqa: E402
+from tandem.kernels.decode_attention import DecodeWorkspace, decode_attention  # noqa: E402
+from tandem.kernels.prefill_attention import prefill_attention  # noqa: E402
+from tandem.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
+from tandem.kernels.rotary import rotary_kv_write  # noqa: E402
 
 MODELS = {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}  # name -> (num_q_heads, num_kv_heads)
 HEAD_DIM, BLOCK_SIZE, DTYPE = 128, 16, torch.bfloat16

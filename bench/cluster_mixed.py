@@ -1,6 +1,6 @@
 """The mixed workload through the full cluster on one GPU, against HF continuous batching.
 
-    python -m bench.cluster_mixed --model-shape llama2-7b --out results.json
+    python -m tandem.bench.cluster_mixed --model-shape llama2-7b --out results.json
 
 Writes a random-weight checkpoint at the shape (safetensors, HF names, bf16)
 with a locally built word-level tokenizer covering the whole vocabulary (so every
@@ -24,14 +24,14 @@ import time
 
 import torch
 
-from bench import cluster_timeline
-from bench.shapes import SHAPES, hf_config_dict
+from tandem.bench import cluster_timeline
+from tandem.bench.shapes import SHAPES, hf_config_dict
 
 
 def write_checkpoint(name: str, path: str) -> str:
     from safetensors.torch import save_file
 
-    from engine.testing import make_wordlevel_tokenizer
+    from tandem.engine.demo_model import make_wordlevel_tokenizer
 
     os.makedirs(path, exist_ok=True)
     shape = SHAPES[name]
@@ -68,7 +68,7 @@ def write_checkpoint(name: str, path: str) -> str:
 
 
 def hf_continuous_batching(name: str) -> float:
-    from bench import hf_anchors
+    from tandem.bench import hf_anchors
 
     model, config = hf_anchors.build_hf(name)
     try:
@@ -81,7 +81,7 @@ def hf_continuous_batching(name: str) -> float:
 
 def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, serve_args: list[str],
                    client_processes: int = 1) -> dict:
-    serve_cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model_path, "--port", str(port),
+    serve_cmd = [sys.executable, "-m", "tandem", "serve", "--model", model_path, "--port", str(port),
                  "--max-batch-size", "128", "--max-num-tokens", "8192", "--max-seq-len", "1024",
                  "--max-input-len", "768", "--log-level", "info", *serve_args]
     log = open(os.path.join(out_dir, "cluster.log"), "w")
@@ -94,7 +94,7 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, s
             if "serving" in line or time.monotonic() > deadline:
                 break
         result_json = os.path.join(out_dir, "serve_result.json")
-        load_cmd = [sys.executable, "-m", "bench.serve", "--base-url", f"http://127.0.0.1:{port}",
+        load_cmd = [sys.executable, "-m", "tandem.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
                     "--num-prompts", str(num_prompts), "--input-len-range", "64:511", "--output-len", "256",
                     "--request-rate", "inf", "--seed", "0", "--min-token-id", "3", "--max-token-id", "499",
                     "--result-json", result_json, "--no-progress", "--num-processes", str(client_processes)]
@@ -118,7 +118,7 @@ def main() -> int:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--serve-args", default="", help="more `tandem serve` flags, e.g. '--decode-batch-wait-ms 0'")
     parser.add_argument("--client-processes", type=int, default=4,
-                        help="bench.serve --num-processes: one Python client process measured 15%% less "
+                        help="tandem.bench.serve --num-processes: one Python client process measured 15%% less "
                              "(6,321 vs 7,431 tok/s, docs/benchmarks.md) than four on 128 streams")
     parser.add_argument("--label", default="mixed_128req", help="workload name in the rows (say, for a two-GPU run)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cluster_mixed.json"))

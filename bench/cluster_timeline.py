@@ -5,7 +5,7 @@ tokens per second, the mean batch, forward and loop milliseconds, the busy fract
 queues. This turns a cluster log into rows ordered by time, seconds from the first line, so
 one benchmark run shows the prefill phase, the decode batch growing and the tail.
 
-    python3 -m bench.cluster_timeline cluster.log
+    python3 -m tandem.bench.cluster_timeline cluster.log
 """
 
 from __future__ import annotations

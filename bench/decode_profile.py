@@ -1,6 +1,6 @@
 """Where a decode step's time goes, per kernel, against the bandwidth floor.
 
-    python3 -m bench.decode_profile --out $OUT/decode_profile.json [--model llama2-7b] [--batches 1,64]
+    python3 -m tandem.bench.decode_profile --out $OUT/decode_profile.json [--model llama2-7b] [--batches 1,64]
         [--prefill 2048]
 
 For each batch size (context 256 tokens): the whole step read back before the
@@ -21,8 +21,8 @@ import os
 
 import torch
 
-from bench.engine import build_runner, weight_bytes
-from bench.timing import ceilings, median_ms
+from tandem.bench.engine import build_runner, weight_bytes
+from tandem.bench.timing import ceilings, median_ms
 
 
 def _kernel_table(fn, steps: int = 5) -> dict[str, float]:
@@ -43,9 +43,9 @@ def _kernel_table(fn, steps: int = 5) -> dict[str, float]:
 
 
 def profile_batch(runner, batch: int, context: int = 256) -> dict:
-    from cluster.sampling import SamplingParams
-    from engine.attention import SeqChunk
-    from engine.sampler import sample
+    from tandem.cluster.sampling import SamplingParams
+    from tandem.engine.attention import SeqChunk
+    from tandem.engine.sampler import sample
 
     blocks_per_seq = -(-(context + 8) // runner.block_size)
     chunks = [SeqChunk([11 + i], context, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
@@ -66,7 +66,7 @@ def profile_batch(runner, batch: int, context: int = 256) -> dict:
 
 
 def profile_prefill(runner, prompt_len: int) -> dict:
-    from engine.attention import SeqChunk
+    from tandem.engine.attention import SeqChunk
 
     blocks = list(range(-(-prompt_len // runner.block_size)))
     chunk = [SeqChunk(list(range(3, prompt_len + 3)), 0, blocks)]

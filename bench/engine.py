@@ -1,6 +1,6 @@
 """`tandem bench engine`: our engine against the hardware and HF, in one process.
 
-    python -m bench.engine --out results.json [--models llama3.2-1b,llama2-7b,llama3-8b]
+    python -m tandem.bench.engine --out results.json [--models llama3.2-1b,llama2-7b,llama3-8b]
                            [--anchors static,eager,prefill,cb] [--anchor-models llama2-7b]
 
 Measures the ceilings (HBM copy, bf16 matmul), then for each model shape with
@@ -23,8 +23,8 @@ import traceback
 
 import torch
 
-from bench.engine_args import add_arguments
-from bench.shapes import hf_config_dict
+from tandem.bench.engine_args import add_arguments
+from tandem.bench.shapes import hf_config_dict
 
 ROWS: list[dict] = []
 
@@ -37,9 +37,9 @@ def row(workload, model, metric, value, anchor=None, anchor_value=None, ratio=No
 
 
 def build_runner(name: str, num_tokens: int, max_seq_len: int, block_size: int = 16, max_batch_size: int = 64):
-    from engine.config import ModelConfig
-    from engine.loader import random_model
-    from engine.runner import ModelRunner
+    from tandem.engine.config import ModelConfig
+    from tandem.engine.loader import random_model
+    from tandem.engine.runner import ModelRunner
 
     config = ModelConfig.from_dict(hf_config_dict(name))
     model = random_model(config, torch.bfloat16, "cuda")
@@ -55,10 +55,10 @@ def weight_bytes(runner) -> int:
 def decode_workload(runner, allocator, batch: int, prompt_len: int = 128, new_tokens: int = 256) -> dict:
     """Greedy decode as the decode worker runs it: each step launched before the previous
     step's tokens are read on the host, its input tokens fed from them on the device."""
-    from cluster.sampling import SamplingParams
-    from engine.attention import SeqChunk
-    from engine.sampler import sample_async
-    from engine.step_tokens import StepTokens, TokenFeed
+    from tandem.cluster.sampling import SamplingParams
+    from tandem.engine.attention import SeqChunk
+    from tandem.engine.sampler import sample_async
+    from tandem.engine.step_tokens import StepTokens, TokenFeed
 
     vocab = runner.config.vocab_size
     g = torch.Generator().manual_seed(batch)
@@ -92,8 +92,8 @@ def decode_workload(runner, allocator, batch: int, prompt_len: int = 128, new_to
 
 
 def prefill_workload(runner, allocator, prompt_len: int = 2048) -> dict:
-    from bench.timing import median_ms
-    from engine.attention import SeqChunk
+    from tandem.bench.timing import median_ms
+    from tandem.engine.attention import SeqChunk
 
     prompt = torch.randint(3, runner.config.vocab_size, (prompt_len,)).tolist()
     blocks = allocator.allocate(prompt_len)
@@ -109,8 +109,8 @@ def prefill_workload(runner, allocator, prompt_len: int = 2048) -> dict:
 
 def handoff_workload(runner, allocator, prompt_len: int = 2048) -> dict:
     """Copy a prompt's blocks into another pool through the cuda_ipc connection's copy path."""
-    from bench.timing import median_ms
-    from kvtransfer.cuda_ipc import CudaIpcConnection
+    from tandem.bench.timing import median_ms
+    from tandem.kvtransfer.cuda_ipc import CudaIpcConnection
 
     num_blocks = -(-prompt_len // runner.block_size)
     src = allocator.allocate(prompt_len)
@@ -133,7 +133,7 @@ def handoff_workload(runner, allocator, prompt_len: int = 2048) -> dict:
 
 
 def run_model(name: str, ceil: dict, batches: list[int]) -> None:
-    from engine.block_allocator import BlockAllocator
+    from tandem.engine.block_allocator import BlockAllocator
 
     max_batch = max(batches)
     runner = build_runner(name, num_tokens=max_batch * 400 + 2 * 2048 + 1024, max_seq_len=4096,
@@ -164,7 +164,7 @@ def run_model(name: str, ceil: dict, batches: list[int]) -> None:
 
 
 def run_anchors(name: str, which: set[str]) -> None:
-    from bench import hf_anchors
+    from tandem.bench import hf_anchors
 
     model, config = hf_anchors.build_hf(name)
     ours = {(r["workload"], r["metric"]): r["value"] for r in ROWS if r["model"] == name}
@@ -211,7 +211,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from bench.timing import ceilings
+    from tandem.bench.timing import ceilings
 
     import transformers
     import triton

@@ -3,7 +3,7 @@
 import argparse
 import os
 
-from bench.shapes import SHAPES
+from tandem.bench.shapes import SHAPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

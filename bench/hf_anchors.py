@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from bench.shapes import SHAPES
+from tandem.bench.shapes import SHAPES
 
 
 def build_hf(name: str):
@@ -62,7 +62,7 @@ def static_compiled(model, config, batch: int, prompt_len: int, new_tokens: int)
 
 @torch.inference_mode()
 def prefill(model, config, prompt_len: int = 2048) -> dict:
-    from bench.timing import median_ms
+    from tandem.bench.timing import median_ms
 
     ids = torch.randint(3, config.vocab_size, (1, prompt_len), device="cuda")
     return {"prefill_ms": median_ms(lambda: model(ids, logits_to_keep=1), reps=5, warmup=2)}

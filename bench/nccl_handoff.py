@@ -1,6 +1,6 @@
 """KV handoff over the nccl transport between two GPUs, against a plain device-to-device copy.
 
-    python3 -m bench.nccl_handoff --out $OUT/nccl_handoff.json     (needs 2 GPUs: nvidia-h200-x2)
+    python3 -m tandem.bench.nccl_handoff --out $OUT/nccl_handoff.json     (needs 2 GPUs: nvidia-h200-x2)
 
 The decode side (a process on cuda:0) exports a KV pool at the llama2-7b shape
 (32 layers, 32 KV heads, head_dim 128, bf16, 16-token blocks); the prefill side
@@ -41,8 +41,8 @@ def _layout(num_blocks: int) -> dict:
 
 
 def _decode_side(endpoint_queue, done_event) -> None:
-    from engine.kv_cache import KVCachePool
-    from kvtransfer.nccl import NcclTransport
+    from tandem.engine.kv_cache import KVCachePool
+    from tandem.kvtransfer.nccl import NcclTransport
 
     torch.cuda.set_device(0)
     pool = KVCachePool(**_layout(NUM_BLOCKS + 16), device="cuda:0")
@@ -53,7 +53,7 @@ def _decode_side(endpoint_queue, done_event) -> None:
 
 
 def _prefill_side(endpoint, result_queue, reps: int) -> None:
-    from kvtransfer.nccl import NcclTransport
+    from tandem.kvtransfer.nccl import NcclTransport
 
     torch.cuda.set_device(1)
     src = torch.randn(LAYERS, 2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, device="cuda:1").to(torch.bfloat16)
@@ -73,8 +73,8 @@ def _prefill_side(endpoint, result_queue, reps: int) -> None:
 
 def _trace_side(endpoint, out_path: str) -> None:
     """Diagnostics: per-chunk host timeline of 8 back-to-back chunks (send call, ack seen)."""
-    from kvtransfer import KVSender
-    from kvtransfer.nccl import NcclTransport
+    from tandem.kvtransfer import KVSender
+    from tandem.kvtransfer.nccl import NcclTransport
 
     torch.cuda.set_device(1)
     src = torch.randn(LAYERS, 2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, device="cuda:1").to(torch.bfloat16)
@@ -104,7 +104,7 @@ def _trace_side(endpoint, out_path: str) -> None:
 
 
 def _handoff_s(connection, src, chunk: int, reps: int):
-    from kvtransfer import KVPoll, KVSender
+    from tandem.kvtransfer import KVPoll, KVSender
 
     blocks_per_chunk = chunk // BLOCK
     times = []
@@ -130,9 +130,9 @@ def _prefill_tail(connection, reps: int) -> dict:
     first token after the last (one host sync on the compute stream), then wait for
     the acks. TTFT = until the first token is on the host; the rest is the delay
     before the decode side can start."""
-    from bench.engine import build_runner
-    from engine.attention import SeqChunk
-    from kvtransfer import KVPoll, KVSender
+    from tandem.bench.engine import build_runner
+    from tandem.engine.attention import SeqChunk
+    from tandem.kvtransfer import KVPoll, KVSender
 
     runner = build_runner("llama2-7b", num_tokens=PROMPT + 256, max_seq_len=PROMPT, max_batch_size=1)
     runner.graphs = None  # prefill does not use the decode graphs

@@ -1,6 +1,6 @@
 """The three capacity policies on one mixed workload with a constrained KV pool (CPU, tiny model).
 
-    python -m bench.policies --out /tmp/policies.json
+    python -m tandem.bench.policies --out /tmp/policies.json
 
 For each policy: ``tandem serve`` (private redis-server, one prefill and one
 decode worker, the gateway) with ``--max-tokens-in-paged-kv-cache`` far below
@@ -27,15 +27,15 @@ import time
 
 import httpx
 
-from bench.datasets import synthetic_requests
-from bench.serve import BenchConfig, compute_metrics, fetch_model, run_benchmark
-from cluster.launcher import free_port, wait_healthy
+from tandem.bench.datasets import synthetic_requests
+from tandem.bench.serve import BenchConfig, compute_metrics, fetch_model, run_benchmark
+from tandem.launcher import free_port, wait_healthy
 
 POLICIES = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH")
 
 
 def serve_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "cluster.cli", "serve", "--model", args.model, "--port", str(port),
+    return [sys.executable, "-m", "tandem", "serve", "--model", args.model, "--port", str(port),
             "--device", "cpu", "--capacity-scheduler-policy", policy,
             "--max-tokens-in-paged-kv-cache", str(args.pool_tokens), "--tokens-per-block", "16",
             "--max-seq-len", str(args.max_seq_len), "--max-input-len", str(args.max_input_len),

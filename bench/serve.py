@@ -14,7 +14,7 @@ Usage::
         --request-rate 8 --max-concurrency 32 --goodput ttft:200 tpot:50 \\
         --result-json out/bench.json
 
-    python -m bench.serve ...          # same, without the ``tandem`` entry point
+    python -m tandem.bench.serve ...          # same, without the ``tandem`` entry point
 
 Metric definitions (TTFT, ITL, TPOT, E2E, goodput) are in :mod:`bench.serve_metrics`;
 SSE parsing in :mod:`bench.sse`; one request in :mod:`bench.serve_request`; the
@@ -39,11 +39,11 @@ from typing import Sequence
 
 import httpx
 
-from bench.datasets import RequestSpec, arrival_offsets, parse_range, synthetic_requests
-from bench.serve_metrics import RequestResult, compute_metrics, parse_goodput, parse_percentiles
-from bench.serve_report import format_report, json_safe, request_row
-from bench.serve_request import ENDPOINT_PATHS, BenchConfig, api_root, fetch_model, send_request
-from bench.serve_shards import run_in_processes, run_loop
+from tandem.bench.datasets import RequestSpec, arrival_offsets, parse_range, synthetic_requests
+from tandem.bench.serve_metrics import RequestResult, compute_metrics, parse_goodput, parse_percentiles
+from tandem.bench.serve_report import format_report, json_safe, request_row
+from tandem.bench.serve_request import ENDPOINT_PATHS, BenchConfig, api_root, fetch_model, send_request
+from tandem.bench.serve_shards import run_in_processes, run_loop
 
 __all__ = [
     "BenchConfig", "BenchState", "add_arguments", "build_parser", "compute_metrics",
@@ -213,7 +213,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``tandem bench serve`` (also ``python -m bench.serve``)."""
+    """Options of ``tandem bench serve`` (also ``python -m tandem.bench.serve``)."""
     g = parser.add_argument_group("target")
     g.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="server root, e.g. http://host:port (a trailing /v1 is fine)")
@@ -382,7 +382,7 @@ def main(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.serve",
+        prog="python -m tandem.bench.serve",
         description="Streaming load benchmark for an OpenAI-compatible server.",
     )
     add_arguments(parser)

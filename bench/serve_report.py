@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.serve_metrics import LATENCY_METRICS, RequestResult, meets_slos, pct_key
-from bench.serve_request import BenchConfig
+from tandem.bench.serve_metrics import LATENCY_METRICS, RequestResult, meets_slos, pct_key
+from tandem.bench.serve_request import BenchConfig
 
 METRIC_TITLES = {
     "ttft": "Time to First Token",

@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 
-from bench.datasets import RequestSpec
-from bench.serve_metrics import RequestResult
-from bench.sse import DONE, SSEDecoder, chunk_content, decode_payload, error_message, http_error_text
+from tandem.bench.datasets import RequestSpec
+from tandem.bench.serve_metrics import RequestResult
+from tandem.bench.sse import DONE, SSEDecoder, chunk_content, decode_payload, error_message, http_error_text
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

@@ -19,8 +19,8 @@ import signal
 import time
 from typing import Sequence
 
-from bench.datasets import RequestSpec, arrival_offsets
-from bench.serve_request import BenchConfig
+from tandem.bench.datasets import RequestSpec, arrival_offsets
+from tandem.bench.serve_request import BenchConfig
 
 START_MARGIN_S = 0.05  # from "all ready" to the common start
 READY_TIMEOUT_S = 120.0
@@ -37,7 +37,7 @@ def run_loop(coro):
 
 def run_in_processes(cfg: BenchConfig, specs: Sequence[RequestSpec], num_processes: int):
     """Run the benchmark over ``num_processes`` client processes; returns a merged ``BenchState``."""
-    from bench.serve import BenchState
+    from tandem.bench.serve import BenchState
 
     offsets = arrival_offsets(len(specs), cfg.request_rate, cfg.burstiness, cfg.seed)
     num_processes = max(1, min(num_processes, len(specs), cfg.max_concurrency or len(specs)))
@@ -84,7 +84,7 @@ def run_in_processes(cfg: BenchConfig, specs: Sequence[RequestSpec], num_process
 
 def _shard_main(cfg: BenchConfig, specs: list[RequestSpec], offsets: list[float], pipe, results) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt does
-    from bench.serve import BenchState, run_benchmark
+    from tandem.bench.serve import BenchState, run_benchmark
 
     pipe.send("ready")
     start_at = pipe.recv()

@@ -1,6 +1,6 @@
 """Sweep the decode attention kernel's tile settings at the benchmark shapes (GPU).
 
-    python3 -m bench.tune_decode_attention --out $OUT/tune_decode.json
+    python3 -m tandem.bench.tune_decode_attention --out $OUT/tune_decode.json
 
 For each (batch, context) of the decode workloads on the llama2-7b and
 llama3-8b shapes, times the kernel with the shape rules' settings and with
@@ -21,10 +21,10 @@ import os
 
 import torch
 
-from bench.timing import ceilings, graph_ms
-from kernels import reference
-from kernels import decode_config
-from kernels.decode_attention import _launch_decode_attention
+from tandem.bench.timing import ceilings, graph_ms
+from tandem.kernels import reference
+from tandem.kernels import decode_config
+from tandem.kernels.decode_attention import _launch_decode_attention
 
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "llama3.2-1b": (32, 8, 64)}  # q heads, kv heads, head_dim
 # (batch, context, scattered): scattered block tables are a long-running pool's; in order, a fresh one's.

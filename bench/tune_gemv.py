@@ -1,6 +1,6 @@
 """The one-token GEMV kernels against cuBLAS at the benchmark shapes (GPU), with a tile sweep.
 
-    python3 -m bench.tune_gemv --out $OUT/tune_gemv.json [--models llama2-7b,llama3-8b,llama3.2-1b]
+    python3 -m tandem.bench.tune_gemv --out $OUT/tune_gemv.json [--models llama2-7b,llama3-8b,llama3.2-1b]
 
 For every projection of a decode step at batch 1 (qkv, o, gate_up with its
 SiLU·mul, down, lm_head), times torch's F.linear (cuBLAS; + the SiLU·mul
@@ -21,10 +21,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench.shapes import SHAPES
-from bench.timing import ceilings, graph_ms
-from kernels import ops, reference
-from kernels.gemv import _launch_gemv, tile_config
+from tandem.bench.shapes import SHAPES
+from tandem.bench.timing import ceilings, graph_ms
+from tandem.kernels import ops, reference
+from tandem.kernels.gemv import _launch_gemv, tile_config
 
 ROTATE_BYTES = 512 << 20  # weights cycled per timing: far beyond the 50 MB L2
 GRID = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 4)))

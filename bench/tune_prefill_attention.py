@@ -1,6 +1,6 @@
 """Sweep the prefill attention kernel's tile settings at the benchmark shapes (GPU).
 
-    python3 -m bench.tune_prefill_attention --out $OUT/tune_prefill.json [--models llama2-7b] [--tokens 2048]
+    python3 -m tandem.bench.tune_prefill_attention --out $OUT/tune_prefill.json [--models llama2-7b] [--tokens 2048]
 
 For one fresh prompt of ``--tokens`` tokens (its keys in the pool's blocks in
 order, as a new request's are, and given as chunk_kv as the engine does: v a view of a
@@ -22,8 +22,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench.timing import median_ms
-from kernels.prefill_attention import _launch_prefill_attention
+from tandem.bench.timing import median_ms
+from tandem.kernels.prefill_attention import _launch_prefill_attention
 
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "llama3.2-1b": (32, 8, 64)}  # Hq, Hkv, D
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, heavy_first)

@@ -1,6 +1,6 @@
 """The skinny GEMM against cuBLAS at decode batches (GPU), with a tile sweep.
 
-    python3 -m bench.tune_skinny_gemm [--quick] [--batches 64,128] [--models llama2-7b,llama3-8b,llama3.2-1b]
+    python3 -m tandem.bench.tune_skinny_gemm [--quick] [--batches 64,128] [--models llama2-7b,llama3-8b,llama3.2-1b]
                                       [--out $OUT/tune_skinny_gemm.json]
 
 For every projection of a decode step (qkv, o, gate_up with its SiLU·mul, down,
@@ -24,10 +24,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench.timing import ceilings
-from bench.tune_gemv import ROTATE_BYTES, projections, time_rotating
-from kernels import ops, reference
-from kernels.skinny_gemm import MAX_M, _launch_skinny, tile_config
+from tandem.bench.timing import ceilings
+from tandem.bench.tune_gemv import ROTATE_BYTES, projections, time_rotating
+from tandem.kernels import ops, reference
+from tandem.kernels.skinny_gemm import MAX_M, _launch_skinny, tile_config
 
 SMS, SMEM_BYTES = 132, 227 << 10  # H200
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k)

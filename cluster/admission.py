@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import redis
 
-from cluster import keys
+from tandem.cluster import keys
 
 GUARANTEED_NO_EVICT, MAX_UTILIZATION, STATIC_BATCH = "GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from cluster import keys
-from cluster.messages import WorkerInfo
+from tandem.cluster import keys
+from tandem.cluster.messages import WorkerInfo
 
 # A drain has reached every router once it is this old: a gateway's registry snapshot is at most
 # 0.25 s old (gateway.router.CACHE_TTL_S), a decode worker re-reads its peers every 0.5 s.

@@ -15,8 +15,8 @@ from typing import Any
 import redis
 import structlog
 
-from cluster import keys
-from cluster.messages import FIELD, MessageError, decode, encode
+from tandem.cluster import keys
+from tandem.cluster.messages import FIELD, MessageError, decode, encode
 
 log = structlog.get_logger(__name__)
 

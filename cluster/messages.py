@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from cluster.sampling import SamplingParams
+from tandem.cluster.sampling import SamplingParams
 
 VERSION = 1
 FIELD = b"m"  # the stream-entry field holding a packed message

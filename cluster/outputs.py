@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from cluster import keys
-from cluster.messages import FIELD, TokenBatch, TokenEvent, encode
+from tandem.cluster import keys
+from tandem.cluster.messages import FIELD, TokenBatch, TokenEvent, encode
 
 
 def queue_events(pipe, events: list[tuple[str, TokenEvent]]) -> None:

@@ -18,8 +18,8 @@ import time
 import redis
 import structlog
 
-from cluster import keys
-from cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES, Settings
+from tandem.cluster import keys
+from tandem.cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES, Settings
 
 log = structlog.get_logger(__name__)
 

@@ -20,8 +20,8 @@ import time
 
 import redis
 
-from cluster import keys
-from cluster.messages import WorkerInfo
+from tandem.cluster import keys
+from tandem.cluster.messages import WorkerInfo
 
 
 class PrefixIndex:

@@ -14,8 +14,8 @@ from typing import Callable
 import redis
 import structlog
 
-from cluster import keys
-from cluster.messages import MessageError, WorkerInfo, decode, encode
+from tandem.cluster import keys
+from tandem.cluster.messages import MessageError, WorkerInfo, decode, encode
 
 log = structlog.get_logger(__name__)
 

@@ -9,9 +9,9 @@ from typing import Callable
 import redis
 import structlog
 
-from cluster.messages import WorkerInfo
-from cluster.service import pid_namespace, sleep_unless_stopped
-from cluster.settings import Settings
+from tandem.cluster.messages import WorkerInfo
+from tandem.cluster.service import pid_namespace, sleep_unless_stopped
+from tandem.cluster.settings import Settings
 
 log = structlog.get_logger(__name__)
 

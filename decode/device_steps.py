@@ -14,14 +14,14 @@ from typing import NamedTuple
 import structlog
 import torch
 
-from cluster.request_state import banned_token_ids
-from cluster.step_stats import StepStats
-from decode.request import DecodeRequest
-from engine.attention import SeqChunk
-from engine import logprobs
-from engine.block_allocator import BlockAllocator
-from engine.sampler import sample_async
-from engine.step_tokens import StepTokens, TokenFeed
+from tandem.cluster.request_state import banned_token_ids
+from tandem.cluster.step_stats import StepStats
+from tandem.decode.request import DecodeRequest
+from tandem.engine.attention import SeqChunk
+from tandem.engine import logprobs
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.sampler import sample_async
+from tandem.engine.step_tokens import StepTokens, TokenFeed
 
 log = structlog.get_logger(__name__)
 

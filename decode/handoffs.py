@@ -16,20 +16,20 @@ import time
 import redis
 import structlog
 
-from cluster import keys
-from cluster.draining import accepting, read_marks
-from cluster.inbox import send
-from cluster.messages import AbortRequest, PrefillDone, PrefillJob, WorkerInfo
-from cluster.prefix_index import choose_prefill_worker, longest_prefixes
-from cluster.registry import live_workers, of_model
-from cluster.service import pid_namespace
-from cluster.settings import Settings
-from decode.batch_wait import shares_gpu
-from decode.quarantine import Quarantine
-from decode.request import DecodeRequest
-from decode.window import held_block_ids
-from engine.prefix_cache import block_hashes, num_reusable_blocks
-from kvtransfer import KVPoll, KVReceiver
+from tandem.cluster import keys
+from tandem.cluster.draining import accepting, read_marks
+from tandem.cluster.inbox import send
+from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, WorkerInfo
+from tandem.cluster.prefix_index import choose_prefill_worker, longest_prefixes
+from tandem.cluster.registry import live_workers, of_model
+from tandem.cluster.service import pid_namespace
+from tandem.cluster.settings import Settings
+from tandem.decode.batch_wait import shares_gpu
+from tandem.decode.quarantine import Quarantine
+from tandem.decode.request import DecodeRequest
+from tandem.decode.window import held_block_ids
+from tandem.engine.prefix_cache import block_hashes, num_reusable_blocks
+from tandem.kvtransfer import KVPoll, KVReceiver
 
 log = structlog.get_logger(__name__)
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cluster.admission import GUARANTEED_NO_EVICT, MAX_UTILIZATION, STATIC_BATCH, reserve_tokens
-from decode.request import DecodeRequest
+from tandem.cluster.admission import GUARANTEED_NO_EVICT, MAX_UTILIZATION, STATIC_BATCH, reserve_tokens
+from tandem.decode.request import DecodeRequest
 
 if TYPE_CHECKING:
-    from decode.scheduler import DecodeScheduler
+    from tandem.decode.scheduler import DecodeScheduler
 
 
 class GuaranteedNoEvict:

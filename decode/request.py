@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.messages import GenerateRequest
-from cluster.request_state import RequestStatus
+from tandem.cluster.messages import GenerateRequest
+from tandem.cluster.request_state import RequestStatus
 
 
 @dataclass

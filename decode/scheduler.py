@@ -30,12 +30,12 @@ prompt (``decode.window``).
 
 from __future__ import annotations
 
-from cluster.admission import GUARANTEED_NO_EVICT
-from cluster.request_state import RequestStatus, finish_reason
-from decode.policies import get_policy
-from decode.request import DecodeRequest
-from decode.window import SlidingWindow, held_block_ids
-from engine.block_allocator import BlockAllocator, blocks_for
+from tandem.cluster.admission import GUARANTEED_NO_EVICT
+from tandem.cluster.request_state import RequestStatus, finish_reason
+from tandem.decode.policies import get_policy
+from tandem.decode.request import DecodeRequest
+from tandem.decode.window import SlidingWindow, held_block_ids
+from tandem.engine.block_allocator import BlockAllocator, blocks_for
 
 
 class DecodeScheduler:

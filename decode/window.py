@@ -18,8 +18,8 @@ of blocks (``reserved_tokens``) and, by recycling, never runs short
 
 from __future__ import annotations
 
-from decode.request import DecodeRequest
-from engine.block_allocator import BlockAllocator, blocks_for
+from tandem.decode.request import DecodeRequest
+from tandem.engine.block_allocator import BlockAllocator, blocks_for
 
 
 class SlidingWindow:

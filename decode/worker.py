@@ -16,26 +16,26 @@ import time
 import redis
 import structlog
 
-from cluster import keys
-from cluster.admission import Reservations
-from cluster.inbox import Inbox, Mailer
-from cluster.messages import AbortRequest, GenerateRequest, PrefillDone, TokenEvent, WorkerInfo
-from cluster.outputs import Outbox
-from cluster.worker_loop import run_steps, worker_info
-from cluster.policy import LivePolicies
-from cluster.registry import Heartbeat
-from cluster.request_state import RequestStatus
-from cluster.settings import Settings
-from cluster.step_stats import StepStats
-from decode.batch_wait import BatchWait
-from decode.pool_files import remove_stale_pool_files
-from decode.device_steps import DeviceStep, DeviceSteps, run_ahead
-from decode.handoffs import PrefillHandoffs
-from decode.request import DecodeRequest
-from decode.scheduler import DecodeScheduler
-from engine.block_allocator import BlockAllocator
-from engine.placement import build_runner, device_identity, resolve_device, resolve_transport
-from kvtransfer import get_transport
+from tandem.cluster import keys
+from tandem.cluster.admission import Reservations
+from tandem.cluster.inbox import Inbox, Mailer
+from tandem.cluster.messages import AbortRequest, GenerateRequest, PrefillDone, TokenEvent, WorkerInfo
+from tandem.cluster.outputs import Outbox
+from tandem.cluster.worker_loop import run_steps, worker_info
+from tandem.cluster.policy import LivePolicies
+from tandem.cluster.registry import Heartbeat
+from tandem.cluster.request_state import RequestStatus
+from tandem.cluster.settings import Settings
+from tandem.cluster.step_stats import StepStats
+from tandem.decode.batch_wait import BatchWait
+from tandem.decode.pool_files import remove_stale_pool_files
+from tandem.decode.device_steps import DeviceStep, DeviceSteps, run_ahead
+from tandem.decode.handoffs import PrefillHandoffs
+from tandem.decode.request import DecodeRequest
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.placement import build_runner, device_identity, resolve_device, resolve_transport
+from tandem.kvtransfer import get_transport
 
 log = structlog.get_logger(__name__)
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, SeqChunk
-from engine.step_tokens import TokenFeed, gather_fed
+from tandem.engine.attention import AttentionMetadata, SeqChunk
+from tandem.engine.step_tokens import TokenFeed, gather_fed
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 

@@ -14,9 +14,9 @@ import os
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.model import LlamaFamilyModel
-from engine.rope import build_cos_sin_cache
+from tandem.engine.config import ModelConfig
+from tandem.engine.model import LlamaFamilyModel
+from tandem.engine.rope import build_cos_sin_cache
 
 # Buffers some older checkpoints saved; recomputed by the engine, safe to skip.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

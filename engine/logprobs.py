@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.sampling import MAX_LOGPROBS, SamplingParams
+from tandem.cluster.sampling import MAX_LOGPROBS, SamplingParams
 
 FLOOR = -9999.0
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.kv_cache import KVCachePool
-from kernels import ops
+from tandem.engine.attention import AttentionMetadata
+from tandem.engine.config import ModelConfig
+from tandem.engine.kv_cache import KVCachePool
+from tandem.kernels import ops
 
 
 class DecoderLayer(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import structlog
 import torch
 
-from cluster.settings import CPU_DEFAULT_KV_TOKENS, Settings
+from tandem.cluster.settings import CPU_DEFAULT_KV_TOKENS, Settings
 
 log = structlog.get_logger(__name__)
 
@@ -80,9 +80,9 @@ def kv_pool_blocks(
 
 def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens: int | None = None):
     """Load the model, then size its KV pool from what memory the weights left. ``shm_path``: pool in that file."""
-    from engine.kv_cache import KVCachePool
-    from engine.loader import load_model
-    from engine.runner import ModelRunner
+    from tandem.engine.kv_cache import KVCachePool
+    from tandem.engine.loader import load_model
+    from tandem.engine.runner import ModelRunner
 
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)

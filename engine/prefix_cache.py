@@ -26,7 +26,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from engine.block_allocator import BlockAllocator, OutOfBlocks
+from tandem.engine.block_allocator import BlockAllocator, OutOfBlocks
 
 HASH_BYTES = 16
 _ROOT = b"\0" * HASH_BYTES

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from engine.config import ModelConfig
+from tandem.engine.config import ModelConfig
 
 
 def compute_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -11,10 +11,10 @@ import os
 
 import torch
 
-from engine.attention import SeqChunk, build_input_ids, build_metadata
-from engine.kv_cache import KVCachePool
-from engine.loader import load_model
-from engine.step_tokens import TokenFeed, gather_fed
+from tandem.engine.attention import SeqChunk, build_input_ids, build_metadata
+from tandem.engine.kv_cache import KVCachePool
+from tandem.engine.loader import load_model
+from tandem.engine.step_tokens import TokenFeed, gather_fed
 
 
 class ModelRunner:
@@ -56,7 +56,7 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int) -> None:
         """Capture decode steps per batch-size bucket (CUDA only; eager above the largest bucket)."""
-        from engine.cuda_graph import DecodeGraphs
+        from tandem.engine.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, max_batch_size, max_seq_len)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.sampling import SamplingParams
+from tandem.cluster.sampling import SamplingParams
 
 # Prime multiplier: (seed, step) pairs map to distinct generator seeds in practice.
 _SEED_STRIDE = 1_000_003

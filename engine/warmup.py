@@ -18,8 +18,8 @@ import time
 import structlog
 import torch
 
-from engine.attention import SeqChunk
-from kernels import ops
+from tandem.engine.attention import SeqChunk
+from tandem.kernels import ops
 
 log = structlog.get_logger(__name__)
 

@@ -26,11 +26,11 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from cluster import keys
-from cluster.draining import is_drained, is_draining, mark_value, parse_marks
-from cluster.messages import FIELD, AbortRequest, WorkerInfo, encode
-from cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES
-from gateway.router import ROLES, live_workers
+from tandem.cluster import keys
+from tandem.cluster.draining import is_drained, is_draining, mark_value, parse_marks
+from tandem.cluster.messages import FIELD, AbortRequest, WorkerInfo, encode
+from tandem.cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES
+from tandem.gateway.router import ROLES, live_workers
 
 log = structlog.get_logger(__name__)
 

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES
+from tandem.cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -42,7 +42,7 @@ def call(args: argparse.Namespace):
     """The reply message of the call ``args`` names (raises grpc.RpcError)."""
     import grpc
 
-    from gateway.admin import pb, pb_grpc
+    from tandem.gateway.admin import pb, pb_grpc
 
     with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.AdminStub(channel)

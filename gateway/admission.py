@@ -21,9 +21,9 @@ import itertools
 import time
 from collections.abc import Awaitable, Callable
 
-from cluster.messages import WorkerInfo
-from gateway.errors import ClientDisconnected, RequestTimeout, ServerBusy
-from gateway.router import Router
+from tandem.cluster.messages import WorkerInfo
+from tandem.gateway.errors import ClientDisconnected, RequestTimeout, ServerBusy
+from tandem.gateway.router import Router
 
 POLL_S = 0.01
 CLIENT_CHECK_S = 0.1  # how often a waiter asks whether its client is still there

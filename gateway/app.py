@@ -13,15 +13,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from cluster.settings import Settings
-from gateway.body_limit import BodyLimitMiddleware
-from gateway.cancellation import GenerationStreamResponse, until_disconnected
-from gateway.errors import install_error_handlers
-from gateway.choices import Choices
-from gateway.metrics import CONTENT_TYPE, StatusMiddleware
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from gateway.responses import ResponseFormat, sse_events
-from gateway.service import GatewayService
+from tandem.cluster.settings import Settings
+from tandem.gateway.body_limit import BodyLimitMiddleware
+from tandem.gateway.cancellation import GenerationStreamResponse, until_disconnected
+from tandem.gateway.errors import install_error_handlers
+from tandem.gateway.choices import Choices
+from tandem.gateway.metrics import CONTENT_TYPE, StatusMiddleware
+from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tandem.gateway.responses import ResponseFormat, sse_events
+from tandem.gateway.service import GatewayService
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -37,7 +37,7 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
         await service.prepare()
         admin = None
         if settings.admin_port:
-            from gateway.admin import start_admin_server
+            from tandem.gateway.admin import start_admin_server
 
             admin = await start_admin_server(service.redis, settings.admin_host, settings.admin_port)
         yield

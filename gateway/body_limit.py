@@ -12,7 +12,7 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import error_response
+from tandem.gateway.errors import error_response
 
 
 class BodyLimitMiddleware:

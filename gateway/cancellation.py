@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import ClientDisconnected
-from gateway.choices import Choices
+from tandem.gateway.errors import ClientDisconnected
+from tandem.gateway.choices import Choices
 
 T = TypeVar("T")
 

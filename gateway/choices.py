@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from gateway.generation import Generation
-from gateway.responses import ChoiceResult, Delta, Usage
+from tandem.gateway.generation import Generation
+from tandem.gateway.responses import ChoiceResult, Delta, Usage
 
 _END = object()  # a choice's pump is done
 

@@ -36,16 +36,16 @@ from typing import TYPE_CHECKING
 import structlog
 from redis.exceptions import RedisError
 
-from cluster.messages import WorkerInfo
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import NoWorkerAvailable, RequestTimeout, ServerBusy, WorkerFailed, WorkerLost
-from gateway.responses import Delta, Usage
-from gateway.stop import StopChecker
-from gateway.streams import TokenAssembler, read_queued_events
-from gateway.validation import GenerationInput
+from tandem.cluster.messages import WorkerInfo
+from tandem.gateway.detokenizer import IncrementalDetokenizer
+from tandem.gateway.errors import NoWorkerAvailable, RequestTimeout, ServerBusy, WorkerFailed, WorkerLost
+from tandem.gateway.responses import Delta, Usage
+from tandem.gateway.stop import StopChecker
+from tandem.gateway.streams import TokenAssembler, read_queued_events
+from tandem.gateway.validation import GenerationInput
 
 if TYPE_CHECKING:
-    from gateway.service import GatewayService
+    from tandem.gateway.service import GatewayService
 
 log = structlog.get_logger(__name__)
 

@@ -21,8 +21,8 @@ import uuid
 import redis.asyncio as aioredis
 import structlog
 
-from cluster import keys
-from cluster.messages import FIELD, TokenBatch, TokenEvent, decode
+from tandem.cluster import keys
+from tandem.cluster.messages import FIELD, TokenBatch, TokenEvent, decode
 
 log = structlog.get_logger(__name__)
 

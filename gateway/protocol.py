@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from cluster.sampling import MAX_LOGPROBS
+from tandem.cluster.sampling import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack carries to the workers

@@ -13,7 +13,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from gateway.errors import error_payload
+from tandem.gateway.errors import error_payload
 
 DONE = b"data: [DONE]\n\n"
 

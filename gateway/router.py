@@ -23,12 +23,12 @@ import time
 import redis.asyncio as aioredis
 import structlog
 
-from cluster import keys
-from cluster.admission import RELEASE_LUA, RESERVE_LUA, charge_tokens
-from cluster.draining import accepting, is_draining, parse_marks
-from cluster.messages import FIELD, AbortRequest, GenerateRequest, WorkerInfo, encode
-from cluster.registry import of_model, parse_records
-from gateway.errors import NoWorkerAvailable
+from tandem.cluster import keys
+from tandem.cluster.admission import RELEASE_LUA, RESERVE_LUA, charge_tokens
+from tandem.cluster.draining import accepting, is_draining, parse_marks
+from tandem.cluster.messages import FIELD, AbortRequest, GenerateRequest, WorkerInfo, encode
+from tandem.cluster.registry import of_model, parse_records
+from tandem.gateway.errors import NoWorkerAvailable
 
 log = structlog.get_logger(__name__)
 

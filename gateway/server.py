@@ -7,9 +7,9 @@ import argparse
 import structlog
 import uvicorn
 
-from cluster.service import configure_logging
-from cluster.settings import Settings, add_arguments
-from gateway.app import create_app
+from tandem.cluster.service import configure_logging
+from tandem.cluster.settings import Settings, add_arguments
+from tandem.gateway.app import create_app
 
 log = structlog.get_logger(__name__)
 
@@ -32,7 +32,7 @@ def main(settings: Settings) -> None:
 
 
 def _cli() -> None:
-    parser = argparse.ArgumentParser(prog="python -m gateway.server", description="tandem OpenAI gateway")
+    parser = argparse.ArgumentParser(prog="python -m tandem.gateway.server", description="tandem OpenAI gateway")
     add_arguments(parser)
     main(Settings.from_args(parser.parse_args()))
 

@@ -25,19 +25,19 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
-from cluster.messages import GenerateRequest, WorkerInfo
-from cluster.settings import Settings
-from gateway.admission import AdmissionQueue
-from gateway.choices import Choices
-from gateway.errors import ClientDisconnected
-from gateway.generation import Generation
-from gateway.metrics import GatewayMetrics
-from gateway.mux import OutputMux
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.router import ROLES, Router
-from gateway.streams import POLL_S
-from gateway.tokenizer import load_tokenizer
-from gateway.validation import GenerationInput, Validator, choice_input
+from tandem.cluster.messages import GenerateRequest, WorkerInfo
+from tandem.cluster.settings import Settings
+from tandem.gateway.admission import AdmissionQueue
+from tandem.gateway.choices import Choices
+from tandem.gateway.errors import ClientDisconnected
+from tandem.gateway.generation import Generation
+from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.mux import OutputMux
+from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.router import ROLES, Router
+from tandem.gateway.streams import POLL_S
+from tandem.gateway.tokenizer import load_tokenizer
+from tandem.gateway.validation import GenerationInput, Validator, choice_input
 
 log = structlog.get_logger(__name__)
 

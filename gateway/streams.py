@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from cluster.messages import TokenEvent
-from gateway.errors import RequestTimeout, WorkerLost
+from tandem.cluster.messages import TokenEvent
+from tandem.gateway.errors import RequestTimeout, WorkerLost
 
 log = structlog.get_logger(__name__)
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from cluster.sampling import SamplingParams
-from cluster.settings import Settings
-from gateway.errors import InvalidRequest, ModelNotFound
-from gateway.protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest, SamplingFields
-from gateway.tokenizer import vocab_size
+from tandem.cluster.sampling import SamplingParams
+from tandem.cluster.settings import Settings
+from tandem.gateway.errors import InvalidRequest, ModelNotFound
+from tandem.gateway.protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest, SamplingFields
+from tandem.gateway.tokenizer import vocab_size
 
 
 @dataclass

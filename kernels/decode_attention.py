@@ -26,11 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_config import DecodeWorkspace, _tile_config, num_kv_splits
-from kernels.decode_tiles import (_attend_kv_tile, _load_kv_tile, _rotated_new_kv,
+from tandem.kernels.decode_config import DecodeWorkspace, _tile_config, num_kv_splits
+from tandem.kernels.decode_tiles import (_attend_kv_tile, _load_kv_tile, _rotated_new_kv,
                                   _store_new_kv)
-from kernels.dot import upcast_bf16_dot
-from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from tandem.kernels.dot import upcast_bf16_dot
+from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 LOG2E = 1.4426950408889634
 HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention compares both)

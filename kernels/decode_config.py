@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.device_props import num_sms
+from tandem.kernels.device_props import num_sms
 
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 128  # below this the merge costs more than it saves

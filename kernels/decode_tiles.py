@@ -5,7 +5,7 @@ log2 domain), and rotate / store the decode token's own k and v (the fused form)
 import triton
 import triton.language as tl
 
-from kernels.dot import dot
+from tandem.kernels.dot import dot
 
 
 @triton.jit

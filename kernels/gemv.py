@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 
 @triton.jit

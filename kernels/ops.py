@@ -12,23 +12,23 @@ from functools import cache
 
 import torch
 
-from kernels import reference
+from tandem.kernels import reference
 
 # op name -> module in this package holding its Triton implementation
 _TRITON_MODULES = {
-    "fused_add_rms_norm": "kernels.rms_norm",
-    "silu_mul": "kernels.activation",
-    "gemv": "kernels.gemv",
-    "gemv_silu_mul": "kernels.gemv",
-    "skinny_linear": "kernels.skinny_gemm",
-    "skinny_silu_mul": "kernels.skinny_gemm",
-    "skinny_linear_add_rms_norm": "kernels.skinny_gemm",
-    "rotary_kv_write": "kernels.rotary",
-    "prefill_attention": "kernels.prefill_attention",
-    "decode_attention": "kernels.decode_attention",
-    "decode_attention_new_token": "kernels.decode_attention",
-    "gather_blocks": "kernels.block_copy",
-    "scatter_blocks": "kernels.block_copy",
+    "fused_add_rms_norm": "tandem.kernels.rms_norm",
+    "silu_mul": "tandem.kernels.activation",
+    "gemv": "tandem.kernels.gemv",
+    "gemv_silu_mul": "tandem.kernels.gemv",
+    "skinny_linear": "tandem.kernels.skinny_gemm",
+    "skinny_silu_mul": "tandem.kernels.skinny_gemm",
+    "skinny_linear_add_rms_norm": "tandem.kernels.skinny_gemm",
+    "rotary_kv_write": "tandem.kernels.rotary",
+    "prefill_attention": "tandem.kernels.prefill_attention",
+    "decode_attention": "tandem.kernels.decode_attention",
+    "decode_attention_new_token": "tandem.kernels.decode_attention",
+    "gather_blocks": "tandem.kernels.block_copy",
+    "scatter_blocks": "tandem.kernels.block_copy",
 }
 
 

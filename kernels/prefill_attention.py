@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dot import dot, upcast_bf16_dot
+from tandem.kernels.dot import dot, upcast_bf16_dot
 
 LOG2E = 1.4426950408889634
 
@@ -233,7 +233,7 @@ HEAVY_FIRST = True  # grid order (see the kernel): 11-27% faster at 2048 tokens 
 def _tile_config(num_tokens: int, num_seqs: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes only (no autotune).
 
-    Long chunks, from ``python3 -m bench.tune_prefill_attention`` (H200, 2048 tokens,
+    Long chunks, from ``python3 -m tandem.bench.tune_prefill_attention`` (H200, 2048 tokens,
     heavy-first, chunk_kv): D 128 64x64 tiles, 4 warps, 2 stages (~48 KB of shared memory:
     several programs per SM, whose loads and math overlap one another; within one program at
     two stages the next tile's loads wait for the current tile's math, sm90 TTGIR); D 64

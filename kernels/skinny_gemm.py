@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.device_props import num_sms
-from kernels.dot import dot, upcast_bf16_dot
-from kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
-from kernels.rms_norm import rms_norm_row, row_num_warps
+from tandem.kernels.device_props import num_sms
+from tandem.kernels.dot import dot, upcast_bf16_dot
+from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from tandem.kernels.rms_norm import rms_norm_row, row_num_warps
 
 MAX_M = 128  # the x tile and the accumulators grow with M: beyond this, cuBLAS's own tiles
 _SMEM_BYTES = 220 << 10  # tile buffers per program (sm90 allows 227 KB)

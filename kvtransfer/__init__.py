@@ -13,8 +13,8 @@ Transports (``get_transport(name)``):
               the decode side receives in a background thread and acks each chunk.
 """
 
-from kvtransfer.base import KVPoll, Transport, get_transport
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
+from tandem.kvtransfer.base import KVPoll, Transport, get_transport
+from tandem.kvtransfer.receiver import KVReceiver
+from tandem.kvtransfer.sender import KVSender
 
 __all__ = ["KVPoll", "KVReceiver", "KVSender", "Transport", "get_transport"]

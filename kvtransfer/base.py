@@ -82,9 +82,9 @@ class Transport(ABC):
 
 
 _TRANSPORTS = {
-    "shm": "kvtransfer.shm:ShmTransport",
-    "cuda_ipc": "kvtransfer.cuda_ipc:CudaIpcTransport",
-    "nccl": "kvtransfer.nccl:NcclTransport",
+    "shm": "tandem.kvtransfer.shm:ShmTransport",
+    "cuda_ipc": "tandem.kvtransfer.cuda_ipc:CudaIpcTransport",
+    "nccl": "tandem.kvtransfer.nccl:NcclTransport",
 }
 
 

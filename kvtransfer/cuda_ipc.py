@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import ops
-from kvtransfer.base import Connection, Transfer, TransferError, Transport
+from tandem.kernels import ops
+from tandem.kvtransfer.base import Connection, Transfer, TransferError, Transport
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -58,10 +58,10 @@ import time
 import structlog
 import torch
 
-from kernels import ops
-from kvtransfer.base import CompletedTransfer, Connection, Transfer, TransferError, Transport
-from kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, PairStatus, ChunkStatus, Frames, make_group, warm_up, abort_later, on_stream
-from kvtransfer.nccl_recv import PoolServer
+from tandem.kernels import ops
+from tandem.kvtransfer.base import CompletedTransfer, Connection, Transfer, TransferError, Transport
+from tandem.kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, PairStatus, ChunkStatus, Frames, make_group, warm_up, abort_later, on_stream
+from tandem.kvtransfer.nccl_recv import PoolServer
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from kvtransfer.base import TransferError
+from tandem.kvtransfer.base import TransferError
 log = structlog.get_logger(__name__)
 
 WIRE_VERSION = 1

@@ -19,9 +19,9 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from kernels import ops
-from kvtransfer.base import TransferError
-from kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, Frames, make_group, warm_up, abort_later, on_stream
+from tandem.kernels import ops
+from tandem.kvtransfer.base import TransferError
+from tandem.kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, Frames, make_group, warm_up, abort_later, on_stream
 
 log = structlog.get_logger(__name__)
 TRACE_PATH = os.environ.get("TANDEM_KV_TRACE")  # diagnostics: per-chunk receive timeline, written at close

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from kvtransfer.base import KVPoll
+from tandem.kvtransfer.base import KVPoll
 
 
 class KVReceiver:

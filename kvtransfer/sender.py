@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.base import Connection, KVPoll, Transfer, TransferError
+from tandem.kvtransfer.base import Connection, KVPoll, Transfer, TransferError
 
 
 class KVSender:

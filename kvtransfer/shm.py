@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import ops
-from kvtransfer.base import CompletedTransfer, Connection, Transfer, TransferError, Transport
+from tandem.kernels import ops
+from tandem.kvtransfer.base import CompletedTransfer, Connection, Transfer, TransferError, Transport
 
 
 class ShmConnection(Connection):
@@ -48,7 +48,7 @@ class ShmTransport(Transport):
         return {"transport": self.name, "path": pool.shm_path, "layout": pool.layout()}
 
     def connect(self, endpoint: dict) -> Connection:
-        from engine.kv_cache import KVCachePool
+        from tandem.engine.kv_cache import KVCachePool
 
         try:
             pool = KVCachePool.attach_shared(endpoint["path"], **endpoint["layout"])

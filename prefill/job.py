@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.messages import PrefillJob
-from cluster.request_state import RequestStatus
+from tandem.cluster.messages import PrefillJob
+from tandem.cluster.request_state import RequestStatus
 
 
 @dataclass

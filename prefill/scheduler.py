@@ -22,10 +22,10 @@ number of blocks, so every chunk starts on a block boundary.
 
 from __future__ import annotations
 
-from cluster.request_state import RequestStatus
-from engine.block_allocator import BlockAllocator, blocks_for
-from engine.prefix_cache import PrefixCache, block_hashes, num_reusable_blocks
-from prefill.job import PrefillState
+from tandem.cluster.request_state import RequestStatus
+from tandem.engine.block_allocator import BlockAllocator, blocks_for
+from tandem.engine.prefix_cache import PrefixCache, block_hashes, num_reusable_blocks
+from tandem.prefill.job import PrefillState
 
 POLICIES = ("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS")
 

@@ -15,28 +15,28 @@ import time
 import redis
 import structlog
 
-from cluster import keys
-from cluster.inbox import Inbox, Mailer
-from cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
-from cluster.outputs import Outbox
-from cluster.worker_loop import run_steps, worker_info
-from cluster.policy import LivePolicies
-from cluster.prefix_index import PrefixIndex
-from cluster.registry import Heartbeat
-from cluster.request_state import RequestStatus, banned_token_ids, finish_reason
-from cluster.settings import Settings
-from cluster.step_stats import StepStats
-from engine.attention import SeqChunk
-from engine.block_allocator import BlockAllocator
-from engine.warmup import warm_up_prefill
-from engine.placement import build_runner, device_identity, resolve_transport
-from engine.prefix_cache import PrefixCache
-from engine import logprobs
-from engine.sampler import sample_async
-from kvtransfer import KVPoll, KVSender, get_transport
-from kvtransfer.base import TransferError
-from prefill.job import PrefillState
-from prefill.scheduler import PrefillScheduler
+from tandem.cluster import keys
+from tandem.cluster.inbox import Inbox, Mailer
+from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
+from tandem.cluster.outputs import Outbox
+from tandem.cluster.worker_loop import run_steps, worker_info
+from tandem.cluster.policy import LivePolicies
+from tandem.cluster.prefix_index import PrefixIndex
+from tandem.cluster.registry import Heartbeat
+from tandem.cluster.request_state import RequestStatus, banned_token_ids, finish_reason
+from tandem.cluster.settings import Settings
+from tandem.cluster.step_stats import StepStats
+from tandem.engine.attention import SeqChunk
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.warmup import warm_up_prefill
+from tandem.engine.placement import build_runner, device_identity, resolve_transport
+from tandem.engine.prefix_cache import PrefixCache
+from tandem.engine import logprobs
+from tandem.engine.sampler import sample_async
+from tandem.kvtransfer import KVPoll, KVSender, get_transport
+from tandem.kvtransfer.base import TransferError
+from tandem.prefill.job import PrefillState
+from tandem.prefill.scheduler import PrefillScheduler
 
 log = structlog.get_logger(__name__)
 

@@ -12,12 +12,12 @@ import gc
 
 import torch
 
-import kernels.decode_attention as da
-import kernels.decode_config as dc
-import kernels.ops as ops
-import kernels.skinny_gemm as sg
-from bench.engine import build_runner, decode_workload
-from engine.block_allocator import BlockAllocator
+import tandem.kernels.decode_attention as da
+import tandem.kernels.decode_config as dc
+import tandem.kernels.ops as ops
+import tandem.kernels.skinny_gemm as sg
+from tandem.bench.engine import build_runner, decode_workload
+from tandem.engine.block_allocator import BlockAllocator
 
 VARIANTS = {  # (module, name) -> value, read when the graphs are captured. Lost in the engine A/B
     # (code removed): partly-filled tile first, 32-token tiles, the register-pipelined loop (this

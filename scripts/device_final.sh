@@ -14,10 +14,10 @@ case "$1" in
     timeout 560 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/gpu tests/engine -m gpu 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -4 ;;
   engine)
-    timeout 300 python3 -m bench.engine --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 \
+    timeout 300 python3 -m tandem.bench.engine --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 \
       --anchors prefill,static --anchor-models llama2-7b --out "$OUT/benchmarks.json" 2>&1 | tee "$OUT/bench.log" \
       | grep -E "decode_b|prefill_2048|hf_|ceilings|added_ttft" ;;
   mixed)
-    timeout 330 python3 -m bench.cluster_mixed --client-processes 4 --out "$OUT/mixed/mixed.json" 2>&1 | tail -12 ;;
+    timeout 330 python3 -m tandem.bench.cluster_mixed --client-processes 4 --out "$OUT/mixed/mixed.json" 2>&1 | tail -12 ;;
   *) echo "usage: $0 tests|engine|mixed" >&2; exit 2 ;;
 esac

@@ -6,10 +6,10 @@
 set -o pipefail
 source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"/c4 "$OUT"/c1 "$OUT"/off
-timeout 280 python3 -m bench.cluster_mixed --client-processes 4 --out "$OUT/c4/mixed.json" 2>&1 | tail -4
-timeout 150 python3 -m bench.cluster_mixed --skip-hf --client-processes 1 --label mixed_128req_1client \
+timeout 280 python3 -m tandem.bench.cluster_mixed --client-processes 4 --out "$OUT/c4/mixed.json" 2>&1 | tail -4
+timeout 150 python3 -m tandem.bench.cluster_mixed --skip-hf --client-processes 1 --label mixed_128req_1client \
   --out "$OUT/c1/mixed.json" 2>&1 | tail -1
-timeout 150 python3 -m bench.cluster_mixed --skip-hf --client-processes 4 --label mixed_128req_run_ahead_off \
+timeout 150 python3 -m tandem.bench.cluster_mixed --skip-hf --client-processes 4 --label mixed_128req_run_ahead_off \
   --serve-args "--decode-run-ahead off" --out "$OUT/off/mixed.json" 2>&1 | tail -1
 python3 - "$OUT" <<'PY'
 import json, sys

@@ -25,7 +25,7 @@ case "$1" in
     timeout 200 python3 scripts/decode_ab.py --models llama2-7b --batches 64,128 --rounds 2 \
       --variants rule,reg96,reg80 2>&1 | tee "$OUT/decode_ab_reg.log" | grep "ms/step"
     mkdir -p "$OUT/mixed"
-    timeout 200 python3 -m bench.cluster_mixed --skip-hf --out "$OUT/mixed/cluster_mixed.json" > "$OUT/mixed/run.log" 2>&1
+    timeout 200 python3 -m tandem.bench.cluster_mixed --skip-hf --out "$OUT/mixed/cluster_mixed.json" > "$OUT/mixed/run.log" 2>&1
     grep -E "out_tok_per_s|ttft_ms_p50|ttft_ms_p99" "$OUT/mixed/run.log" ;;
   ab9b)  # tenth session, second call: gate/up at 64 rows on its tile (the rule now), the handoff
          # kernels warmed up; GPU tests of both, one A/B round, a mixed run's timeline (~3 min)
@@ -34,10 +34,10 @@ case "$1" in
     timeout 120 python3 scripts/decode_ab.py --models llama2-7b --batches 64 --rounds 1 \
       --variants rule 2>&1 | tee "$OUT/decode_ab.log" | grep "ms/step"
     mkdir -p "$OUT/mixed"
-    timeout 200 python3 -m bench.cluster_mixed --skip-hf --out "$OUT/mixed/cluster_mixed.json" > "$OUT/mixed/run.log" 2>&1
+    timeout 200 python3 -m tandem.bench.cluster_mixed --skip-hf --out "$OUT/mixed/cluster_mixed.json" > "$OUT/mixed/run.log" 2>&1
     grep -E "out_tok_per_s|ttft_ms_p50|ttft_ms_p99" "$OUT/mixed/run.log"
     grep "warmed up" "$OUT/mixed/cluster.log"
-    python3 -m bench.cluster_timeline "$OUT/mixed/cluster.log" | head -8 | cut -c1-120 ;;
+    python3 -m tandem.bench.cluster_timeline "$OUT/mixed/cluster.log" | head -8 | cut -c1-120 ;;
   ab11)  # eleventh session: decode attention's block ids in registers (IDS_IN_REGISTERS) with the tiles
          # a local sm90 compile pipelines; resources, GPU tests, one engine A/B round at b64/b128 (~7 min)
     python3 scripts/kernel_resources.py 2>&1 | tee "$OUT/resources.log" | grep -E "decode|Error"

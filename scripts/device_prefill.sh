@@ -6,7 +6,7 @@ set -o pipefail
 source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_attention.py -k gpu 2>&1 | tail -2
-timeout 400 python3 -m bench.tune_prefill_attention --out "$OUT/tune_prefill.json" 2>&1 | grep -v "^  " | tail -5
+timeout 400 python3 -m tandem.bench.tune_prefill_attention --out "$OUT/tune_prefill.json" 2>&1 | grep -v "^  " | tail -5
 python3 - "$OUT/tune_prefill.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):

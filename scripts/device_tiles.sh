@@ -7,15 +7,15 @@
 set -o pipefail
 source scripts/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 120 python3 -m bench.tune_decode_attention --cases 64:256,128:416 --models llama2-7b,llama3-8b,llama3.2-1b \
+timeout 120 python3 -m tandem.bench.tune_decode_attention --cases 64:256,128:416 --models llama2-7b,llama3-8b,llama3.2-1b \
   --tiles --out "$OUT/tune_decode_tiles.json" 2>&1 | tail -6
 run_engine() {  # label, then env assignments
   local label=$1; shift
-  env "$@" timeout 120 python3 -m bench.engine --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,64 \
+  env "$@" timeout 120 python3 -m tandem.bench.engine --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,64 \
     --anchors '' --out "$OUT/engine_$label.json" 2>&1 | grep -E "^decode_b.*ms_per_step" | sed "s/^/$label /"
 }
 run_engine rule TANDEM_FUSED_ROTARY=0
 run_engine t128 TANDEM_FUSED_ROTARY=0 TANDEM_DECODE_TILE=128,4,4
 run_engine t128f TANDEM_FUSED_ROTARY=1 TANDEM_DECODE_TILE=128,4,4
-timeout 90 python3 -m bench.decode_profile --model llama2-7b --batches 1 --prefill 2048 \
+timeout 90 python3 -m tandem.bench.decode_profile --model llama2-7b --batches 1 --prefill 2048 \
   --out "$OUT/prefill_profile.json" 2>&1 | sed -n '/prefill 2048/,$p'

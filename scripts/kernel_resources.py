@@ -4,9 +4,9 @@ decide these kernels (docs/gpu-notes.md). (device: source scripts/device_env.sh 
     python3 scripts/kernel_resources.py"""
 import torch
 
-import kernels.decode_attention as da
-import kernels.skinny_gemm as sg
-from kernels.decode_config import DecodeWorkspace
+import tandem.kernels.decode_attention as da
+import tandem.kernels.skinny_gemm as sg
+from tandem.kernels.decode_config import DecodeWorkspace
 
 
 def compiled(jit_fn, launch):

@@ -6,9 +6,9 @@ import argparse
 
 import torch
 
-import kernels.prefill_attention as pa
-from bench.engine import build_runner, prefill_workload
-from engine.block_allocator import BlockAllocator
+import tandem.kernels.prefill_attention as pa
+from tandem.bench.engine import build_runner, prefill_workload
+from tandem.engine.block_allocator import BlockAllocator
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--models", default="llama2-7b,llama3-8b,llama3.2-1b")

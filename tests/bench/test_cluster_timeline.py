@@ -1,4 +1,4 @@
-"""bench.cluster_timeline reads the stats lines the workers really log (cluster.step_stats
+"""tandem.bench.cluster_timeline reads the stats lines the workers really log (cluster.step_stats
 through cluster.service's structlog setup), written here by a process of their own."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import subprocess
 import sys
 import textwrap
 
-from bench.cluster_timeline import format_table, parse
+from tandem.bench.cluster_timeline import format_table, parse
 
 _WORKER = textwrap.dedent("""
     import sys, time
-    from cluster.service import configure_logging
-    from cluster.step_stats import StepStats
+    from tandem.cluster.service import configure_logging
+    from tandem.cluster.step_stats import StepStats
     configure_logging("info", sys.argv[1])
     stats = StepStats(sys.argv[1], interval_s=0.05)
     print("not json", file=sys.stderr)

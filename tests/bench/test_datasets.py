@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.datasets import arrival_offsets, parse_range, synthetic_requests
+from tandem.bench.datasets import arrival_offsets, parse_range, synthetic_requests
 
 
 def test_synthetic_requests_deterministic_and_in_range():

@@ -20,10 +20,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench import serve
-from bench.datasets import arrival_offsets, synthetic_requests
-from bench.serve_metrics import compute_metrics
-from bench.serve_request import BenchConfig
+from tandem.bench import serve
+from tandem.bench.datasets import arrival_offsets, synthetic_requests
+from tandem.bench.serve_metrics import compute_metrics
+from tandem.bench.serve_request import BenchConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -353,7 +353,7 @@ def test_ctrl_c_prints_partial_results(server, tmp_path):
     out = tmp_path / "r.json"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.serve", "--base-url", url, "--num-prompts", "40",
+        [sys.executable, "-m", "tandem.bench.serve", "--base-url", url, "--num-prompts", "40",
          "--max-concurrency", "2", "--input-len", "4", "--output-len", "10",
          "--result-json", str(out)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

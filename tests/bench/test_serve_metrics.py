@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.serve_metrics import (
+from tandem.bench.serve_metrics import (
     RequestResult,
     compute_metrics,
     meets_slos,
@@ -15,7 +15,7 @@ from bench.serve_metrics import (
     summarize,
     tpot_seconds,
 )
-from bench.serve_report import format_report
+from tandem.bench.serve_report import format_report
 
 
 def test_summarize_percentiles_match_numpy_linear():

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from bench import sse
-from bench.sse import SSEDecoder, decode_payload, iter_sse_data
+from tandem.bench import sse
+from tandem.bench.sse import SSEDecoder, decode_payload, iter_sse_data
 
 
 def test_sse_data_lines_blank_lines_comments_and_done():
@@ -69,8 +69,8 @@ def test_replayed_reads_time_each_event_by_the_read_that_completed_it():
     across reads (even inside a multi-byte character) count when their last byte arrived."""
     import json
 
-    from bench.serve_metrics import RequestResult
-    from bench.serve_request import BenchConfig, _replay
+    from tandem.bench.serve_metrics import RequestResult
+    from tandem.bench.serve_request import BenchConfig, _replay
 
     def event(obj):
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()

@@ -13,10 +13,10 @@ import time
 
 import redis
 
-from cluster import keys
-from cluster.launcher import RedisServer, free_port, service_argv, stop_all, wait_healthy
-from cluster.messages import WorkerInfo, decode
-from cluster.settings import Settings
+from tandem.cluster import keys
+from tandem.launcher import RedisServer, free_port, service_argv, stop_all, wait_healthy
+from tandem.cluster.messages import WorkerInfo, decode
+from tandem.cluster.settings import Settings
 
 
 class LocalCluster:

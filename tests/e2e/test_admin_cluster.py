@@ -12,13 +12,13 @@ import grpc
 import httpx
 import pytest
 
-from gateway.admin import pb, pb_grpc
+from tandem.gateway.admin import pb, pb_grpc
 
 pytestmark = pytest.mark.slow
 
 
 def _admin_cli(cluster, *args) -> tuple[int, str, str]:
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "admin", "--address", cluster.admin_address, *args],
+    proc = subprocess.run([sys.executable, "-m", "tandem", "admin", "--address", cluster.admin_address, *args],
                           capture_output=True, text=True, timeout=60)
     return proc.returncode, proc.stdout, proc.stderr
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from cluster import keys
-from cluster.launcher import free_port, wait_healthy
+from tandem.cluster import keys
+from tandem.launcher import free_port, wait_healthy
 from tests.e2e.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow

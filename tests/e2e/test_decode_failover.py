@@ -11,7 +11,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.launcher import wait_healthy
+from tandem.launcher import wait_healthy
 from tests.e2e.cluster import LocalCluster
 
 MAX_TOKENS = 460

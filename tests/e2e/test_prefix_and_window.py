@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.block_allocator import blocks_for
-from engine.testing import make_tiny_checkpoint
+from tandem.engine.block_allocator import blocks_for
+from tandem.engine.demo_model import make_tiny_checkpoint
 from tests.e2e.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from cluster.launcher import free_port
+from tandem.launcher import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def _children(pid: int) -> list[int]:
 
 def _start_serve(tiny_llama: str, port: int, tmp_path, admin_port: int | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", tiny_llama, "--port", str(port),
+        [sys.executable, "-m", "tandem", "serve", "--model", tiny_llama, "--port", str(port),
          "--admin-port", str(admin_port or free_port()), "--tokens-per-block", "4", "--max-seq-len", "256"],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "wb"), text=True,
     )
@@ -56,7 +56,7 @@ def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_p
         body = {"model": os.path.basename(tiny_llama), "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
-        admin = subprocess.run([sys.executable, "-m", "cluster.cli", "admin", "--address", f"127.0.0.1:{admin_port}",
+        admin = subprocess.run([sys.executable, "-m", "tandem", "admin", "--address", f"127.0.0.1:{admin_port}",
                                 "workers"], capture_output=True, text=True, timeout=60)
         assert admin.returncode == 0, admin.stderr
         assert sorted(w["worker_id"] for w in json.loads(admin.stdout)["workers"]) == ["decode-0", "prefill-0"]

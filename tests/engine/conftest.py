@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.testing import make_tiny_checkpoint
+from tandem.engine.demo_model import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

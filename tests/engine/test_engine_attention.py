@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqChunk, build_input_ids, build_metadata
+from tandem.engine.attention import SeqChunk, build_input_ids, build_metadata
 
 
 def test_mixed_batch_metadata():

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import SeqChunk
-from engine.runner import ModelRunner
-from engine.step_tokens import StepTokens, TokenFeed
+from tandem.engine.attention import SeqChunk
+from tandem.engine.runner import ModelRunner
+from tandem.engine.step_tokens import StepTokens, TokenFeed
 
 BLOCK = 4
 
@@ -100,9 +100,9 @@ def test_fed_graph_steps_back_to_back_match_steps_read_one_by_one(tiny_checkpoin
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prefetched_fused_attention_in_fed_graph_steps(tiny_checkpoints, monkeypatch):
-    """kernels.decode_attention.PREFETCH (by default batch 1 only; here every bucket) in CUDA graphs whose steps run back to
+    """tandem.kernels.decode_attention.PREFETCH (by default batch 1 only; here every bucket) in CUDA graphs whose steps run back to
     back (the fused form: 3 sequences in bucket 4, one padding row): the logits of the default."""
-    from kernels import decode_attention
+    from tandem.kernels import decode_attention
 
     results = []
     for prefetch in (False, True):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.sampling import SamplingParams
-from engine.runner import ModelRunner
-from engine.sampler import sample
+from tandem.cluster.sampling import SamplingParams
+from tandem.engine.runner import ModelRunner
+from tandem.engine.sampler import sample
 from test_engine_parity import _hf, _make_seqs, _max_diff_vs_hf, _run_engine
 
 pytestmark = [
@@ -33,10 +33,10 @@ def test_cuda_fp32_matches_hf(tiny_checkpoints, arch, fused_rotary, monkeypatch)
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_cuda_fp32_matches_hf_with_the_prefetched_fused_form(tiny_checkpoints, arch, monkeypatch):
-    """kernels.decode_attention.PREFETCH at every batch size (by default batch 1 only): the fused
+    """tandem.kernels.decode_attention.PREFETCH at every batch size (by default batch 1 only): the fused
     decode attention loads its last tile before the PDL wait and takes the new token's k, v
     from registers."""
-    from kernels import decode_attention
+    from tandem.kernels import decode_attention
 
     monkeypatch.setattr(decode_attention, "PREFETCH", True)
     monkeypatch.setattr(decode_attention, "PREFETCH_MAX_BATCH", 1 << 20)

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from engine.kv_cache import KVCachePool
+from tandem.engine.kv_cache import KVCachePool
 
 LAYOUT = {"num_layers": 2, "num_blocks": 6, "block_size": 4, "num_kv_heads": 2, "head_dim": 8}
 

@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.config import ModelConfig
-from engine.loader import load_model
-from engine.rope import build_cos_sin_cache
+from tandem.engine.config import ModelConfig
+from tandem.engine.loader import load_model
+from tandem.engine.rope import build_cos_sin_cache
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,

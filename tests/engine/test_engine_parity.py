@@ -17,10 +17,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.attention import SeqChunk
-from engine.config import ModelConfig
-from engine.rope import build_cos_sin_cache
-from engine.runner import ModelRunner
+from tandem.engine.attention import SeqChunk
+from tandem.engine.config import ModelConfig
+from tandem.engine.rope import build_cos_sin_cache
+from tandem.engine.runner import ModelRunner
 
 CHUNK_SIZE = 7
 NUM_DECODE_STEPS = 20
@@ -136,7 +136,7 @@ def test_prefill_hands_the_chunks_keys_to_the_attention(tiny_checkpoints, monkey
     """Each layer's prefill attention gets the chunk's rotated k and its v (chunk_kv, which the
     Triton kernel reads instead of the cache), equal to what the layer wrote to its cache at the
     chunk's positions; a second chunk of the same sequence gets only its own tokens."""
-    from kernels import reference
+    from tandem.kernels import reference
 
     calls = []
     real = reference.prefill_attention

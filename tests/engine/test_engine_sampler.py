@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from cluster.sampling import SamplingParams
-from engine.sampler import sample
+from tandem.cluster.sampling import SamplingParams
+from tandem.engine.sampler import sample
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -115,7 +115,7 @@ def test_tied_logits_at_the_top_k_cut_are_kept_as_hf_does(temperature, top_k, to
 def test_banned_tokens_are_never_picked_greedy_or_sampled():
     """min_tokens: a row's banned ids (its stop and EOS tokens) are out of the running; other rows
     and the caller's logits are untouched."""
-    from cluster.request_state import banned_token_ids, finish_reason
+    from tandem.cluster.request_state import banned_token_ids, finish_reason
 
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]])
     before = logits.clone()

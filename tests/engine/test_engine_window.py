@@ -7,19 +7,19 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from cluster.messages import GenerateRequest, PrefillJob
-from cluster.request_state import RequestStatus
-from cluster.sampling import SamplingParams
-from decode.request import DecodeRequest
-from decode.scheduler import DecodeScheduler
-from decode.window import held_block_ids
-from engine.attention import SeqChunk
-from engine.block_allocator import BlockAllocator
-from engine.config import ModelConfig
-from engine.loader import load_model
-from engine.runner import ModelRunner
-from prefill.job import PrefillState
-from prefill.scheduler import PrefillScheduler
+from tandem.cluster.messages import GenerateRequest, PrefillJob
+from tandem.cluster.request_state import RequestStatus
+from tandem.cluster.sampling import SamplingParams
+from tandem.decode.request import DecodeRequest
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.decode.window import held_block_ids
+from tandem.engine.attention import SeqChunk
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.config import ModelConfig
+from tandem.engine.loader import load_model
+from tandem.engine.runner import ModelRunner
+from tandem.prefill.job import PrefillState
+from tandem.prefill.scheduler import PrefillScheduler
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40

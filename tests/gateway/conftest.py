@@ -18,12 +18,12 @@ import pytest
 import redis
 import uvicorn
 
-from cluster import keys
-from cluster.admission import Reservations
-from cluster.inbox import Inbox
-from cluster.messages import AbortRequest, GenerateRequest, TokenEvent, WorkerInfo, encode
-from cluster.outputs import queue_events
-from cluster.settings import Settings
+from tandem.cluster import keys
+from tandem.cluster.admission import Reservations
+from tandem.cluster.inbox import Inbox
+from tandem.cluster.messages import AbortRequest, GenerateRequest, TokenEvent, WorkerInfo, encode
+from tandem.cluster.outputs import queue_events
+from tandem.cluster.settings import Settings
 
 MAX_POSITIONS = 128
 
@@ -36,7 +36,7 @@ def free_port() -> int:
 
 def build_tokenizer():
     """The byte-level BPE + chat template the rest of the project tests with."""
-    from engine.testing import make_tiny_tokenizer  # imports torch, in the test process only
+    from tandem.engine.demo_model import make_tiny_tokenizer  # imports torch, in the test process only
 
     return make_tiny_tokenizer()
 
@@ -52,7 +52,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from gateway.tokenizer import load_tokenizer
+    from tandem.gateway.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir)
 
@@ -135,7 +135,7 @@ def text_ids(tokenizer):
 @pytest.fixture
 def serve(model_dir, redis_url):
     """serve(**settings_overrides) -> ServerThread (stopped at teardown)."""
-    from gateway.app import create_app
+    from tandem.gateway.app import create_app
 
     servers = []
 

@@ -9,8 +9,8 @@ import threading
 import grpc
 import pytest
 
-from cluster import keys
-from gateway.admin import CANCEL_REASON, pb, pb_grpc
+from tandem.cluster import keys
+from tandem.gateway.admin import CANCEL_REASON, pb, pb_grpc
 from tests.gateway.conftest import free_port, parse_sse, post, register_prefill, token_script, wait_for
 
 

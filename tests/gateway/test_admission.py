@@ -10,12 +10,12 @@ import time
 import httpx
 import pytest
 
-from cluster import keys
-from cluster.admission import RESERVE_LUA, Reservations
-from cluster.messages import WorkerInfo
-from gateway.admission import AdmissionQueue
-from gateway.errors import ClientDisconnected, ServerBusy
-from gateway.metrics import GatewayMetrics
+from tandem.cluster import keys
+from tandem.cluster.admission import RESERVE_LUA, Reservations
+from tandem.cluster.messages import WorkerInfo
+from tandem.gateway.admission import AdmissionQueue
+from tandem.gateway.errors import ClientDisconnected, ServerBusy
+from tandem.gateway.metrics import GatewayMetrics
 from tests.gateway.conftest import token_script, wait_for
 
 HOLD = token_script([5, 6, 7], "length", delay_s=0.4)  # a request that holds its room for ~1.2 s
@@ -209,8 +209,8 @@ def test_preemption_counter_follows_the_workers_count():
 def test_live_policies_start_from_flags_switch_and_ignore_junk(rclient):
     from structlog.testing import capture_logs
 
-    from cluster.policy import LivePolicies
-    from cluster.settings import Settings
+    from tandem.cluster.policy import LivePolicies
+    from tandem.cluster.settings import Settings
 
     rclient.hset(keys.policy(), "context_chunking_policy", "EQUAL_PROGRESS")  # set by an earlier worker
     with capture_logs() as logs:

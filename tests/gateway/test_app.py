@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from cluster.messages import TokenEvent
+from tandem.cluster.messages import TokenEvent
 from tests.gateway.conftest import MAX_POSITIONS, TEXT, parse_sse, post, register_prefill, token_script, wait_for
 
 
@@ -214,8 +214,8 @@ def test_routing_prefers_room(serve, fake_worker):
 def test_two_gateways_never_oversubscribe_a_worker(redis_url, rclient, fake_worker):
     import redis.asyncio as aioredis
 
-    from cluster import keys
-    from gateway.router import Router
+    from tandem.cluster import keys
+    from tandem.gateway.router import Router
 
     fake_worker(lambda req: [], worker_id="decode-a", num_total_blocks=12)  # 192 tokens
     fake_worker(lambda req: [], worker_id="decode-b", num_total_blocks=10)  # 160 tokens
@@ -294,16 +294,16 @@ def test_many_concurrent_streams(serve, fake_worker, text_ids):
 
 def test_gateway_imports_no_torch(model_dir):
     code = (
-        "import sys; import gateway.app, gateway.server; from gateway.tokenizer import load_tokenizer; "
+        "import sys; import tandem.gateway.app, tandem.gateway.server; from tandem.gateway.tokenizer import load_tokenizer; "
         f"t = load_tokenizer({model_dir!r}); t.apply_chat_template([{{'role': 'user', 'content': 'x'}}], "
         "add_generation_prompt=True, tokenize=False); "
-        "bad = [m for m in ('torch', 'engine', 'kernels') if m in sys.modules]; assert not bad, bad"
+        "bad = [m for m in ('torch', 'tandem.engine', 'tandem.kernels') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_redis_restart_gives_503_then_recovers(model_dir, tmp_path):
-    from gateway.app import create_app
+    from tandem.gateway.app import create_app
     from tests.gateway.conftest import FakeDecodeWorker, ServerThread, free_port, make_settings
     port = free_port()
     argv = ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]

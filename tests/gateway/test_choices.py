@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from cluster.messages import TokenEvent
+from tandem.cluster.messages import TokenEvent
 from tests.gateway.conftest import TEXT, parse_sse, post, token_script, wait_for
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.detokenizer import IncrementalDetokenizer
+from tandem.gateway.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world! How are you today?",

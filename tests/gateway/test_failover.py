@@ -68,7 +68,7 @@ def test_stream_resumes_on_another_worker_when_its_worker_dies(serve, fake_worke
 def test_failover_waits_for_room_no_longer_than_the_request_deadline(serve, fake_worker, text_ids, redis_url):
     import redis as sync_redis
 
-    from cluster import keys
+    from tandem.cluster import keys
 
     first = fake_worker(token_script(text_ids[:12], "length", delay_s=0.15), worker_id="decode-fake-0",
                         ttl_s=0.5, num_free_blocks=64)
@@ -90,7 +90,7 @@ def test_failover_waits_for_room_no_longer_than_the_request_deadline(serve, fake
 def test_resubmission_is_charged_as_the_new_worker_holds_it(serve, fake_worker, text_ids, redis_url):
     import redis as sync_redis
 
-    from cluster import keys
+    from tandem.cluster import keys
 
     def resuming(delay_s):
         def script(req):

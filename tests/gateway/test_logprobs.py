@@ -4,7 +4,7 @@ workers put on their events come back as OpenAI's logprobs objects, streamed and
 
 from __future__ import annotations
 
-from cluster.messages import TokenEvent
+from tandem.cluster.messages import TokenEvent
 from tests.gateway.conftest import parse_sse, post
 
 

@@ -5,7 +5,7 @@ events arrive in."""
 
 from __future__ import annotations
 
-from cluster.messages import TokenEvent
+from tandem.cluster.messages import TokenEvent
 from tests.gateway.conftest import build_tokenizer, parse_sse, post, token_script
 
 
@@ -24,7 +24,7 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(serve, fake_worker, to
 def test_added_tokens_marked_special_are_skipped():
     from transformers import AddedToken
 
-    from gateway.detokenizer import IncrementalDetokenizer, special_token_ids
+    from tandem.gateway.detokenizer import IncrementalDetokenizer, special_token_ids
 
     tok = build_tokenizer()  # a fresh one: the session's tokenizer fixture stays as it is
     tok.add_tokens([AddedToken("<|start_header_id|>", special=True), AddedToken("<|eom_id|>", special=True)])

@@ -10,9 +10,9 @@ import types
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway import service as service_module
-from gateway.generation import Generation
-from gateway.service import GatewayService
+from tandem.gateway import service as service_module
+from tandem.gateway.generation import Generation
+from tandem.gateway.service import GatewayService
 
 
 class _FlakyRouter:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from cluster.messages import WorkerInfo, encode
-from gateway.router import Router
+from tandem.cluster.messages import WorkerInfo, encode
+from tandem.gateway.router import Router
 
 
 class _Registry:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cluster.messages import TokenEvent, WorkerInfo
-from gateway.router import admission_args, tie_order
-from gateway.streams import TokenAssembler
+from tandem.cluster.messages import TokenEvent, WorkerInfo
+from tandem.gateway.router import admission_args, tie_order
+from tandem.gateway.streams import TokenAssembler
 
 
 def ev(index, token_ids, finish=None, error=None):

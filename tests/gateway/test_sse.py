@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway.errors import WorkerLost
-from gateway.responses import DONE, ChoiceResult, Delta, ResponseFormat, Usage, sse, sse_events
+from tandem.gateway.errors import WorkerLost
+from tandem.gateway.responses import DONE, ChoiceResult, Delta, ResponseFormat, Usage, sse, sse_events
 
 
 def collect(fmt, deltas, usage=Usage(3, 2), include_usage=False, fail=None, num_choices=1):

@@ -8,9 +8,9 @@ import time
 import httpx
 from conftest import ServerThread, free_port, make_settings
 
-from cluster.admission import RELEASE_LUA, RESERVE_LUA
-from gateway.app import create_app
-from gateway.service import STARTUP_WAIT_S
+from tandem.cluster.admission import RELEASE_LUA, RESERVE_LUA
+from tandem.gateway.app import create_app
+from tandem.gateway.service import STARTUP_WAIT_S
 
 
 def test_the_admission_scripts_are_in_redis_before_the_first_request(model_dir, tokenizer, redis_url, rclient):

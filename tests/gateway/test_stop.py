@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.stop import StopChecker
+from tandem.gateway.stop import StopChecker
 
 
 def run(stops, pieces):

@@ -7,7 +7,7 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from gateway.app import MAX_BODY_BYTES, create_app
+from tandem.gateway.app import MAX_BODY_BYTES, create_app
 from tests.gateway.conftest import MAX_POSITIONS, free_port, make_settings, register_prefill, token_script
 
 LONG = [5] * MAX_POSITIONS  # max_input_len = MAX_POSITIONS - 1

@@ -12,7 +12,7 @@ def test_gpu_cluster_greedy_matches_hf(tmp_path):
     import httpx
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.testing import make_tiny_checkpoint
+    from tandem.engine.demo_model import make_tiny_checkpoint
     from tests.e2e.cluster import LocalCluster
 
     path = make_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=128, num_attention_heads=4,

@@ -11,7 +11,7 @@ LAYOUT = dict(num_layers=4, num_blocks=32, block_size=16, num_kv_heads=8, head_d
 
 
 def _writer(endpoint, src_ids, dst_ids, seed, result):
-    from kvtransfer import KVPoll, KVSender, get_transport
+    from tandem.kvtransfer import KVPoll, KVSender, get_transport
 
     torch.manual_seed(seed)
     src = torch.randn(4, 2, 32, 16, 8, 128, device="cuda").to(torch.bfloat16)
@@ -24,8 +24,8 @@ def _writer(endpoint, src_ids, dst_ids, seed, result):
 
 
 def test_cuda_ipc_moves_blocks_between_processes_byte_exact():
-    from engine.kv_cache import KVCachePool
-    from kvtransfer import get_transport
+    from tandem.engine.kv_cache import KVCachePool
+    from tandem.kvtransfer import get_transport
 
     pool = KVCachePool(**LAYOUT, device="cuda")
     endpoint = get_transport("cuda_ipc").export_pool(pool)

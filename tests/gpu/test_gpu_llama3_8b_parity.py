@@ -17,11 +17,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_llama3_8b_bf16_logits_match_hf():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bench.shapes import SHAPES, hf_config_dict
-    from engine.attention import SeqChunk
-    from engine.config import ModelConfig
-    from engine.loader import model_from_hf_state
-    from engine.runner import ModelRunner
+    from tandem.bench.shapes import SHAPES, hf_config_dict
+    from tandem.engine.attention import SeqChunk
+    from tandem.engine.config import ModelConfig
+    from tandem.engine.loader import model_from_hf_state
+    from tandem.engine.runner import ModelRunner
 
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)

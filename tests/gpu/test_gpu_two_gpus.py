@@ -16,14 +16,14 @@ def test_serve_splits_prefill_and_decode_over_two_gpus(tmp_path):
     import httpx
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cluster.launcher import free_port
-    from engine.testing import make_tiny_checkpoint
+    from tandem.launcher import free_port
+    from tandem.engine.demo_model import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=128, num_attention_heads=4,
                                 num_key_value_heads=1, head_dim=32)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--model", path, "--port", str(port), "--dtype", "float32",
+        [sys.executable, "-m", "tandem", "serve", "--model", path, "--port", str(port), "--dtype", "float32",
          "--max-seq-len", "256", "--max-tokens-in-paged-kv-cache", "8192"],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "wb"), text=True, start_new_session=True,
     )

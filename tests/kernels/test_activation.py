@@ -2,8 +2,8 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, requires_cuda
 
-from kernels import reference
-from kernels.activation import silu_mul
+from tandem.kernels import reference
+from tandem.kernels.activation import silu_mul
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -2,8 +2,8 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, gpu, requires_cuda
 
-from kernels import reference
-from kernels.block_copy import gather_blocks, scatter_blocks
+from tandem.kernels import reference
+from tandem.kernels.block_copy import gather_blocks, scatter_blocks
 
 
 def _pool(num_layers, num_blocks, block_size, heads, head_dim, dtype, device=DEVICE):

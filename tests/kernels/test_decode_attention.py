@@ -2,10 +2,10 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
 
-from kernels import decode_attention as decode_module
-from kernels import decode_config
-from kernels import reference
-from kernels.decode_attention import DecodeWorkspace, decode_attention
+from tandem.kernels import decode_attention as decode_module
+from tandem.kernels import decode_config
+from tandem.kernels import reference
+from tandem.kernels.decode_attention import DecodeWorkspace, decode_attention
 
 # (num_q_heads, num_kv_heads, head_dim, block_size): GQA 1, 4, 8 and every head size
 HEAD_CONFIGS = [(2, 2, 64, 16), (4, 1, 128, 16), (8, 1, 64, 8), (8, 2, 32, 4)]

@@ -5,9 +5,9 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
 
-from kernels import decode_attention as decode_module
-from kernels import reference
-from kernels.decode_attention import decode_attention_new_token
+from tandem.kernels import decode_attention as decode_module
+from tandem.kernels import reference
+from tandem.kernels.decode_attention import decode_attention_new_token
 
 HEAD_CONFIGS = [(2, 2, 64, 16), (4, 1, 128, 16), (8, 1, 64, 8), (8, 2, 32, 4)]  # GQA 1, 4, 8
 ATTN_SCALE = {torch.float32: 1.0, torch.float16: 2.5, torch.bfloat16: 1.5}
@@ -119,7 +119,7 @@ def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetc
 
 
 def test_the_model_fuses_small_decode_batches_unless_told(monkeypatch):
-    from kernels import ops
+    from tandem.kernels import ops
 
     monkeypatch.delenv("TANDEM_FUSED_ROTARY", raising=False)
     assert ops.fused_decode_rotary(1) and ops.fused_decode_rotary(ops.FUSED_ROTARY_MAX_BATCH)

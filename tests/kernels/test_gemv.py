@@ -4,8 +4,8 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, requires_cuda
 
-from kernels import reference
-from kernels.gemv import _launch_gemv, gemv, gemv_silu_mul
+from tandem.kernels import reference
+from tandem.kernels.gemv import _launch_gemv, gemv, gemv_silu_mul
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -119,8 +119,8 @@ def _like(shape, stride=None, cuda=True, dtype=torch.bfloat16):
 
 
 def test_dispatch_sends_only_their_layouts_to_the_gemv_and_the_skinny_gemm(monkeypatch):
-    from kernels import ops
-    from kernels.skinny_gemm import MAX_M
+    from tandem.kernels import ops
+    from tandem.kernels.skinny_gemm import MAX_M
 
     assert ops.SKINNY_GEMM_ROWS_LIMIT == MAX_M
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import pdl
+from tandem.kernels import pdl
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
 
-from kernels import reference
-from kernels.prefill_attention import prefill_attention
+from tandem.kernels import reference
+from tandem.kernels.prefill_attention import prefill_attention
 
 # (num_q_heads, num_kv_heads, head_dim, block_size): GQA 1, 4, 8 and every head size
 HEAD_CONFIGS = [(2, 2, 64, 16), (4, 1, 128, 16), (8, 1, 64, 8), (8, 2, 32, 4)]
@@ -87,7 +87,7 @@ def test_long_chunk_large_query_tiles(dtype, window, chunk):
 def test_tiles_first_grid_order(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window, chunk):
     """The grid order the rule does not take (query tiles on axis 0, first to last): same answer;
     with chunk_kv, a 130-token chunk whose window starts past its first key tile."""
-    monkeypatch.setattr("kernels.prefill_attention.HEAVY_FIRST", False)
+    monkeypatch.setattr("tandem.kernels.prefill_attention.HEAVY_FIRST", False)
     out, expected = _run([300, 9, 40, 1, 12, 200], [16, 9, 1, 1, 0, 130], num_q_heads, num_kv_heads, head_dim,
                          block_size, torch.bfloat16, window, chunk=chunk)
     assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
@@ -96,7 +96,7 @@ def test_tiles_first_grid_order(monkeypatch, num_q_heads, num_kv_heads, head_dim
 def test_grid_order_reaches_the_kernel(monkeypatch):
     """HEAVY_FIRST puts the heads on grid axis 0 and is passed on (both orders give the same
     answer, so the answer tests cannot see it)."""
-    from kernels import prefill_attention as prefill_module
+    from tandem.kernels import prefill_attention as prefill_module
 
     calls = []
 
@@ -129,7 +129,7 @@ def _run_kernel_only(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, bloc
 @pytest.mark.parametrize("window", [None, 1024])
 @pytest.mark.parametrize("chunk", [False, True])
 def test_gpu_real_shapes_bf16(num_kv_heads, window, heavy_first, chunk, monkeypatch):
-    monkeypatch.setattr("kernels.prefill_attention.HEAVY_FIRST", heavy_first)
+    monkeypatch.setattr("tandem.kernels.prefill_attention.HEAVY_FIRST", heavy_first)
     seq_lens = [2048, 2012, 4000, 1000, 8192]
     q_lens = [2048, 512, 1, 1000, 700]
     torch.manual_seed(0)

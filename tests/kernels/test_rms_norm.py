@@ -2,8 +2,8 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, requires_cuda
 
-from kernels import reference
-from kernels.rms_norm import fused_add_rms_norm
+from tandem.kernels import reference
+from tandem.kernels.rms_norm import fused_add_rms_norm
 
 
 def _check(x, residual, weight, eps=1e-6):

@@ -2,8 +2,8 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, poisoned, requires_cuda
 
-from kernels import reference
-from kernels.rotary import rotary_kv_write
+from tandem.kernels import reference
+from tandem.kernels.rotary import rotary_kv_write
 
 
 def _cos_sin_cache(max_position, head_dim, dtype=torch.float32, device=DEVICE):

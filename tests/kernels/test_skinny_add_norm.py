@@ -5,8 +5,8 @@ import pytest
 import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, poisoned, requires_cuda
 
-from kernels import ops, reference
-from kernels import skinny_gemm as sg
+from tandem.kernels import ops, reference
+from tandem.kernels import skinny_gemm as sg
 
 CONFIGS = [None, (16, 32, 4, 2, 1), (32, 64, 4, 3, 2), (16, 32, 4, 3, 3)]
 

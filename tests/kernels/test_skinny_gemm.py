@@ -3,8 +3,8 @@ import torch
 import triton
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, poisoned, requires_cuda
 
-from kernels import reference
-from kernels.skinny_gemm import MAX_M, _launch_skinny, skinny_linear, skinny_silu_mul, tile_config
+from tandem.kernels import reference
+from tandem.kernels.skinny_gemm import MAX_M, _launch_skinny, skinny_linear, skinny_silu_mul, tile_config
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k), small tiles so that the interpreter stays fast:
 # one split; two; three, which over K = 200 in 32-wide tiles (7 tiles) leaves the last split one tile
@@ -139,7 +139,7 @@ def test_gpu_real_shapes_bf16(M, N, K, silu):
 def test_gpu_through_ops(M):
     """What the model calls: ops.linear and ops.gate_up_silu_mul at the dispatch's edges (the GEMV,
     the skinny GEMM, down projections only at 64, cuBLAS past it) against fp32."""
-    from kernels import ops
+    from tandem.kernels import ops
 
     x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
     qkv = (torch.randn(12288, 4096, device="cuda") / 64).to(torch.bfloat16)

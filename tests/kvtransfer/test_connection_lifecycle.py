@@ -7,10 +7,10 @@ import types
 import pytest
 import torch
 
-from engine.kv_cache import KVCachePool
-from kvtransfer import KVPoll, KVSender, get_transport
-from kvtransfer.base import Connection, TransferError
-from prefill.worker import PrefillWorker
+from tandem.engine.kv_cache import KVCachePool
+from tandem.kvtransfer import KVPoll, KVSender, get_transport
+from tandem.kvtransfer.base import Connection, TransferError
+from tandem.prefill.worker import PrefillWorker
 
 LAYOUT = dict(num_layers=1, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 
@@ -64,7 +64,7 @@ def test_a_decode_worker_back_with_a_new_pool_gets_a_new_connection_and_the_old_
 
 
 def test_closed_nccl_connection_refuses_writes():
-    from kvtransfer.nccl import NcclConnection
+    from tandem.kvtransfer.nccl import NcclConnection
 
     layout = {"num_layers": 1, "block_size": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32"}
     connection = NcclConnection({"layout": layout, "backend": "gloo"}, timeout_s=1.0)

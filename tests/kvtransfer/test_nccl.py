@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from engine.kv_cache import KVCachePool
-from kvtransfer import KVPoll, KVSender, get_transport
-from kvtransfer.base import TransferError
-from kvtransfer.nccl import NcclTransport
+from tandem.engine.kv_cache import KVCachePool
+from tandem.kvtransfer import KVPoll, KVSender, get_transport
+from tandem.kvtransfer.base import TransferError
+from tandem.kvtransfer.nccl import NcclTransport
 
 LAYOUT = dict(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
 SRC_SHAPE = (2, 2, 12, 4, 2, 8)  # the prefill worker's pool: [L, 2, N, bs, H, D]
@@ -70,7 +70,7 @@ def _send_chunks(endpoint, dtype_name, seed, dst_block_ids, results, reconnect=F
 def _export_and_wait(endpoint_queue, got_chunk, hang):
     """A decode side in its own process; ``hang``: its receive thread stalls on the
     first chunk's payload (alive, never acks)."""
-    from kvtransfer import nccl_recv
+    from tandem.kvtransfer import nccl_recv
 
     if hang:
         def stall(*_args):
@@ -197,7 +197,7 @@ def _send_and_linger(endpoint, results, release):
 
 
 def test_a_chunk_whose_sender_gave_up_is_not_applied(monkeypatch):
-    from kvtransfer import nccl_pair
+    from tandem.kvtransfer import nccl_pair
 
     outcomes, check = [], nccl_pair.Frames.peer_gave_up
 
@@ -246,8 +246,8 @@ def test_registered_and_checks_layout_before_sending():
 def test_nccl_is_asked_for_explicitly():
     import argparse
 
-    from cluster.settings import add_arguments
-    from engine.placement import resolve_transport
+    from tandem.cluster.settings import add_arguments
+    from tandem.engine.placement import resolve_transport
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -5,7 +5,7 @@ import httpx
 import pytest
 import torch
 
-from engine.testing import make_tiny_checkpoint
+from tandem.engine.demo_model import make_tiny_checkpoint
 from tests.e2e.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow

@@ -33,7 +33,7 @@ def _chunks(src):
 
 
 def _settle(sender, timeout_s):
-    from kvtransfer import KVPoll
+    from tandem.kvtransfer import KVPoll
 
     deadline = time.monotonic() + timeout_s
     while (status := sender.poll()) is KVPoll.TRANSFERRING and time.monotonic() < deadline:
@@ -42,8 +42,8 @@ def _settle(sender, timeout_s):
 
 
 def _send_from_gpu1(endpoint, results):
-    from kvtransfer import KVSender
-    from kvtransfer.nccl import NcclTransport
+    from tandem.kvtransfer import KVSender
+    from tandem.kvtransfer.nccl import NcclTransport
 
     torch.cuda.set_device(1)
     src = _source("cuda:1")
@@ -56,8 +56,8 @@ def _send_from_gpu1(endpoint, results):
 
 
 def _receive_on_gpu0(endpoints):
-    from engine.kv_cache import KVCachePool
-    from kvtransfer.nccl import NcclTransport
+    from tandem.engine.kv_cache import KVCachePool
+    from tandem.kvtransfer.nccl import NcclTransport
 
     torch.cuda.set_device(0)
     pool = KVCachePool(**LAYOUT, device="cuda:0")
@@ -66,8 +66,8 @@ def _receive_on_gpu0(endpoints):
 
 
 def test_nccl_moves_chunks_between_gpus_byte_exact():
-    from engine.kv_cache import KVCachePool
-    from kvtransfer.nccl import NcclTransport
+    from tandem.engine.kv_cache import KVCachePool
+    from tandem.kvtransfer.nccl import NcclTransport
 
     pool = KVCachePool(**LAYOUT, device="cuda:0")
     transport = NcclTransport(timeout_s=TIMEOUT_S)
@@ -94,8 +94,8 @@ def test_nccl_moves_chunks_between_gpus_byte_exact():
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_lost_receiver_fails_the_sender_and_the_gpu_keeps_working(how):
-    from kvtransfer import KVPoll, KVSender
-    from kvtransfer.nccl import NcclTransport
+    from tandem.kvtransfer import KVPoll, KVSender
+    from tandem.kvtransfer.nccl import NcclTransport
 
     ctx = mp.get_context("spawn")
     endpoints = ctx.Queue()

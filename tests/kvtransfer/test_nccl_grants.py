@@ -5,9 +5,9 @@ import time
 
 import torch
 
-from engine.kv_cache import KVCachePool
-from kvtransfer import KVPoll, KVSender
-from kvtransfer.nccl import NcclTransport
+from tandem.engine.kv_cache import KVCachePool
+from tandem.kvtransfer import KVPoll, KVSender
+from tandem.kvtransfer.nccl import NcclTransport
 
 LAYOUT = dict(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
 SRC_SHAPE = (2, 2, 6, 4, 2, 8)
@@ -67,7 +67,7 @@ def test_chunks_land_only_while_their_handoff_is_granted():
 def test_control_frames_are_not_delayed_by_nagle():
     import socket
 
-    from kvtransfer.nccl_pair import Frames
+    from tandem.kvtransfer.nccl_pair import Frames
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         with socket.create_connection(listener.getsockname()) as client:

@@ -5,9 +5,9 @@ import time
 
 import torch
 
-from engine.kv_cache import KVCachePool
-from kvtransfer import KVPoll, KVSender
-from kvtransfer.nccl import NcclConnection, NcclTransport
+from tandem.engine.kv_cache import KVCachePool
+from tandem.kvtransfer import KVPoll, KVSender
+from tandem.kvtransfer.nccl import NcclConnection, NcclTransport
 
 LAYOUT = dict(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4  # fp32

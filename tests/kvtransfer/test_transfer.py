@@ -5,9 +5,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from engine.kv_cache import KVCachePool
-from kvtransfer import KVPoll, KVReceiver, KVSender, get_transport
-from kvtransfer.base import Connection, Transfer, TransferError
+from tandem.engine.kv_cache import KVCachePool
+from tandem.kvtransfer import KVPoll, KVReceiver, KVSender, get_transport
+from tandem.kvtransfer.base import Connection, Transfer, TransferError
 
 LAYOUT = dict(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 

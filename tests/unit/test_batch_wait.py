@@ -1,12 +1,12 @@
-"""decode.batch_wait: when a decode step sharing its GPU with prefill waits for joiners."""
+"""tandem.decode.batch_wait: when a decode step sharing its GPU with prefill waits for joiners."""
 
 import os
 import types
 
 import pytest
 
-from cluster.messages import WorkerInfo
-from decode.batch_wait import JOIN_HORIZON_S, BatchWait, shares_gpu
+from tandem.cluster.messages import WorkerInfo
+from tandem.decode.batch_wait import JOIN_HORIZON_S, BatchWait, shares_gpu
 
 
 def _shared(max_wait_s=0.2, max_batch_size=128):

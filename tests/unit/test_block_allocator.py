@@ -2,15 +2,15 @@ import sys
 
 import pytest
 
-from engine.block_allocator import BlockAllocator, OutOfBlocks, blocks_for
+from tandem.engine.block_allocator import BlockAllocator, OutOfBlocks, blocks_for
 
 
 def test_module_is_torch_free():
     import importlib
 
-    sys.modules.pop("engine.block_allocator", None)
+    sys.modules.pop("tandem.engine.block_allocator", None)
     before = "torch" in sys.modules
-    importlib.import_module("engine.block_allocator")
+    importlib.import_module("tandem.engine.block_allocator")
     assert before or "torch" not in sys.modules
 
 

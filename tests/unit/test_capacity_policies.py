@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.admission import charge_tokens
-from cluster.messages import GenerateRequest
-from cluster.request_state import RequestStatus
-from cluster.sampling import SamplingParams
-from decode.request import DecodeRequest
-from decode.scheduler import DecodeScheduler
-from engine.block_allocator import BlockAllocator, blocks_for
+from tandem.cluster.admission import charge_tokens
+from tandem.cluster.messages import GenerateRequest
+from tandem.cluster.request_state import RequestStatus
+from tandem.cluster.sampling import SamplingParams
+from tandem.decode.request import DecodeRequest
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.engine.block_allocator import BlockAllocator, blocks_for
 
 EOS = 2
 BLOCK = 4

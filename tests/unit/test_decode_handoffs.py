@@ -5,14 +5,14 @@ answer to a job sent back to it."""
 
 import types
 
-from cluster.messages import PrefillDone, WorkerInfo
+from tandem.cluster.messages import PrefillDone, WorkerInfo
 from tests.unit.test_decode_loop import _prefilling, _worker
 
 
 def test_a_prefill_worker_restarted_under_its_id_counts_as_lost(monkeypatch):
     """Its new process never saw the job (NOACK inbox): the request is re-dispatched at once
     instead of waiting out its transfer timeout."""
-    import decode.handoffs as worker_module
+    import tandem.decode.handoffs as worker_module
 
     worker = _worker()
     del worker._refresh_peers  # the real one
@@ -35,7 +35,7 @@ def test_a_lost_prefill_workers_blocks_are_held_until_it_is_done_with_them(monke
     """shm and cuda_ipc write the decode pool directly: a prefill worker taken for lost may only
     be frozen and still write its chunk. The redo gets fresh blocks; the old ones stay out of use
     until that worker's PrefillDone (or its end), never handed to another request meanwhile."""
-    import decode.handoffs as worker_module
+    import tandem.decode.handoffs as worker_module
 
     worker = _worker()
     del worker._refresh_peers  # the real one
@@ -58,8 +58,8 @@ def test_a_lost_prefill_workers_blocks_are_held_until_it_is_done_with_them(monke
 
 
 def test_a_failed_handoff_holds_its_blocks_until_the_worker_is_seen_to_have_restarted(monkeypatch):
-    import decode.handoffs as worker_module
-    from kvtransfer import KVReceiver
+    import tandem.decode.handoffs as worker_module
+    from tandem.kvtransfer import KVReceiver
 
     worker = _worker()
     del worker._refresh_peers, worker._check_handoffs
@@ -79,7 +79,7 @@ def test_a_failed_handoff_holds_its_blocks_until_the_worker_is_seen_to_have_rest
 
 
 def test_with_a_transport_that_stops_late_writes_nothing_is_held():
-    from kvtransfer import KVReceiver
+    from tandem.kvtransfer import KVReceiver
 
     worker = _worker()
     del worker._check_handoffs
@@ -99,7 +99,7 @@ def test_a_prefill_pid_is_trusted_only_within_this_pid_namespace():
     prefill worker's pid says nothing about its process here, and held blocks must wait."""
     import os
 
-    from cluster.service import pid_namespace
+    from tandem.cluster.service import pid_namespace
 
     worker = _worker()
     worker._pid_namespace = pid_namespace()
@@ -127,8 +127,8 @@ def test_a_reply_to_an_earlier_dispatch_is_stale_even_from_the_same_worker():
     """A request can come back to the worker it was first sent to (taken from it while its beats
     lapsed, then from the next one): that worker's reply to the first, aborted job must not end
     the second. Each PrefillDone names the job (handoff id) it answers."""
-    from kvtransfer import KVReceiver
-    from prefill.worker import PrefillWorker
+    from tandem.kvtransfer import KVReceiver
+    from tandem.prefill.worker import PrefillWorker
 
     worker = _worker()
     worker.settings = types.SimpleNamespace(transfer_timeout_s=300.0, enable_prefix_caching=False)
@@ -162,8 +162,8 @@ def test_a_job_sent_back_to_a_prefill_worker_still_draining_its_first_waits_for_
     """The re-dispatched job reaches the worker while the first, aborted one still drains its
     writes (same request id): it is taken once the first is gone, not dropped as a duplicate
     (its decode side would wait out the transfer timeout); an abort then ends it at once."""
-    from prefill.worker import PrefillWorker
-    from cluster.request_state import RequestStatus as PrefillStatus
+    from tandem.prefill.worker import PrefillWorker
+    from tandem.cluster.request_state import RequestStatus as PrefillStatus
 
     first = types.SimpleNamespace(request_id="r1", handoff_id="r1#1", decode_worker_id="d0")
     second = types.SimpleNamespace(request_id="r1", handoff_id="r1#2", decode_worker_id="d0")

@@ -10,18 +10,18 @@ import pytest
 import redis
 import torch
 
-from cluster.inbox import Mailer
-from cluster.messages import FIELD, AbortRequest, GenerateRequest, decode
-from cluster.outputs import Outbox
-from cluster.sampling import SamplingParams
-from cluster.step_stats import StepStats
-from decode.batch_wait import BatchWait
-from decode.device_steps import DeviceSteps
-from decode.request import DecodeRequest
-from decode.quarantine import Quarantine
-from decode.scheduler import DecodeScheduler
-from decode.worker import DecodeWorker
-from engine.block_allocator import BlockAllocator
+from tandem.cluster.inbox import Mailer
+from tandem.cluster.messages import FIELD, AbortRequest, GenerateRequest, decode
+from tandem.cluster.outputs import Outbox
+from tandem.cluster.sampling import SamplingParams
+from tandem.cluster.step_stats import StepStats
+from tandem.decode.batch_wait import BatchWait
+from tandem.decode.device_steps import DeviceSteps
+from tandem.decode.request import DecodeRequest
+from tandem.decode.quarantine import Quarantine
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.decode.worker import DecodeWorker
+from tandem.engine.block_allocator import BlockAllocator
 
 
 class _Runner:
@@ -166,7 +166,7 @@ def test_a_resumed_request_with_nothing_left_ends_at_once():
 
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_an_abort_for_the_step_on_the_device_frees_blocks_only_after_it(run_ahead):
-    from cluster.messages import AbortRequest
+    from tandem.cluster.messages import AbortRequest
 
     worker = _worker(run_ahead)
     request = _running(worker, "r1", max_tokens=50)
@@ -182,7 +182,7 @@ def test_an_abort_for_the_step_on_the_device_frees_blocks_only_after_it(run_ahea
 
 
 def test_a_step_sharing_the_gpu_waits_for_requests_in_prefill_but_not_past_the_limit():
-    from decode.worker import HOLD_POLL_MS
+    from tandem.decode.worker import HOLD_POLL_MS
 
     worker = _worker()
     worker.batch_wait = BatchWait(0.05, 4)

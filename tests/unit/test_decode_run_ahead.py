@@ -7,13 +7,13 @@ import pytest
 import redis
 import torch
 
-from cluster.admission import MAX_UTILIZATION
-from cluster.messages import GenerateRequest
-from cluster.request_state import RequestStatus
-from cluster.sampling import SamplingParams
-from decode.request import DecodeRequest
-from decode.scheduler import DecodeScheduler
-from engine.block_allocator import BlockAllocator
+from tandem.cluster.admission import MAX_UTILIZATION
+from tandem.cluster.messages import GenerateRequest
+from tandem.cluster.request_state import RequestStatus
+from tandem.cluster.sampling import SamplingParams
+from tandem.decode.request import DecodeRequest
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.engine.block_allocator import BlockAllocator
 from tests.unit.test_decode_loop import _Runner, _running, _worker
 
 

@@ -1,11 +1,11 @@
 """Decode scheduler lifecycle with fake model outputs (no torch, no model)."""
 
-from cluster.messages import GenerateRequest
-from cluster.request_state import RequestStatus
-from cluster.sampling import SamplingParams
-from decode.request import DecodeRequest
-from decode.scheduler import DecodeScheduler
-from engine.block_allocator import BlockAllocator
+from tandem.cluster.messages import GenerateRequest
+from tandem.cluster.request_state import RequestStatus
+from tandem.cluster.sampling import SamplingParams
+from tandem.decode.request import DecodeRequest
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.engine.block_allocator import BlockAllocator
 
 EOS = 2
 

@@ -7,11 +7,11 @@ import msgpack
 import pytest
 import redis
 
-from cluster import keys
-from cluster.inbox import Inbox, Mailer, send
-from cluster.launcher import RedisServer, free_port
-from cluster.messages import AbortRequest, GenerateRequest, MessageError, PrefillDone, TokenBatch, decode, encode
-from cluster.sampling import SamplingParams
+from tandem.cluster import keys
+from tandem.cluster.inbox import Inbox, Mailer, send
+from tandem.launcher import RedisServer, free_port
+from tandem.cluster.messages import AbortRequest, GenerateRequest, MessageError, PrefillDone, TokenBatch, decode, encode
+from tandem.cluster.sampling import SamplingParams
 
 
 def _request(**sampling):
@@ -94,7 +94,7 @@ def test_mailer_keeps_messages_across_an_outage_and_sends_them_in_order():
 
 
 def test_output_mux_drops_an_ill_typed_batch_and_goes_on():
-    from gateway.mux import OutputMux
+    from tandem.gateway.mux import OutputMux
 
     mux = object.__new__(OutputMux)
     mux._queues = {}

@@ -3,10 +3,10 @@
 import pytest
 import redis
 
-from cluster import keys
-from cluster.launcher import RedisServer, free_port
-from cluster.messages import FIELD, TokenEvent, decode
-from cluster.outputs import Outbox
+from tandem.cluster import keys
+from tandem.launcher import RedisServer, free_port
+from tandem.cluster.messages import FIELD, TokenEvent, decode
+from tandem.cluster.outputs import Outbox
 
 
 def _read_all(client, stream):

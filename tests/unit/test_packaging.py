@@ -12,13 +12,13 @@ def test_transformers_does_not_take_our_kernels_package_for_the_hub_one():
 
 def test_gateway_and_schedulers_do_not_import_torch():
     code = (
-        "import sys; import gateway.app, decode.scheduler, prefill.scheduler, engine.block_allocator, cluster.cli;"
+        "import sys; import tandem.gateway.app, tandem.decode.scheduler, tandem.prefill.scheduler, tandem.engine.block_allocator, tandem.cli;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_cli_help_lists_every_service():
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "tandem", "--help"], capture_output=True, text=True, check=True)
     for command in ("serve", "gateway", "prefill", "decode", "bench"):
         assert command in out.stdout

@@ -1,6 +1,6 @@
 """Where `tandem serve` puts its workers on the GPUs."""
 
-from cluster.placement import plan
+from tandem.placement import plan
 
 
 def test_cpu_and_one_gpu_keep_everything_together():

@@ -8,9 +8,9 @@ import sys
 import pytest
 import redis
 
-from cluster.launcher import free_port
-from cluster.settings import Settings
-from decode.pool_files import remove_stale_pool_files
+from tandem.launcher import free_port
+from tandem.cluster.settings import Settings
+from tandem.decode.pool_files import remove_stale_pool_files
 
 
 def _dead_pid() -> int:
@@ -31,8 +31,8 @@ def test_stale_files_of_this_worker_go_and_nothing_else(tmp_path):
 
 
 def test_a_decode_worker_that_fails_to_start_leaves_no_pool_file(tmp_path, monkeypatch):
-    from decode import worker as decode_worker
-    from engine.testing import make_tiny_checkpoint
+    from tandem.decode import worker as decode_worker
+    from tandem.engine.demo_model import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "m", "llama")
     shm = tmp_path / "shm"

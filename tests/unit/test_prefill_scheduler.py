@@ -4,12 +4,12 @@ import random
 
 import pytest
 
-from cluster.messages import PrefillJob
-from cluster.request_state import RequestStatus
-from cluster.sampling import SamplingParams
-from engine.block_allocator import BlockAllocator
-from prefill.job import PrefillState
-from prefill.scheduler import PrefillScheduler, equal_progress_chunks, first_come_chunks
+from tandem.cluster.messages import PrefillJob
+from tandem.cluster.request_state import RequestStatus
+from tandem.cluster.sampling import SamplingParams
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.prefill.job import PrefillState
+from tandem.prefill.scheduler import PrefillScheduler, equal_progress_chunks, first_come_chunks
 
 
 def state(rid, prompt_len, arrival=0.0, priority=0):

@@ -6,19 +6,19 @@ import sys
 
 import pytest
 
-from cluster.messages import PrefillJob
-from cluster.request_state import RequestStatus
-from cluster.sampling import SamplingParams
-from engine.block_allocator import BlockAllocator, OutOfBlocks
-from engine.prefix_cache import PrefixCache, block_hashes, num_reusable_blocks
-from prefill.job import PrefillState
-from prefill.scheduler import PrefillScheduler
+from tandem.cluster.messages import PrefillJob
+from tandem.cluster.request_state import RequestStatus
+from tandem.cluster.sampling import SamplingParams
+from tandem.engine.block_allocator import BlockAllocator, OutOfBlocks
+from tandem.engine.prefix_cache import PrefixCache, block_hashes, num_reusable_blocks
+from tandem.prefill.job import PrefillState
+from tandem.prefill.scheduler import PrefillScheduler
 
 BS = 4
 
 
 def test_module_is_torch_free():
-    code = "import sys, engine.prefix_cache, cluster.prefix_index; assert 'torch' not in sys.modules"
+    code = "import sys, tandem.engine.prefix_cache, tandem.cluster.prefix_index; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -37,7 +37,7 @@ def test_hash_chain_covers_the_whole_prefix():
 
 
 def test_hashes_are_stable_across_processes():
-    code = "from engine.prefix_cache import block_hashes; print(block_hashes(list(range(9)), 4)[1].hex())"
+    code = "from tandem.engine.prefix_cache import block_hashes; print(block_hashes(list(range(9)), 4)[1].hex())"
     outs = {
         subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                        env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()

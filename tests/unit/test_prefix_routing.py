@@ -5,12 +5,12 @@ import time
 import pytest
 import redis
 
-from cluster import keys
-from cluster.launcher import RedisServer
-from cluster.messages import WorkerInfo
-from cluster.prefix_index import PrefixIndex, choose_prefill_worker, longest_prefixes
-from engine.block_allocator import BlockAllocator
-from engine.prefix_cache import PrefixCache, block_hashes
+from tandem.cluster import keys
+from tandem.launcher import RedisServer
+from tandem.cluster.messages import WorkerInfo
+from tandem.cluster.prefix_index import PrefixIndex, choose_prefill_worker, longest_prefixes
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.prefix_cache import PrefixCache, block_hashes
 
 BS = 4
 

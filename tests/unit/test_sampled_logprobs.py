@@ -4,9 +4,9 @@ loop on each token's event."""
 
 import torch
 
-from cluster.sampling import SamplingParams
-from engine import logprobs
-from engine.step_tokens import StepTokens
+from tandem.cluster.sampling import SamplingParams
+from tandem.engine import logprobs
+from tandem.engine.step_tokens import StepTokens
 from tests.unit.test_decode_loop import _running, _turn, _worker
 
 

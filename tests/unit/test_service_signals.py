@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from cluster.service import sleep_unless_stopped, stop_on_signals
+from tandem.cluster.service import sleep_unless_stopped, stop_on_signals
 
 
 @pytest.fixture

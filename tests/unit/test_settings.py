@@ -6,14 +6,14 @@ import sys
 import pytest
 import torch
 
-from cluster.launcher import free_port
-from cluster.settings import CPU_DEFAULT_KV_TOKENS, Settings, SettingsError
-from engine.placement import kv_pool_blocks
+from tandem.launcher import free_port
+from tandem.cluster.settings import CPU_DEFAULT_KV_TOKENS, Settings, SettingsError
+from tandem.engine.placement import kv_pool_blocks
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from engine.testing import make_tiny_checkpoint
+    from tandem.engine.demo_model import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("m"))  # max_position_embeddings 512
 
@@ -49,7 +49,7 @@ def test_defaults_follow_the_model(model_dir):
 
 def test_cli_reports_a_bad_flag_and_exits_2(model_dir):
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "decode", "--model", model_dir, "--kv-cache-free-gpu-mem-fraction", "1.0"],
+        [sys.executable, "-m", "tandem", "decode", "--model", model_dir, "--kv-cache-free-gpu-mem-fraction", "1.0"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2
@@ -59,22 +59,22 @@ def test_cli_reports_a_bad_flag_and_exits_2(model_dir):
 def test_serve_refuses_zero_workers_and_a_port_in_use(model_dir):
     import socket
 
-    zero = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir,
+    zero = subprocess.run([sys.executable, "-m", "tandem", "serve", "--model", model_dir,
                            "--num-decode-workers", "0"], capture_output=True, text=True, timeout=60)
     assert zero.returncode == 2 and "must be at least 1" in zero.stderr
     with socket.create_server(("127.0.0.1", 0)) as busy:  # someone else's server on the port
         port = busy.getsockname()[1]
-        taken = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir,
+        taken = subprocess.run([sys.executable, "-m", "tandem", "serve", "--model", model_dir,
                                 "--port", str(port)], capture_output=True, text=True, timeout=60)
     assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
     assert "serving" not in taken.stdout  # refused before starting anything
     with socket.create_server(("127.0.0.1", 0)) as busy:  # the admin API's port
         port = busy.getsockname()[1]
-        taken = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir,
+        taken = subprocess.run([sys.executable, "-m", "tandem", "serve", "--model", model_dir,
                                 "--port", str(free_port()), "--admin-port", str(port)],
                                capture_output=True, text=True, timeout=60)
     assert taken.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr
-    same = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir, "--port", "8123",
+    same = subprocess.run([sys.executable, "-m", "tandem", "serve", "--model", model_dir, "--port", "8123",
                            "--admin-port", "8123"], capture_output=True, text=True, timeout=60)
     assert same.returncode == 2 and "--admin-port must be in [0, 65535]" in same.stderr
 
@@ -86,7 +86,7 @@ def test_serve_refuses_a_checkpoint_without_a_tokenizer_before_loading_weights(m
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(f"{model_dir}/{name}", bare)
-    done = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", str(bare)],
+    done = subprocess.run([sys.executable, "-m", "tandem", "serve", "--model", str(bare)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "cannot load the tokenizer" in done.stderr and "serving" not in done.stdout
 
@@ -96,7 +96,7 @@ def test_a_kv_pool_file_that_does_not_fit_is_refused_at_once(tmp_path, monkeypat
     import errno
     import os
 
-    from engine import kv_cache
+    from tandem.engine import kv_cache
 
     def no_room(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")

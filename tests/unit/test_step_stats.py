@@ -2,12 +2,12 @@
 
 import structlog
 
-from cluster.step_stats import StepStats
+from tandem.cluster.step_stats import StepStats
 
 
 def test_logs_rates_once_per_interval_and_resets(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("cluster.step_stats.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("tandem.cluster.step_stats.time.monotonic", lambda: clock[0])
     stats = StepStats("decode", interval_s=5.0)
     for batch in (4, 8, 12):
         stats.record(batch, forward_s=0.010, loop_s=0.012)

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.block_allocator import BlockAllocator
-from engine.warmup import QUERY_LENGTHS, warm_up_prefill
-from kernels import ops
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.warmup import QUERY_LENGTHS, warm_up_prefill
+from tandem.kernels import ops
 
 
 class _Runner:

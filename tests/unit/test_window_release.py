@@ -6,16 +6,16 @@ query see: a released block that was read, or written by someone else while
 still needed, shows up as a wrong entry.
 """
 
-from cluster.messages import GenerateRequest, PrefillJob
-from cluster.request_state import RequestStatus
-from cluster.sampling import SamplingParams
-from decode.request import DecodeRequest
-from decode.scheduler import DecodeScheduler
-from decode.window import SlidingWindow, held_block_ids
-from engine.block_allocator import BlockAllocator, blocks_for
-from engine.prefix_cache import PrefixCache
-from prefill.job import PrefillState
-from prefill.scheduler import PrefillScheduler
+from tandem.cluster.messages import GenerateRequest, PrefillJob
+from tandem.cluster.request_state import RequestStatus
+from tandem.cluster.sampling import SamplingParams
+from tandem.decode.request import DecodeRequest
+from tandem.decode.scheduler import DecodeScheduler
+from tandem.decode.window import SlidingWindow, held_block_ids
+from tandem.engine.block_allocator import BlockAllocator, blocks_for
+from tandem.engine.prefix_cache import PrefixCache
+from tandem.prefill.job import PrefillState
+from tandem.prefill.scheduler import PrefillScheduler
 
 BS, W = 4, 10
 MAX_LIVE = blocks_for(W - 1, BS) + 1  # 10 consecutive positions touch at most 4 blocks of 4

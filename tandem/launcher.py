@@ -21,8 +21,9 @@ import threading
 import time
 import urllib.request
 
-from cluster.placement import count_gpus, plan
-from cluster.settings import Settings
+from tandem.placement import count_gpus, plan
+from tandem.cluster.settings import Settings
+from tandem.models import resolve_model
 
 GRACE_S = 10.0
 READY_TIMEOUT_S = 600.0
@@ -76,7 +77,7 @@ class RedisServer:
 
 def service_argv(role: str, settings: Settings, worker_id: str | None = None) -> list[str]:
     """The command line that starts one service with these settings."""
-    argv = [sys.executable, "-m", "cluster.cli", role]
+    argv = [sys.executable, "-m", "tandem", role]
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
         if value is None or field.name == "worker_id":
@@ -107,7 +108,7 @@ def wait_registered(redis_url: str, role: str, count: int, procs: list[subproces
                     stop: threading.Event | None = None) -> bool:
     import redis
 
-    from cluster.registry import live_workers
+    from tandem.cluster.registry import live_workers
 
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
@@ -134,8 +135,7 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from cluster.cli import resolve_model
-    from cluster.service import sleep_unless_stopped, stop_on_signals
+    from tandem.cluster.service import sleep_unless_stopped, stop_on_signals
 
     settings = Settings.from_args(args)
     settings.model = resolve_model(settings.model)
@@ -150,7 +150,7 @@ def serve(args: argparse.Namespace) -> int:
             print(f"tandem: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
             return 1
     try:  # before the workers load the weights: the gateway needs it
-        from gateway.tokenizer import load_tokenizer
+        from tandem.gateway.tokenizer import load_tokenizer
 
         load_tokenizer(settings.model)
     except Exception as exc:  # transformers raises several types for a missing or broken tokenizer

@@ -16,26 +16,27 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster import settings as settings_mod
+from tandem.cluster import settings as settings_mod
+from tandem.models import resolve_model
 
 
 def _service(role: str, args: argparse.Namespace) -> int:
-    from cluster.service import configure_logging, stop_on_signals
+    from tandem.cluster.service import configure_logging, stop_on_signals
 
     settings = settings_mod.Settings.from_args(args)
     settings.model = resolve_model(settings.model)
     settings.resolve()
     configure_logging(settings.log_level, role)
     if role == "gateway":
-        from gateway.server import main as run_gateway
+        from tandem.gateway.server import main as run_gateway
 
         run_gateway(settings)
         return 0
     stop = stop_on_signals()
     if role == "prefill":
-        from prefill.worker import main as run
+        from tandem.prefill.worker import main as run
     else:
-        from decode.worker import main as run
+        from tandem.decode.worker import main as run
     run(settings, stop)
     return 0
 
@@ -45,15 +46,6 @@ def _positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
     return number
-
-
-def resolve_model(model: str) -> str:
-    """'demo' names a tiny random Llama built locally on first use (no download)."""
-    if model != "demo":
-        return model
-    from cluster.demo import demo_model_path
-
-    return demo_model_path()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,15 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
         settings_mod.add_arguments(sub.add_parser(role, help=f"run one {role} service"))
     demo = sub.add_parser("demo-model", help="write the tiny random demo Llama to PATH")
     demo.add_argument("path")
-    from gateway import admin_client
+    from tandem.gateway import admin_client
 
     admin_client.add_arguments(sub.add_parser("admin", help="manage a running cluster (gRPC admin API)"))
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from bench import serve as bench_serve
+    from tandem.bench import serve as bench_serve
 
     bench_serve.add_arguments(bench_sub.add_parser("serve", help="streaming load client (like vllm bench serve)"))
-    from bench import engine_args
+    from tandem.bench import engine_args
 
     engine_args.add_arguments(
         bench_sub.add_parser("engine", help="engine vs hardware ceilings and HF anchors (needs a GPU)")
@@ -87,24 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
-            from cluster.launcher import serve
+            from tandem.launcher import serve
 
             return serve(args)
         if args.command == "demo-model":
-            from engine.testing import make_tiny_checkpoint
+            from tandem.engine.demo_model import make_tiny_checkpoint
 
             print(make_tiny_checkpoint(args.path))
             return 0
         if args.command == "admin":
-            from gateway import admin_client
+            from tandem.gateway import admin_client
 
             return admin_client.main(args)
         if args.command == "bench" and args.bench_command == "engine":
-            from bench import engine as bench_engine
+            from tandem.bench import engine as bench_engine
 
             return bench_engine.main(args)
         if args.command == "bench":
-            from bench import serve as bench_serve
+            from tandem.bench import serve as bench_serve
 
             return bench_serve.main(args)
         return _service(args.command, args)

@@ -7,11 +7,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from engine.attention import SeqChunk
-from engine.config import ModelConfig
-from engine.kv_cache import KVCachePool
-from engine.runner import ModelRunner
-from engine.testing import EOS_ID, make_tiny_checkpoint
+from tandem.engine.attention import SeqChunk
+from tandem.engine.config import ModelConfig
+from tandem.engine.kv_cache import KVCachePool
+from tandem.engine.runner import ModelRunner
+from tandem.engine.demo_model import EOS_ID, make_tiny_checkpoint
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
