@@ -29,9 +29,10 @@ import httpx
 
 from tandem.bench.datasets import synthetic_requests
 from tandem.bench.serve import BenchConfig, compute_metrics, fetch_model, run_benchmark
+from tandem.cluster.policies import CAPACITY_POLICY_NAMES
 from tandem.launcher import free_port, wait_healthy
 
-POLICIES = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH")
+POLICIES = CAPACITY_POLICY_NAMES
 
 
 def serve_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:

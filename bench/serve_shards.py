@@ -5,7 +5,7 @@ One Python process reading SSE falls behind a server that streams ~10k chunks/s
 and then measures its own lag. Here the requests (with their arrival times) are
 dealt round-robin to N processes; each gets ready, the parent hands all of them
 the same start time on the host's monotonic clock (``time.perf_counter``), each
-runs ``bench.serve.run_benchmark`` on its share, and the parent merges the
+runs ``tandem.bench.serve_run.run_benchmark`` on its share, and the parent merges the
 results as if one client had sent them.
 """
 
@@ -21,6 +21,7 @@ from typing import Sequence
 
 from tandem.bench.datasets import RequestSpec, arrival_offsets
 from tandem.bench.serve_request import BenchConfig
+from tandem.bench.serve_run import BenchState, run_benchmark
 
 START_MARGIN_S = 0.05  # from "all ready" to the common start
 READY_TIMEOUT_S = 120.0
@@ -37,7 +38,6 @@ def run_loop(coro):
 
 def run_in_processes(cfg: BenchConfig, specs: Sequence[RequestSpec], num_processes: int):
     """Run the benchmark over ``num_processes`` client processes; returns a merged ``BenchState``."""
-    from tandem.bench.serve import BenchState
 
     offsets = arrival_offsets(len(specs), cfg.request_rate, cfg.burstiness, cfg.seed)
     num_processes = max(1, min(num_processes, len(specs), cfg.max_concurrency or len(specs)))
@@ -84,7 +84,6 @@ def run_in_processes(cfg: BenchConfig, specs: Sequence[RequestSpec], num_process
 
 def _shard_main(cfg: BenchConfig, specs: list[RequestSpec], offsets: list[float], pipe, results) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt does
-    from tandem.bench.serve import BenchState, run_benchmark
 
     pipe.send("ready")
     start_at = pipe.recv()

@@ -12,7 +12,7 @@ change them, each atomically, so the sum stays exact:
     clear        decode worker at start: a new incarnation holds nothing
 
 A request's charge is what its worker reserves at admission under the worker's
-capacity policy (``reserve_tokens``), in whole blocks; a worker can take
+capacity policy (``tandem.cluster.policies``, ``CapacityPolicy.charge_tokens``), in whole blocks; a worker can take
 requests while the charges fit its pool and number at most its
 ``max_batch_size``. So under GUARANTEED_NO_EVICT and STATIC_BATCH the gateways
 never promise more KV than the pool holds, while under MAX_UTILIZATION they
@@ -28,8 +28,6 @@ from __future__ import annotations
 import redis
 
 from tandem.cluster import keys
-
-GUARANTEED_NO_EVICT, MAX_UTILIZATION, STATIC_BATCH = "GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"
 
 # KEYS: per candidate worker i (1-based): KEYS[2i-1] its admitted hash, KEYS[2i] its reserved-token counter.
 # ARGV[1]: request id; per worker i: ARGV[3i-1] charge, ARGV[3i] capacity tokens, ARGV[3i+1] max requests (0: any).
@@ -65,26 +63,6 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('DECRBY', KEYS[2], charge)
 return 1
 """
-
-
-def reserve_tokens(policy: str, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int,
-                   max_seq_len: int) -> int:
-    """Tokens of KV a decode worker reserves when it admits (or resumes) a request under ``policy``.
-
-    MAX_UTILIZATION: what is computed so far + the token the next step writes.
-    The others: the most the request can reach.
-    """
-    if policy == MAX_UTILIZATION:
-        return min(num_prompt_tokens + max(num_output_tokens, 1), max_seq_len)
-    return min(num_prompt_tokens + max_tokens, max_seq_len)
-
-
-def charge_tokens(policy: str, num_prompt_tokens: int, max_tokens: int, max_seq_len: int, block_size: int,
-                  capacity_tokens: int) -> int:
-    """What admitting a new request costs a worker: its reservation in whole blocks, at most the whole pool."""
-    tokens = reserve_tokens(policy, num_prompt_tokens, 0, max_tokens, max_seq_len or num_prompt_tokens + max_tokens)
-    block_size = max(block_size, 1)
-    return min(-(-tokens // block_size) * block_size, capacity_tokens)
 
 
 class Reservations:

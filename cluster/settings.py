@@ -15,8 +15,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-CAPACITY_POLICIES = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH")
-CHUNKING_POLICIES = ("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS")
+from tandem.cluster.policies import (
+    CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES, FIRST_COME_FIRST_SERVED, GUARANTEED_NO_EVICT,
+)
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 RUN_AHEAD_MODES = ("auto", "on", "off")
 CPU_DEFAULT_KV_TOKENS = 16384
@@ -47,8 +49,8 @@ class Settings:
     max_seq_len: int | None = None
     max_input_len: int | None = None
     kv_transport: str = "auto"  # auto: cuda_ipc on a GPU, shm on the CPU
-    capacity_scheduler_policy: str = "GUARANTEED_NO_EVICT"
-    context_chunking_policy: str = "FIRST_COME_FIRST_SERVED"
+    capacity_scheduler_policy: str = GUARANTEED_NO_EVICT
+    context_chunking_policy: str = FIRST_COME_FIRST_SERVED
     worker_id: str | None = None
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
@@ -99,10 +101,10 @@ class Settings:
                f"--decode-run-ahead must be one of {RUN_AHEAD_MODES}, got {self.decode_run_ahead!r}")
         _check(self.max_queue_len >= 0, f"--max-queue-len must be >= 0, got {self.max_queue_len}")
         _check(self.queue_timeout_s >= 0, f"--queue-timeout-s must be >= 0, got {self.queue_timeout_s}")
-        _check(self.capacity_scheduler_policy in CAPACITY_POLICIES,
-               f"--capacity-scheduler-policy must be one of {CAPACITY_POLICIES}")
-        _check(self.context_chunking_policy in CHUNKING_POLICIES,
-               f"--context-chunking-policy must be one of {CHUNKING_POLICIES}")
+        _check(self.capacity_scheduler_policy in CAPACITY_POLICY_NAMES,
+               f"--capacity-scheduler-policy must be one of {CAPACITY_POLICY_NAMES}")
+        _check(self.context_chunking_policy in CHUNKING_POLICY_NAMES,
+               f"--context-chunking-policy must be one of {CHUNKING_POLICY_NAMES}")
         _check(1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}")
         _check(0 <= self.admin_port <= 65535 and self.admin_port != self.port,
                f"--admin-port must be in [0, 65535] (0: no admin API) and differ from --port, got {self.admin_port}")
@@ -163,8 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     a("--kv-transport", default=d.kv_transport, choices=["auto", "shm", "cuda_ipc", "nccl"],
       help="how KV blocks move from prefill to decode (auto: cuda_ipc on a GPU, shm on the CPU; "
            "nccl: point-to-point pushes, NCCL between GPUs, gloo between CPU pools)")
-    a("--capacity-scheduler-policy", default=d.capacity_scheduler_policy, choices=CAPACITY_POLICIES)
-    a("--context-chunking-policy", default=d.context_chunking_policy, choices=CHUNKING_POLICIES)
+    a("--capacity-scheduler-policy", default=d.capacity_scheduler_policy, choices=CAPACITY_POLICY_NAMES)
+    a("--context-chunking-policy", default=d.context_chunking_policy, choices=CHUNKING_POLICY_NAMES)
     a("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
     a("--heartbeat-ttl-s", type=float, default=d.heartbeat_ttl_s)
     a("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)

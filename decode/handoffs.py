@@ -1,43 +1,67 @@
 """The decode worker's side of the prefill handoff: which prefill workers it hands jobs to,
 dispatching and re-dispatching them, their PrefillDone, failed or timed-out handoffs, and the
-destination blocks a lost prefill worker may still write (``decode.quarantine``).
+destination blocks a lost prefill worker may still write (``tandem.decode.quarantine``).
 
-``PrefillHandoffs`` is part of ``decode.worker.DecodeWorker`` (which supplies ``redis``,
-``settings``, ``scheduler``, ``allocator``, ``transport``, ``mailer``, ``kv_endpoint``,
-``worker_id``, ``batch_wait``, ``_device_identity`` and ``_publish``); the decode loop calls
-``_refresh_peers``, ``_dispatch_prefills`` and ``_check_handoffs`` once a turn.
+A request's handoff, as this side sees it::
+
+    (scheduler: PREFILLING, blocks reserved)
+        --dispatch--> job sent to a prefill worker, its blocks granted on the transport
+        --PrefillDone ok--> DECODING (the scheduler admits it)
+        --PrefillDone failed / receiver FAILED (timeout, transfer error)--> ended with an error
+        --prefill worker lost (heartbeat gone, or restarted)--> re-dispatched (fresh blocks where
+          the lost one could still write the old ones; those wait in the quarantine)
+
+``PrefillHandoffs`` is composed into the decode worker with its collaborators passed in
+(Redis, the scheduler and its allocator, the KV transport, the mailer for prefill inboxes,
+and ``publish``, which sends a request's events to its gateway); the decode loop calls
+``refresh_peers``, ``dispatch`` and ``check`` once a turn and ``on_prefill_done`` per reply.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import redis
 import structlog
 
 from tandem.cluster import keys
 from tandem.cluster.draining import accepting, read_marks
-from tandem.cluster.inbox import send
+from tandem.cluster.inbox import Mailer, send
 from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, WorkerInfo
 from tandem.cluster.prefix_index import choose_prefill_worker, longest_prefixes
 from tandem.cluster.registry import live_workers, of_model
 from tandem.cluster.service import pid_namespace
 from tandem.cluster.settings import Settings
-from tandem.decode.batch_wait import shares_gpu
 from tandem.decode.quarantine import Quarantine
 from tandem.decode.request import DecodeRequest
+from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.window import held_block_ids
 from tandem.engine.prefix_cache import block_hashes, num_reusable_blocks
-from tandem.kvtransfer import KVPoll, KVReceiver
+from tandem.kvtransfer import KVPoll, KVReceiver, Transport
 
 log = structlog.get_logger(__name__)
 
 PEER_CHECK_INTERVAL_S = 0.5
 
 
+# (request, output index, finish reason) events, and the error they carry
+Publish = Callable[[list[tuple[DecodeRequest, int, "str | None"]], "str | None"], None]
+
+
 class PrefillHandoffs:
-    def _init_handoffs(self, settings: Settings) -> None:
+    def __init__(self, *, settings: Settings, worker_id: str, redis: redis.Redis, scheduler: DecodeScheduler,
+                 transport: Transport, kv_endpoint: dict, mailer: Mailer, publish: Publish):
+        self.settings = settings
+        self.worker_id = worker_id
+        self.redis = redis
+        self.scheduler = scheduler
+        self.allocator = scheduler.allocator
+        self.transport = transport
+        self.kv_endpoint = kv_endpoint  # where prefill workers reach our pool
+        self.mailer = mailer  # aborts for prefill workers, kept across a Redis error
+        self._publish = publish
         self._prefill_workers: list[WorkerInfo] = []  # live, serving our model
         self._taking_prefill_workers: list[WorkerInfo] = []  # of those, the ones not being drained
         self._foreign_prefill: set[tuple[str, str]] = set()  # workers of another model, logged once
@@ -48,7 +72,12 @@ class PrefillHandoffs:
         self.quarantine = Quarantine(settings.transfer_timeout_s)
         self._pid_namespace = pid_namespace()
 
-    def _on_prefill_done(self, msg: PrefillDone) -> None:
+    @property
+    def prefill_workers(self) -> list[WorkerInfo]:
+        """The live prefill workers serving our model (as of the last refresh)."""
+        return self._prefill_workers
+
+    def on_prefill_done(self, msg: PrefillDone) -> None:
         self.allocator.free(self.quarantine.release_done(msg.request_id, msg.prefill_worker_id))
         request = self.scheduler.prefilling.get(msg.request_id)
         if request is None:
@@ -63,18 +92,19 @@ class PrefillHandoffs:
         error = None if ok else (msg.error or f"prefill {msg.status}")
         reason = self.scheduler.on_prefill_done(request, msg.first_token if ok else None, error)
         if msg.status == "failed":
-            self._publish([(request, len(request.output_token_ids), reason)], error=msg.error)
+            self._publish([(request, len(request.output_token_ids), reason)], msg.error)
 
-    def _refresh_peers(self) -> None:
+    def refresh_peers(self) -> bool:
+        """Re-read the live prefill workers (at most every PEER_CHECK_INTERVAL_S); re-dispatch the
+        jobs of lost ones; True when it re-read them."""
         now = time.monotonic()
         if now - self._peers_checked_at < PEER_CHECK_INTERVAL_S:
-            return
+            return False
         self._peers_checked_at = now
         self._prefill_workers = of_model(live_workers(self.redis, "prefill"), self.settings.model_name,
                                          self._foreign_prefill)
         # derived here, where it changes, not on every step
         self._taking_prefill_workers = accepting(self._prefill_workers, read_marks(self.redis, "prefill"))
-        self.batch_wait.shared = shares_gpu(self._device_identity, self._prefill_workers)
         alive = {w.worker_id: w.started_at for w in self._prefill_workers}
         self.allocator.free(self.quarantine.release_ended(alive))
         for request in list(self.scheduler.prefilling.values()):
@@ -96,10 +126,11 @@ class PrefillHandoffs:
             else:
                 request.receiver.fail("prefill worker lost, and no free blocks to redo the prefill while "
                                       "its first blocks are held")
+        return True
 
     def _hold_blocks_for_redo(self, request: DecodeRequest) -> bool:
         """Swap the request's destination blocks for fresh ones and hold the old ones until the
-        lost worker is known to be done with them (decode.quarantine); False if none are free."""
+        lost worker is known to be done with them (the quarantine); False if none are free."""
         count = len(request.block_ids)
         if self.allocator.num_free < count:
             return False
@@ -113,7 +144,8 @@ class PrefillHandoffs:
                              request.prefill_pid, held_block_ids(request))
         request.block_ids, request.spare_block_ids, request.num_released_blocks = [], [], 0
 
-    def _dispatch_prefills(self) -> None:
+    def dispatch(self) -> None:
+        """Hand the requests the scheduler starts now to prefill workers."""
         if not self._taking_prefill_workers:
             return  # requests wait, holding no blocks, until a prefill worker registers (or is undrained)
         started = self.scheduler.schedule_prefills()
@@ -177,7 +209,8 @@ class PrefillHandoffs:
         hashes = block_hashes(prompt, block_size)[: num_reusable_blocks(len(prompt), block_size)]
         return longest_prefixes(self.redis, [w.worker_id for w in workers], hashes)
 
-    def _check_handoffs(self) -> None:
+    def check(self) -> None:
+        """End the handoffs that failed (transfer error or timeout)."""
         for request in list(self.scheduler.prefilling.values()):
             if request.receiver.poll() is KVPoll.FAILED:
                 error = request.receiver.error or "kv handoff failed"
@@ -190,7 +223,7 @@ class PrefillHandoffs:
                 reason = self.scheduler.on_prefill_done(request, None, error)
                 log.error("kv handoff failed", request_id=request.request_id, error=error)
                 if reason != "abort":
-                    self._publish([(request, len(request.output_token_ids), reason)], error=error)
+                    self._publish([(request, len(request.output_token_ids), reason)], error)
 
     def _end_handoff(self, request: DecodeRequest) -> None:
         if request.handoff_id is not None:

@@ -11,7 +11,7 @@ a PREFILLING request's blocks are freed only once the prefill worker no longer
 writes them (``on_prefill_done`` or the receiver's failure). Every request that
 ends is reported once by ``pop_ended`` (the worker gives back its admission).
 
-The capacity policy (``decode.policies``; switchable between steps, applying
+The capacity policy (``tandem.cluster.policies``; switchable between steps, applying
 to admissions from then on) decides how much a request reserves and when
 waiting requests may be admitted: in ``queue_key`` order, head-of-line, at
 most ``max_batch_size`` active. Before each step every running request gets a
@@ -30,9 +30,8 @@ prompt (``decode.window``).
 
 from __future__ import annotations
 
-from tandem.cluster.admission import GUARANTEED_NO_EVICT
+from tandem.cluster.policies import GUARANTEED_NO_EVICT, capacity_policy
 from tandem.cluster.request_state import RequestStatus, finish_reason
-from tandem.decode.policies import get_policy
 from tandem.decode.request import DecodeRequest
 from tandem.decode.window import SlidingWindow, held_block_ids
 from tandem.engine.block_allocator import BlockAllocator, blocks_for
@@ -54,7 +53,7 @@ class DecodeScheduler:
         self.max_seq_len = max_seq_len
         self.eos_token_ids = list(eos_token_ids)
         self.window = SlidingWindow(allocator, attention_window) if attention_window else None
-        self.policy = get_policy(policy)
+        self.policy = capacity_policy(policy)
         self.requests: dict[str, DecodeRequest] = {}
         self.waiting: list[DecodeRequest] = []  # QUEUED and PAUSED, in queue_key order
         self.prefilling: dict[str, DecodeRequest] = {}  # PREFILLING
@@ -65,7 +64,7 @@ class DecodeScheduler:
 
     def set_policy(self, name: str) -> None:
         if name != self.policy.name:
-            self.policy = get_policy(name)
+            self.policy = capacity_policy(name)
 
     # ---- intake -------------------------------------------------------------------
     def add(self, request: DecodeRequest) -> None:
@@ -84,7 +83,8 @@ class DecodeScheduler:
 
     def reserved_tokens(self, request: DecodeRequest) -> int:
         """The policy's reservation (less with a sliding window); a resumed request's covers all it computed."""
-        tokens = self.policy.reserve_tokens(request, self.max_seq_len)
+        tokens = self.policy.reserve_tokens(request.num_prompt_tokens, len(request.output_token_ids),
+                                           request.spec.max_tokens, self.max_seq_len)
         if self.window is not None:
             tokens = self.window.reserved_tokens(request.num_prompt_tokens, tokens)
         return max(tokens, request.num_tokens) if request.is_resuming else tokens

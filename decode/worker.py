@@ -22,12 +22,12 @@ from tandem.cluster.inbox import Inbox, Mailer
 from tandem.cluster.messages import AbortRequest, GenerateRequest, PrefillDone, TokenEvent, WorkerInfo
 from tandem.cluster.outputs import Outbox
 from tandem.cluster.worker_loop import run_steps, worker_info
-from tandem.cluster.policy import LivePolicies
+from tandem.cluster.live_policies import LivePolicies
 from tandem.cluster.registry import Heartbeat
 from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.settings import Settings
 from tandem.cluster.step_stats import StepStats
-from tandem.decode.batch_wait import BatchWait
+from tandem.decode.batch_wait import BatchWait, shares_gpu
 from tandem.decode.pool_files import remove_stale_pool_files
 from tandem.decode.device_steps import DeviceStep, DeviceSteps, run_ahead
 from tandem.decode.handoffs import PrefillHandoffs
@@ -45,7 +45,7 @@ HOLD_POLL_MS = 2  # inbox wait per turn while a step is held (decode.batch_wait)
 RECONCILE_INTERVAL_S = 5.0  # how often admission entries of requests never seen are looked for
 
 
-class DecodeWorker(PrefillHandoffs):
+class DecodeWorker:
     role = "decode"
 
     def __init__(self, settings: Settings):
@@ -101,7 +101,9 @@ class DecodeWorker(PrefillHandoffs):
         self._device_identity = device_identity(self.runner.device)
         self.batch_wait = BatchWait(settings.decode_batch_wait_ms / 1000.0, settings.max_batch_size)
         self._early_aborts: dict[str, float] = {}  # request id -> when an abort came before the request
-        self._init_handoffs(settings)
+        self.handoffs = PrefillHandoffs(settings=settings, worker_id=self.worker_id, redis=self.redis,
+                                        scheduler=self.scheduler, transport=self.transport,
+                                        kv_endpoint=self.kv_endpoint, mailer=self.mailer, publish=self._publish)
         self.stats = StepStats(self.role)
         self.steps = DeviceSteps(self.runner, self.allocator, self.stats, self.runner.config.eos_token_ids)
         self.run_ahead = run_ahead(settings.decode_run_ahead, self.runner.device, self.scheduler)
@@ -135,9 +137,10 @@ class DecodeWorker(PrefillHandoffs):
         idle = not batch and not events and not self._busy()
         # holding: wait on the inbox a little (a PrefillDone ends the wait early) instead of spinning
         self._handle_messages(self.inbox.read(block_ms=20 if idle else HOLD_POLL_MS if held else None))
-        self._refresh_peers()
-        self._dispatch_prefills()
-        self._check_handoffs()
+        if self.handoffs.refresh_peers():
+            self.batch_wait.shared = shares_gpu(self._device_identity, self.handoffs.prefill_workers)
+        self.handoffs.dispatch()
+        self.handoffs.check()
         self._release_admissions()
         self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
                              waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free,
@@ -209,7 +212,7 @@ class DecodeWorker(PrefillHandoffs):
                 return
             self.scheduler.add(DecodeRequest(spec=msg, output_token_ids=list(msg.output_token_ids)))
         elif isinstance(msg, PrefillDone):
-            self._on_prefill_done(msg)
+            self.handoffs.on_prefill_done(msg)
         elif isinstance(msg, AbortRequest):
             self._abort(msg.request_id)  # blocks a step on the device uses are held until it is read
         else:

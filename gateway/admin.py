@@ -2,7 +2,7 @@
 
 Every method reads or writes the cluster's state in Redis, so any gateway answers
 for the whole cluster: the registry (``ListWorkers``), the live policies the
-workers re-read between steps (``cluster.policy``), the drain marks the routers
+workers re-read between steps (``tandem.cluster.live_policies``), the drain marks the routers
 skip (``cluster.draining``) and the decode workers' inboxes (``CancelRequest``
 sends the same ``AbortRequest`` a client disconnect does). Bad arguments get
 INVALID_ARGUMENT or NOT_FOUND and change nothing; a Redis error is UNAVAILABLE.
@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from tandem.cluster import keys
 from tandem.cluster.draining import is_drained, is_draining, mark_value, parse_marks
 from tandem.cluster.messages import FIELD, AbortRequest, WorkerInfo, encode
-from tandem.cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES
+from tandem.cluster.policies import CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES
 from tandem.gateway.router import ROLES, live_workers
 
 log = structlog.get_logger(__name__)
@@ -44,8 +44,8 @@ pb, pb_grpc = grpc.protos_and_services(PROTO)
 
 _CAPACITY = pb.CapacitySchedulerPolicy
 _CHUNKING = pb.ContextChunkingPolicy
-POLICY_FIELDS = {"capacity_scheduler_policy": (_CAPACITY, CAPACITY_POLICIES),
-                 "context_chunking_policy": (_CHUNKING, CHUNKING_POLICIES)}
+POLICY_FIELDS = {"capacity_scheduler_policy": (_CAPACITY, CAPACITY_POLICY_NAMES),
+                 "context_chunking_policy": (_CHUNKING, CHUNKING_POLICY_NAMES)}
 CANCEL_REASON = "cancelled through the admin API"
 
 

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from tandem.cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES
+from tandem.cluster.policies import CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workers.add_argument("--role", choices=["prefill", "decode"], default="")
     sub.add_parser("policies", help="show the live scheduling policies")
     policy = sub.add_parser("set-policy", help="switch policies for the whole cluster")
-    policy.add_argument("--capacity-scheduler-policy", choices=CAPACITY_POLICIES)
-    policy.add_argument("--context-chunking-policy", choices=CHUNKING_POLICIES)
+    policy.add_argument("--capacity-scheduler-policy", choices=CAPACITY_POLICY_NAMES)
+    policy.add_argument("--context-chunking-policy", choices=CHUNKING_POLICY_NAMES)
     for name, text in (("drain", "send a worker no new requests"), ("undrain", "give a worker new requests again")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("worker_id")

@@ -24,7 +24,8 @@ import redis.asyncio as aioredis
 import structlog
 
 from tandem.cluster import keys
-from tandem.cluster.admission import RELEASE_LUA, RESERVE_LUA, charge_tokens
+from tandem.cluster.admission import RELEASE_LUA, RESERVE_LUA
+from tandem.cluster.policies import CAPACITY_POLICIES, GUARANTEED_NO_EVICT
 from tandem.cluster.draining import accepting, is_draining, parse_marks
 from tandem.cluster.messages import FIELD, AbortRequest, GenerateRequest, WorkerInfo, encode
 from tandem.cluster.registry import of_model, parse_records
@@ -50,8 +51,10 @@ def capacity_tokens(worker: WorkerInfo) -> int:
 def admission_args(worker: WorkerInfo, num_prompt_tokens: int, max_tokens: int) -> list[int]:
     """(charge, capacity tokens, max requests) of one worker, as RESERVE_LUA reads them."""
     capacity = capacity_tokens(worker)
-    charge = charge_tokens(worker.capacity_scheduler_policy, num_prompt_tokens, max_tokens, worker.max_seq_len,
-                           worker.block_size, capacity)
+    # a record naming a policy this gateway does not know is charged by the reserving rule (the larger charge)
+    policy = CAPACITY_POLICIES.get(worker.capacity_scheduler_policy) or CAPACITY_POLICIES[GUARANTEED_NO_EVICT]
+    charge = policy.charge_tokens(
+        num_prompt_tokens, max_tokens, worker.max_seq_len, worker.block_size, capacity)
     return [charge, capacity, worker.max_batch_size]
 
 

@@ -17,18 +17,17 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Coroutine
 
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisError
 
-from tandem.cluster.messages import GenerateRequest, WorkerInfo
 from tandem.cluster.settings import Settings
 from tandem.gateway.admission import AdmissionQueue
+from tandem.gateway.background import BackgroundTasks
 from tandem.gateway.choices import Choices
+from tandem.gateway.dispatch import Dispatcher
 from tandem.gateway.errors import ClientDisconnected
 from tandem.gateway.generation import Generation
 from tandem.gateway.metrics import GatewayMetrics
@@ -36,6 +35,7 @@ from tandem.gateway.mux import OutputMux
 from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.gateway.router import ROLES, Router
 from tandem.gateway.streams import POLL_S
+from tandem.gateway.text_stream import TextStream
 from tandem.gateway.tokenizer import load_tokenizer
 from tandem.gateway.validation import GenerationInput, Validator, choice_input
 
@@ -45,7 +45,6 @@ MAX_REDIS_CONNECTIONS = 4096
 REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_POOL_WAIT_S = 30.0
 STARTUP_WAIT_S = REDIS_CONNECT_TIMEOUT_S  # longest startup waits for the admission scripts to load
-ABORT_RETRY_S = 60.0  # how long an abort is retried through a Redis outage
 
 
 def make_redis(url: str) -> aioredis.Redis:
@@ -75,7 +74,8 @@ class GatewayService:
                                       num_queued=lambda: self.admission.num_queued)
         # one thread: tokenizers are not safe to share across threads, and the loop must not block
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        self._background: set[asyncio.Task] = set()
+        self.background = BackgroundTasks()
+        self.dispatcher = Dispatcher(self.router, self.admission, self.mux.stream, self.background)
         # a token id's own text, for logprobs (decoded alone, special tokens included; on the loop,
         # as the detokenizer runs)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
@@ -110,14 +110,17 @@ class GatewayService:
 
     async def _start_one(self, inp: GenerationInput, request_id: str, arrived_at: float,
                          client_gone: Callable[[], Awaitable[bool]] | None) -> Generation:
-        worker = await self.admission.admit(request_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority,
-                                            client_gone=client_gone)
+        dispatcher = self.dispatcher
+        worker = await dispatcher.admit(request_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority,
+                                        client_gone=client_gone)
         if client_gone is not None and await client_gone():  # left while its room was being reserved
-            self.spawn(self.router.release(worker.worker_id, request_id))
+            dispatcher.release(worker.worker_id, request_id)
             raise ClientDisconnected("client disconnected before submission")
-        generation = Generation(self, request_id, inp, worker, arrived_at)
+        generation = Generation(request_id, inp, worker, backend=dispatcher, mux=self.mux, metrics=self.metrics,
+                                text=TextStream(self.tokenizer, inp), timeout_s=self.settings.request_timeout_s,
+                                arrived_at=arrived_at)
         try:
-            await self.submit(worker, request_id, inp, arrival_time=generation.arrival_time)
+            await dispatcher.submit(worker, request_id, inp, arrival_time=generation.arrival_time)
         except BaseException:
             self.mux.unregister(request_id)
             raise
@@ -127,42 +130,6 @@ class GatewayService:
                  max_tokens=inp.max_tokens, choice=request_id)
         return generation
 
-    async def submit(self, worker: WorkerInfo, wire_id: str, inp: GenerationInput,
-                     output_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
-        """Send the request to the worker that reserved room for it; on failure give the room back."""
-        request = GenerateRequest(
-            request_id=wire_id,
-            prompt_token_ids=inp.prompt_token_ids,
-            sampling=inp.sampling,
-            max_tokens=inp.max_tokens,
-            stop_token_ids=inp.stop_token_ids,
-            ignore_eos=inp.ignore_eos,
-            priority=inp.priority,
-            arrival_time=time.time() if arrival_time is None else arrival_time,
-            reply_to=self.mux.stream,
-            output_token_ids=list(output_token_ids or []),
-        )
-        try:
-            await self.router.submit(worker, request)
-        except BaseException:
-            # it never reached the worker: give its room back (if this fails too, the worker's reconcile does)
-            self.spawn(self.router.release(worker.worker_id, wire_id))
-            raise
-
-    async def abort(self, worker_id: str, wire_id: str, reason: str) -> None:
-        """Tell the worker to stop the request, retrying through a Redis outage for up to
-        ABORT_RETRY_S: until it reads the abort it generates on and holds the request's blocks."""
-        deadline, delay = time.monotonic() + ABORT_RETRY_S, 0.05
-        while True:
-            try:
-                await self.router.abort(worker_id, wire_id, reason)
-                return
-            except RedisError:
-                if time.monotonic() + delay > deadline:
-                    raise  # logged by the background task's done-callback
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 1.0)
-
     async def prepare(self) -> None:
         """At startup: Redis's side of admission ready before the first request (if Redis is
         down the gateway starts anyway; redis-py loads the scripts on first use then).
@@ -170,7 +137,7 @@ class GatewayService:
         Waits at most STARTUP_WAIT_S: a Redis that accepts connections but does not answer
         would hold the load for the read timeout and its retry (over 20 s). The load goes on
         in the background then; it is not cancelled (redis-py may swallow a cancellation)."""
-        loading = self.spawn(self._load_scripts())
+        loading = self.background.spawn(self._load_scripts())
         await asyncio.wait({loading}, timeout=STARTUP_WAIT_S)
         if not loading.done():
             log.warning("admission scripts not loaded yet, starting anyway", wait_s=STARTUP_WAIT_S)
@@ -214,24 +181,11 @@ class GatewayService:
         }
 
     # ---- plumbing -------------------------------------------------------------------
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
-        """Run ``coro`` to completion even if the request that started it is cancelled."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._on_background_done)
-        return task
-
-    def _on_background_done(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("background redis call failed", error=str(task.exception()))
-
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     async def close(self) -> None:
         await self.mux.stop()
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=5.0)
+        await self.background.wait(5.0)
         await self.redis.aclose()
         self._tokenize_pool.shutdown(wait=False)

@@ -11,24 +11,16 @@ logits are needed) and starts computing after them; every block that becomes
 full is cached. Sliding window: between chunks, blocks no later query of the
 prompt attends to are given back (``release_out_of_window``).
 
-Chunking policies (TensorRT-LLM's): a chunk that is not a job's last is a whole
-number of blocks, so every chunk starts on a block boundary.
-    FIRST_COME_FIRST_SERVED  the earliest job takes as much of the budget as it
-                             can use, then the next, and so on.
-    EQUAL_PROGRESS           jobs take one block each in turn, round after round,
-                             while the budget lasts (a job whose next block does
-                             not fit is passed over; the rest go on).
+Chunking policies: ``tandem.cluster.policies`` (FIRST_COME_FIRST_SERVED, EQUAL_PROGRESS).
 """
 
 from __future__ import annotations
 
+from tandem.cluster.policies import FIRST_COME_FIRST_SERVED, chunking_policy
 from tandem.cluster.request_state import RequestStatus
 from tandem.engine.block_allocator import BlockAllocator, blocks_for
 from tandem.engine.prefix_cache import PrefixCache, block_hashes, num_reusable_blocks
 from tandem.prefill.job import PrefillState
-
-POLICIES = ("FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS")
-
 
 class PrefillScheduler:
     def __init__(
@@ -37,22 +29,25 @@ class PrefillScheduler:
         *,
         max_num_tokens: int,
         max_batch_size: int,
-        policy: str = "FIRST_COME_FIRST_SERVED",
+        policy: str = FIRST_COME_FIRST_SERVED,
         prefix_cache: PrefixCache | None = None,
         attention_window: int | None = None,
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"context chunking policy must be one of {POLICIES}, got {policy!r}")
         self.allocator = allocator
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
-        self.policy = policy
+        self.policy = chunking_policy(policy)
         self.cache = prefix_cache or PrefixCache(allocator, enabled=False)
         self.attention_window = attention_window  # None: every layer attends to the whole prompt
         self.jobs: dict[str, PrefillState] = {}
         self.waiting: list[PrefillState] = []  # QUEUED
         self.prefilling: list[PrefillState] = []  # PREFILLING, in admission order
         self.transferring: list[PrefillState] = []  # TRANSFERRING
+
+    def set_policy(self, name: str) -> None:
+        """Switch the chunking policy (between forwards: the next chunk is planned under it)."""
+        if name != self.policy.name:
+            self.policy = chunking_policy(name)
 
     def add(self, state: PrefillState) -> None:
         if state.request_id in self.jobs:
@@ -69,10 +64,7 @@ class PrefillScheduler:
         if not self.prefilling:
             return []
         remaining = [state.num_remaining for state in self.prefilling]
-        if self.policy == "EQUAL_PROGRESS":
-            sizes = equal_progress_chunks(remaining, self.max_num_tokens, self.allocator.block_size)
-        else:
-            sizes = first_come_chunks(remaining, self.max_num_tokens, self.allocator.block_size)
+        sizes = self.policy.chunk_sizes(remaining, self.max_num_tokens, self.allocator.block_size)
         return [(state, n) for state, n in zip(self.prefilling, sizes) if n > 0]
 
     def _admit(self) -> None:
@@ -147,40 +139,3 @@ class PrefillScheduler:
     @property
     def num_running(self) -> int:
         return len(self.prefilling) + len(self.transferring)
-
-
-def first_come_chunks(remaining: list[int], budget: int, unit: int) -> list[int]:
-    """FIRST_COME_FIRST_SERVED: each job in turn takes what is left of the budget, its last chunk
-    whole, any other rounded down to a multiple of ``unit`` (0: passed over this forward)."""
-    sizes = []
-    for need in remaining:
-        size = min(need, budget)
-        if size < need:
-            size -= size % unit
-        sizes.append(size)
-        budget -= size
-    return sizes
-
-
-def equal_progress_chunks(remaining: list[int], budget: int, unit: int) -> list[int]:
-    """EQUAL_PROGRESS: round after round, each job takes its next ``unit`` tokens (its last,
-    possibly shorter, increment at the end) if they fit in what is left of the budget."""
-    def after_rounds(r: int) -> int:  # tokens handed out by r whole rounds
-        return sum(min(need, r * unit) for need in remaining)
-
-    lo, hi = 0, max(remaining, default=0) // unit + 1  # the most whole rounds that fit: binary search
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if after_rounds(mid) <= budget else (lo, mid - 1)
-    sizes = [min(need, lo * unit) for need in remaining]
-    budget -= sum(sizes)
-    progress = True
-    while progress:  # the round that no longer fits whole, as far as it goes (few rounds: budget < a round)
-        progress = False
-        for i, need in enumerate(remaining):
-            step = min(unit, need - sizes[i])
-            if 0 < step <= budget:
-                sizes[i] += step
-                budget -= step
-                progress = True
-    return sizes

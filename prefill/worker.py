@@ -20,7 +20,7 @@ from tandem.cluster.inbox import Inbox, Mailer
 from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
 from tandem.cluster.outputs import Outbox
 from tandem.cluster.worker_loop import run_steps, worker_info
-from tandem.cluster.policy import LivePolicies
+from tandem.cluster.live_policies import LivePolicies
 from tandem.cluster.prefix_index import PrefixIndex
 from tandem.cluster.registry import Heartbeat
 from tandem.cluster.request_state import RequestStatus, banned_token_ids, finish_reason
@@ -96,7 +96,7 @@ class PrefillWorker:
         self.outbox.flush()  # first tokens a Redis outage kept back go out first
         self.mailer.flush()  # then the PrefillDones it kept back
         self._handle_messages(self.inbox.read(block_ms=None if self.scheduler.jobs else 20))
-        self.scheduler.policy = self.policies.refresh().context_chunking_policy
+        self.scheduler.set_policy(self.policies.refresh().context_chunking_policy)
         chunks = self.scheduler.schedule()
         if chunks:
             forward_started = time.perf_counter()

@@ -209,7 +209,7 @@ def test_preemption_counter_follows_the_workers_count():
 def test_live_policies_start_from_flags_switch_and_ignore_junk(rclient):
     from structlog.testing import capture_logs
 
-    from tandem.cluster.policy import LivePolicies
+    from tandem.cluster.live_policies import LivePolicies
     from tandem.cluster.settings import Settings
 
     rclient.hset(keys.policy(), "context_chunking_policy", "EQUAL_PROGRESS")  # set by an earlier worker

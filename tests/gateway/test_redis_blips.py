@@ -5,14 +5,13 @@ until Redis is back."""
 from __future__ import annotations
 
 import asyncio
-import types
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tandem.gateway import service as service_module
-from tandem.gateway.generation import Generation
-from tandem.gateway.service import GatewayService
+from tandem.gateway import dispatch as dispatch_module
+from tandem.gateway.background import BackgroundTasks
+from tandem.gateway.dispatch import Dispatcher
 
 
 class _FlakyRouter:
@@ -29,28 +28,23 @@ class _FlakyRouter:
         raise RedisConnectionError("redis is down")
 
 
-def _service(router) -> GatewayService:
-    service = object.__new__(GatewayService)
-    service.router = router
-    return service
+def _dispatcher(router) -> Dispatcher:
+    return Dispatcher(router, admission=None, reply_to="out", background=BackgroundTasks())
 
 
 def test_an_abort_is_retried_through_an_outage():
     router = _FlakyRouter(failures=3)
-    asyncio.run(_service(router).abort("d0", "cmpl-1", "client disconnected"))
+    asyncio.run(_dispatcher(router).send_abort("d0", "cmpl-1", "client disconnected"))
     assert router.calls == 4 and router.aborts == [("d0", "cmpl-1", "client disconnected")]
 
 
 def test_an_abort_gives_up_after_abort_retry_s(monkeypatch):
-    monkeypatch.setattr(service_module, "ABORT_RETRY_S", 0.2)
+    monkeypatch.setattr(dispatch_module, "ABORT_RETRY_S", 0.2)
     router = _FlakyRouter(failures=10**6)
     with pytest.raises(RedisConnectionError):
-        asyncio.run(_service(router).abort("d0", "cmpl-1", "x"))
+        asyncio.run(_dispatcher(router).send_abort("d0", "cmpl-1", "x"))
     assert 2 <= router.calls < 10 and router.aborts == []
 
 
 def test_a_redis_error_in_the_liveness_check_is_not_a_lost_worker():
-    generation = object.__new__(Generation)
-    generation.service = types.SimpleNamespace(router=_FlakyRouter(failures=0))
-    generation.worker_id, generation._worker_started_at = "d0", 1.0
-    assert asyncio.run(generation._worker_alive()) is True
+    assert asyncio.run(_dispatcher(_FlakyRouter(failures=0)).is_alive("d0", 1.0)) is True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.cluster.admission import charge_tokens
+from tandem.cluster.policies import capacity_policy
 from tandem.cluster.messages import GenerateRequest
 from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.sampling import SamplingParams
@@ -150,7 +150,7 @@ def test_max_utilization_reserves_prompt_plus_one_and_grows():
     sched.add(req)
     sched.schedule_prefills()
     assert len(req.block_ids) == blocks_for(8 + 1, BLOCK) == 3
-    assert charge_tokens(MU, 8, 12, 64, BLOCK, 128) == 3 * BLOCK  # what the gateway charges
+    assert capacity_policy(MU).charge_tokens(8, 12, 64, BLOCK, 128) == 3 * BLOCK  # what the gateway charges
     sched.on_prefill_done(req, 7, None)
     for token in range(20, 30):
         if req.status is not RequestStatus.DECODING:
@@ -353,6 +353,6 @@ def test_gateway_charge_equals_the_workers_reservation(policy):
         req = request(f"r{prompt_len}", prompt_len=prompt_len, max_tokens=max_tokens)
         sched.add(req)
         sched.schedule_prefills()
-        assert len(req.block_ids) * BLOCK == charge_tokens(policy, prompt_len, max_tokens, 64, BLOCK, 4000)
+        assert len(req.block_ids) * BLOCK == capacity_policy(policy).charge_tokens(prompt_len, max_tokens, 64, BLOCK, 4000)
         sched.abort(req.request_id)
         sched.on_prefill_done(req, None, None)

@@ -1,6 +1,6 @@
-"""The decode worker's side of the prefill handoff (decode.handoffs), with the engine, inbox and
+"""The decode worker's side of the prefill handoff (tandem.decode.handoffs), with the engine, inbox and
 Redis replaced by the small fakes of test_decode_loop: lost and restarted prefill workers, the
-blocks a lost worker may still write (decode.quarantine), stale replies, and the prefill worker's
+blocks a lost worker may still write (tandem.decode.quarantine), stale replies, and the prefill worker's
 answer to a job sent back to it."""
 
 import types
@@ -15,20 +15,20 @@ def test_a_prefill_worker_restarted_under_its_id_counts_as_lost(monkeypatch):
     import tandem.decode.handoffs as worker_module
 
     worker = _worker()
-    del worker._refresh_peers  # the real one
+    del worker.handoffs.refresh_peers  # the real one
     same, restarted = _prefilling(worker, "same", "p0", 1.0), _prefilling(worker, "restarted", "p1", 1.0)
     gone = _prefilling(worker, "gone", "p2", 1.0)
-    worker.settings = types.SimpleNamespace(model_name="m")
+    worker.handoffs.settings = types.SimpleNamespace(model_name="m")
     peers = [types.SimpleNamespace(worker_id="p0", started_at=1.0, device="cpu", model="m"),
              types.SimpleNamespace(worker_id="p1", started_at=2.0, device="cpu", model="m"),  # p1 restarted
              types.SimpleNamespace(worker_id="p2", started_at=1.0, device="cpu", model="other", role="prefill")]  # p2: not ours
     monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
     redispatched = []
-    worker._send_prefill_job = redispatched.append
-    worker._peers_checked_at, worker._device_identity = 0.0, "cpu"
-    worker._refresh_peers()
+    worker.handoffs._send_prefill_job = redispatched.append
+    worker.handoffs._peers_checked_at = 0.0
+    worker.handoffs.refresh_peers()
     assert redispatched == [restarted, gone] and same not in redispatched
-    assert sorted(m.request_id for _s, m in worker.redis.sent) == ["gone", "restarted"]  # the old jobs aborted
+    assert sorted(m.request_id for _s, m in worker.handoffs.redis.sent) == ["gone", "restarted"]  # the old jobs aborted
 
 
 def test_a_lost_prefill_workers_blocks_are_held_until_it_is_done_with_them(monkeypatch):
@@ -38,22 +38,22 @@ def test_a_lost_prefill_workers_blocks_are_held_until_it_is_done_with_them(monke
     import tandem.decode.handoffs as worker_module
 
     worker = _worker()
-    del worker._refresh_peers  # the real one
-    worker.settings = types.SimpleNamespace(model_name="m")
+    del worker.handoffs.refresh_peers  # the real one
+    worker.handoffs.settings = types.SimpleNamespace(model_name="m")
     request = _prefilling(worker, "r1", "p0", 1.0)
     old_blocks = list(request.block_ids)
     free_before = worker.allocator.num_free
     peers = [types.SimpleNamespace(worker_id="p1", started_at=1.0, device="cpu", model="m")]  # p0's beats lapsed
     monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
     redispatched = []
-    worker._send_prefill_job = lambda r: (redispatched.append(r), setattr(r, "prefill_worker_id", "p1"))
-    worker._peers_checked_at, worker._device_identity = 0.0, "cpu"
-    worker._refresh_peers()
+    worker.handoffs._send_prefill_job = lambda r: (redispatched.append(r), setattr(r, "prefill_worker_id", "p1"))
+    worker.handoffs._peers_checked_at = 0.0
+    worker.handoffs.refresh_peers()
     assert redispatched == [request] and request.block_ids and not set(request.block_ids) & set(old_blocks)
-    assert worker.quarantine.num_blocks == len(old_blocks)
+    assert worker.handoffs.quarantine.num_blocks == len(old_blocks)
     assert worker.allocator.num_free == free_before - len(old_blocks)  # the old ones are not free
-    worker._on_prefill_done(PrefillDone("r1", "aborted", prefill_worker_id="p0"))  # p0 woke, stopped
-    assert worker.quarantine.num_blocks == 0 and worker.allocator.num_free == free_before
+    worker.handoffs.on_prefill_done(PrefillDone("r1", "aborted", prefill_worker_id="p0"))  # p0 woke, stopped
+    assert worker.handoffs.quarantine.num_blocks == 0 and worker.allocator.num_free == free_before
     assert "r1" in worker.scheduler.prefilling  # the redo goes on (p0's reply is stale for it)
 
 
@@ -62,35 +62,35 @@ def test_a_failed_handoff_holds_its_blocks_until_the_worker_is_seen_to_have_rest
     from tandem.kvtransfer import KVReceiver
 
     worker = _worker()
-    del worker._refresh_peers, worker._check_handoffs
-    worker.settings = types.SimpleNamespace(model_name="m")
-    worker._end_handoff = lambda request: None
+    del worker.handoffs.refresh_peers, worker.handoffs.check
+    worker.handoffs.settings = types.SimpleNamespace(model_name="m")
+    worker.handoffs._end_handoff = lambda request: None
     request = _prefilling(worker, "r1", "p0", 1.0)
     request.receiver = KVReceiver(timeout_s=300.0)
     request.receiver.fail("kv handoff timed out")
     free_before = worker.allocator.num_free
-    worker._check_handoffs()
+    worker.handoffs.check()
     assert "r1" not in worker.scheduler.requests and worker.allocator.num_free == free_before  # held
     peers = [types.SimpleNamespace(worker_id="p0", started_at=2.0, device="cpu", model="m")]  # a new run
     monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
-    worker._peers_checked_at, worker._device_identity = 0.0, "cpu"
-    worker._refresh_peers()
-    assert worker.quarantine.num_blocks == 0 and worker.allocator.num_free > free_before
+    worker.handoffs._peers_checked_at = 0.0
+    worker.handoffs.refresh_peers()
+    assert worker.handoffs.quarantine.num_blocks == 0 and worker.allocator.num_free > free_before
 
 
 def test_with_a_transport_that_stops_late_writes_nothing_is_held():
     from tandem.kvtransfer import KVReceiver
 
     worker = _worker()
-    del worker._check_handoffs
-    worker.transport = types.SimpleNamespace(revoke_stops_writes=True)  # nccl: grants
-    worker._end_handoff = lambda request: None
+    del worker.handoffs.check
+    worker.handoffs.transport = types.SimpleNamespace(revoke_stops_writes=True)  # nccl: grants
+    worker.handoffs._end_handoff = lambda request: None
     request = _prefilling(worker, "r1", "p0", 1.0)
     request.receiver = KVReceiver(timeout_s=300.0)
     request.receiver.fail("kv handoff timed out")
     free_before, held = worker.allocator.num_free, len(request.block_ids)
-    worker._check_handoffs()
-    assert worker.quarantine.num_blocks == 0 and worker.allocator.num_free == free_before + held
+    worker.handoffs.check()
+    assert worker.handoffs.quarantine.num_blocks == 0 and worker.allocator.num_free == free_before + held
 
 
 
@@ -102,24 +102,24 @@ def test_a_prefill_pid_is_trusted_only_within_this_pid_namespace():
     from tandem.cluster.service import pid_namespace
 
     worker = _worker()
-    worker._pid_namespace = pid_namespace()
-    worker.redis = types.SimpleNamespace(xadd=lambda *a, **k: None)
-    worker.transport = types.SimpleNamespace(grant=lambda *a: None, revoke_stops_writes=False)
-    worker._end_handoff, worker._cached_prefixes = (lambda request: None), (lambda request, workers: {})
-    worker._round_robin, worker._handoff_seq = 0, 0
-    worker.settings = types.SimpleNamespace(transfer_timeout_s=300.0)
-    worker.kv_endpoint, worker.worker_id = {}, "decode-0"
+    worker.handoffs._pid_namespace = pid_namespace()
+    worker.handoffs.redis = types.SimpleNamespace(xadd=lambda *a, **k: None)
+    worker.handoffs.transport = types.SimpleNamespace(grant=lambda *a: None, revoke_stops_writes=False)
+    worker.handoffs._end_handoff, worker.handoffs._cached_prefixes = (lambda request: None), (lambda request, workers: {})
+    worker.handoffs._round_robin, worker.handoffs._handoff_seq = 0, 0
+    worker.handoffs.settings = types.SimpleNamespace(transfer_timeout_s=300.0)
+    worker.handoffs.kv_endpoint, worker.handoffs.worker_id = {}, "decode-0"
 
     def dispatch(namespace):
         request = _prefilling(worker, f"r{namespace}", None, None)
-        worker._prefill_workers = [WorkerInfo("p0", "prefill", "m", "inbox", 4242, os.uname().nodename, 1.0, 1.0, 8, 8,
+        worker.handoffs._prefill_workers = [WorkerInfo("p0", "prefill", "m", "inbox", 4242, os.uname().nodename, 1.0, 1.0, 8, 8,
                                               pid_namespace=namespace)]
-        worker._taking_prefill_workers = worker._prefill_workers
-        worker._send_prefill_job(request)
+        worker.handoffs._taking_prefill_workers = worker.handoffs._prefill_workers
+        worker.handoffs._send_prefill_job(request)
         return request.prefill_pid
 
-    assert dispatch(worker._pid_namespace) == 4242
-    assert dispatch(worker._pid_namespace + 1) is None
+    assert dispatch(worker.handoffs._pid_namespace) == 4242
+    assert dispatch(worker.handoffs._pid_namespace + 1) is None
     assert dispatch(0) is None
 
 
@@ -131,16 +131,16 @@ def test_a_reply_to_an_earlier_dispatch_is_stale_even_from_the_same_worker():
     from tandem.prefill.worker import PrefillWorker
 
     worker = _worker()
-    worker.settings = types.SimpleNamespace(transfer_timeout_s=300.0, enable_prefix_caching=False)
-    worker.transport = types.SimpleNamespace(revoke_stops_writes=False, grant=lambda *a: None, revoke=lambda *a: None)
-    worker.kv_endpoint, worker.worker_id, worker._round_robin, worker._pid_namespace = {}, "d0", 0, "ns"
+    worker.handoffs.settings = types.SimpleNamespace(transfer_timeout_s=300.0, enable_prefix_caching=False)
+    worker.handoffs.transport = types.SimpleNamespace(revoke_stops_writes=False, grant=lambda *a: None, revoke=lambda *a: None)
+    worker.handoffs.kv_endpoint, worker.handoffs.worker_id, worker.handoffs._round_robin, worker.handoffs._pid_namespace = {}, "d0", 0, "ns"
     p0 = types.SimpleNamespace(worker_id="p0", started_at=1.0, host="elsewhere", pid_namespace="", pid=1,
                                inbox="tandem:inbox:prefill:p0", num_waiting=0, num_running=0)
-    worker._taking_prefill_workers = worker._prefill_workers = [p0]
+    worker.handoffs._taking_prefill_workers = worker.handoffs._prefill_workers = [p0]
     request = _prefilling(worker, "r1", None)
-    worker._send_prefill_job(request)  # the first job ...
-    worker._send_prefill_job(request)  # ... and, after two re-dispatches, the same worker's second
-    first, second = [m for _stream, m in worker.redis.sent]
+    worker.handoffs._send_prefill_job(request)  # the first job ...
+    worker.handoffs._send_prefill_job(request)  # ... and, after two re-dispatches, the same worker's second
+    first, second = [m for _stream, m in worker.handoffs.redis.sent]
     assert first.handoff_id != second.handoff_id and request.prefill_worker_id == "p0"
 
     sender = object.__new__(PrefillWorker)  # the prefill side echoes each job's handoff id
@@ -151,10 +151,10 @@ def test_a_reply_to_an_earlier_dispatch_is_stale_even_from_the_same_worker():
     stale, answer = replies
     assert stale.handoff_id == first.handoff_id and answer.handoff_id == second.handoff_id
 
-    worker._on_prefill_done(stale)
+    worker.handoffs.on_prefill_done(stale)
     assert "r1" in worker.scheduler.prefilling  # still waiting for the second job
     request.receiver = KVReceiver(timeout_s=300.0)
-    worker._on_prefill_done(answer)
+    worker.handoffs.on_prefill_done(answer)
     assert "r1" not in worker.scheduler.prefilling and request.output_token_ids == [5]
 
 

@@ -18,7 +18,7 @@ from tandem.cluster.step_stats import StepStats
 from tandem.decode.batch_wait import BatchWait
 from tandem.decode.device_steps import DeviceSteps
 from tandem.decode.request import DecodeRequest
-from tandem.decode.quarantine import Quarantine
+from tandem.decode.handoffs import PrefillHandoffs
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.worker import DecodeWorker
 from tandem.engine.block_allocator import BlockAllocator
@@ -87,16 +87,19 @@ def _worker(run_ahead=False):
     worker.redis = _Redis()
     worker.outbox = Outbox(worker.redis)
     worker.mailer, worker._unhandled, worker._early_aborts = Mailer(worker.redis), [], {}
-    worker.quarantine, worker._foreign_prefill = Quarantine(300.0), set()
-    worker.transport = types.SimpleNamespace(revoke_stops_writes=False)  # as shm and cuda_ipc
     worker.policies = types.SimpleNamespace(
         refresh=lambda: types.SimpleNamespace(capacity_scheduler_policy=worker.scheduler.policy.name))
     worker.stats = StepStats("decode", 1e9)
     worker.steps = DeviceSteps(worker.runner, worker.allocator, worker.stats)
-    worker._handoff_seq = 0
     worker.batch_wait = BatchWait(0.2, 4)
-    for name in ("_refresh_peers", "_dispatch_prefills", "_check_handoffs", "_release_admissions"):
-        setattr(worker, name, lambda: None)
+    worker.handoffs = PrefillHandoffs(
+        settings=types.SimpleNamespace(transfer_timeout_s=300.0, model_name="m", enable_prefix_caching=False),
+        worker_id="d0", redis=worker.redis, scheduler=worker.scheduler,
+        transport=types.SimpleNamespace(revoke_stops_writes=False),  # as shm and cuda_ipc
+        kv_endpoint={}, mailer=worker.mailer, publish=worker._publish)
+    # the turn's Redis-facing handoff work is off (tests that need it delete these)
+    worker.handoffs.refresh_peers, worker.handoffs.dispatch = (lambda: False), (lambda: None)
+    worker.handoffs.check = worker._release_admissions = lambda: None
     return worker
 
 

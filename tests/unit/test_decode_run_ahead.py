@@ -7,7 +7,7 @@ import pytest
 import redis
 import torch
 
-from tandem.cluster.admission import MAX_UTILIZATION
+from tandem.cluster.policies import MAX_UTILIZATION
 from tandem.cluster.messages import GenerateRequest
 from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.sampling import SamplingParams

@@ -9,7 +9,11 @@ from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.sampling import SamplingParams
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.prefill.job import PrefillState
-from tandem.prefill.scheduler import PrefillScheduler, equal_progress_chunks, first_come_chunks
+from tandem.cluster.policies import EqualProgress, FirstComeFirstServed
+from tandem.prefill.scheduler import PrefillScheduler
+
+first_come_chunks = FirstComeFirstServed().chunk_sizes
+equal_progress_chunks = EqualProgress().chunk_sizes
 
 
 def state(rid, prompt_len, arrival=0.0, priority=0):

@@ -4,7 +4,7 @@ Fields ``capacity_scheduler_policy`` (decode workers) and
 ``context_chunking_policy`` (prefill workers). A worker sets a field from its
 command line only where it is absent (the first worker started wins), then
 re-reads the hash at most every ``interval_s``. An operator switches the whole
-cluster through the admin API (``gateway.admin``), e.g.::
+cluster through the admin API (``tandem.gateway.admin``), e.g.::
 
     tandem admin set-policy --capacity-scheduler-policy MAX_UTILIZATION
 
@@ -19,11 +19,12 @@ import redis
 import structlog
 
 from tandem.cluster import keys
-from tandem.cluster.settings import CAPACITY_POLICIES, CHUNKING_POLICIES, Settings
+from tandem.cluster.policies import CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES
+from tandem.cluster.settings import Settings
 
 log = structlog.get_logger(__name__)
 
-FIELDS = {"capacity_scheduler_policy": CAPACITY_POLICIES, "context_chunking_policy": CHUNKING_POLICIES}
+FIELDS = {"capacity_scheduler_policy": CAPACITY_POLICY_NAMES, "context_chunking_policy": CHUNKING_POLICY_NAMES}
 REFRESH_INTERVAL_S = 0.5
 
 
