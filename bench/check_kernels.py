@@ -1,6 +1,6 @@
 """Check and time tandem's Triton kernels on a GPU at real model shapes.
 
-    python bench/check_kernels.py --out kernels.json [--quick] [--sweep]
+    python3 -m tandem.bench.check_kernels --out kernels.json [--quick] [--sweep]
 
 For llama2-7b (32 q / 32 kv heads) and llama3-8b (32 q / 8 kv heads), head_dim
 128, block size 16, bf16: every kernel is compared with its torch reference
@@ -25,17 +25,15 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tandem.kernels import decode_attention as decode_module  # noqa: E402
-from tandem.kernels import prefill_attention as prefill_module  # noqa: E402
-from tandem.kernels import reference  # noqa: E402
-from tandem.kernels.activation import silu_mul  # noqa: E402
-from tandem.kernels.block_copy import gather_blocks, scatter_blocks  # noqa: E402
-from tandem.kernels.decode_attention import DecodeWorkspace, decode_attention  # noqa: E402
-from tandem.kernels.prefill_attention import prefill_attention  # noqa: E402
-from tandem.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
-from tandem.kernels.rotary import rotary_kv_write  # noqa: E402
+from tandem.kernels import decode_attention as decode_module
+from tandem.kernels import prefill_attention as prefill_module
+from tandem.kernels import reference
+from tandem.kernels.activation import silu_mul
+from tandem.kernels.block_copy import gather_blocks, scatter_blocks
+from tandem.kernels.decode_attention import DecodeWorkspace, decode_attention
+from tandem.kernels.prefill_attention import prefill_attention
+from tandem.kernels.rms_norm import fused_add_rms_norm
+from tandem.kernels.rotary import rotary_kv_write
 
 MODELS = {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}  # name -> (num_q_heads, num_kv_heads)
 HEAD_DIM, BLOCK_SIZE, DTYPE = 128, 16, torch.bfloat16

@@ -41,9 +41,9 @@ HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention 
 PREFETCH = True
 PREFETCH_MAX_BATCH = 1
 # A cap on the split phase's registers per thread (ptxas .maxnreg; None: the compiler's choice, the
-# rule). Programs per SM are what this kernel's bandwidth rides on (docs/gpu-notes.md): at 4 warps
+# rule). Programs per SM are what this kernel's bandwidth rides on (docs/kernels.md): at 4 warps
 # an SM holds 4 programs above 102 registers, 5 at 96 or fewer (38 KB of shared memory each stops
-# it at 5). For the engine A/B (scripts/decode_ab.py reg96, reg80); CUDA launches only.
+# it at 5). For A/B measurements (set from Python: 96, 80); CUDA launches only.
 MAX_REGISTERS: int | None = None
 # The block ids of a program's share loaded once into registers (at most IDS_REG_MAX of them),
 # each tile's taken from there (tl.gather) instead of a load that its K/V loads wait for: None

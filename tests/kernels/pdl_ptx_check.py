@@ -6,21 +6,18 @@ kernel tests run Triton in the interpreter, where kernels cannot be compiled.
     python3 tests/kernels/pdl_ptx_check.py      (from the repository root)
 """
 
-import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import triton
+from triton.backends.compiler import GPUTarget
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-
-from tandem.kernels.activation import _silu_mul_kernel  # noqa: E402
-from tandem.kernels.decode_attention import _decode_partial_kernel, _decode_reduce_kernel  # noqa: E402
-from tandem.kernels.gemv import _gemv_kernel  # noqa: E402
-from tandem.kernels.rms_norm import _fused_add_rms_norm_kernel  # noqa: E402
-from tandem.kernels.rotary import _rotary_kv_write_kernel  # noqa: E402
-from tandem.kernels.skinny_gemm import _skinny_kernel, _split_sum_kernel  # noqa: E402
+from tandem.kernels.activation import _silu_mul_kernel
+from tandem.kernels.decode_attention import _decode_partial_kernel, _decode_reduce_kernel
+from tandem.kernels.gemv import _gemv_kernel
+from tandem.kernels.rms_norm import _fused_add_rms_norm_kernel
+from tandem.kernels.rotary import _rotary_kv_write_kernel
+from tandem.kernels.skinny_gemm import _skinny_kernel, _split_sum_kernel
 
 _POINTER_TYPES = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
                   "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "partial_out_ptr": "*fp32",

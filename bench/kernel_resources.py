@@ -1,7 +1,7 @@
 """Registers and shared memory per program of the decode attention kernel (llama2-7b, batch 64)
 and the gate/up skinny GEMM tiles at 64 rows, as compiled on this GPU: programs per SM
-decide these kernels (docs/gpu-notes.md). (device: source scripts/device_env.sh first)
-    python3 scripts/kernel_resources.py"""
+decide these kernels (docs/kernels.md). (on a GPU machine: source scripts/gpu_env.sh first)
+    python3 -m tandem.bench.kernel_resources"""
 import torch
 
 import tandem.kernels.decode_attention as da
@@ -31,7 +31,7 @@ def report(name, k):
 
 
 seqs, heads, dim, bs = 64, 32, 128, 16
-width = 4096 // bs  # the engine's graphs: block tables for 4096 tokens (bench.engine, decode_ab)
+width = 4096 // bs  # the engine's graphs: block tables for 4096 tokens (tandem.bench.engine)
 blocks = seqs * width + 8
 k_cache = torch.randn(blocks, bs, heads, dim, device="cuda", dtype=torch.bfloat16)
 v_cache = torch.randn_like(k_cache)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GPU runs from a checkout (after `bash scripts/gpu_env.sh bundle` where there is network).
+# Each subcommand fits in one 10-minute run; results go under $OUT (default /tmp/out), and a
+# short table is printed last.
+#
+#   bash scripts/gpu.sh check     every Triton kernel against its torch reference at real shapes
+#                                 (python3 -m tandem.bench.check_kernels --quick)
+#   bash scripts/gpu.sh tests     every GPU test (pytest -m gpu: kernels, engine vs HF, the cluster)
+#   bash scripts/gpu.sh engine    tandem bench engine: the three shapes' decode and prefill workloads,
+#                                 ceilings and HF anchors -> $OUT/benchmarks.json
+#   bash scripts/gpu.sh mixed     the mixed workload through the whole cluster against HF continuous
+#                                 batching -> $OUT/mixed/mixed.json
+#   bash scripts/gpu.sh two-gpu   (two GPUs) the nccl tests, the handoff against a D2D copy, and the
+#                                 mixed workload disaggregated over both GPUs
+#   bash scripts/gpu.sh record    engine, then mixed: one record for docs/benchmarks/
+set -o pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu_env.sh || exit 1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/mixed"
+
+summary() {  # the lines worth reading, last
+  echo "== summary"
+  for log in "$@"; do
+    [ -f "$log" ] && grep -hE "passed|failed|decode_b|prefill_2048|hf_|ceilings|added_ttft|out_tok_per_s|ttft_ms_p50|tpot_ms_p50" "$log" | cut -c1-200 | tail -25
+  done
+}
+
+case "${1:-}" in
+  check)
+    timeout 540 python3 -m tandem.bench.check_kernels --quick --out "$OUT/kernels.json" 2>&1 | tee "$OUT/check.log"
+    summary "$OUT/check.log" ;;
+  tests)
+    timeout 570 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/gpu tests/engine -m gpu 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -30
+    summary "$OUT/gpu_tests.log" ;;
+  engine)
+    timeout 330 python3 -m tandem.bench.engine --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 \
+      --anchors prefill,static --anchor-models llama2-7b --out "$OUT/benchmarks.json" 2>&1 | tee "$OUT/bench.log"
+    summary "$OUT/bench.log" ;;
+  mixed)
+    timeout 330 python3 -m tandem.bench.cluster_mixed --client-processes 4 --out "$OUT/mixed/mixed.json" 2>&1 \
+      | tee "$OUT/mixed/run.log" | tail -12 ;;
+  two-gpu)
+    nvidia-smi -L | tee "$OUT/gpus.txt"
+    timeout 260 python3 -m pytest -q -p no:cacheprovider tests/kvtransfer/test_nccl_gpu.py \
+      tests/gpu/test_gpu_two_gpus.py tests/gpu/test_gpu_cluster.py -m gpu 2>&1 | tee "$OUT/x2_tests.log" | tail -20
+    timeout 180 python3 -m tandem.bench.nccl_handoff --out "$OUT/nccl_handoff.json" 2>&1 | tee "$OUT/nccl_handoff.log" | tail -10
+    timeout 200 python3 -m tandem.bench.cluster_mixed --skip-hf --label mixed_128req_2gpu \
+      --out "$OUT/mixed/cluster_mixed_2gpu.json" 2>&1 | tee "$OUT/mixed/run_2gpu.log" | tail -3
+    summary "$OUT/x2_tests.log" "$OUT/nccl_handoff.log" "$OUT/mixed/run_2gpu.log" ;;
+  record)
+    timeout 300 python3 -m tandem.bench.engine --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 \
+      --anchors prefill,static --anchor-models llama2-7b --out "$OUT/benchmarks.json" > "$OUT/bench.log" 2>&1
+    timeout 270 python3 -m tandem.bench.cluster_mixed --client-processes 4 --out "$OUT/mixed/mixed.json" \
+      > "$OUT/mixed/run.log" 2>&1
+    summary "$OUT/bench.log" "$OUT/mixed/run.log" ;;
+  *) sed -n 2,16p "$0" >&2; exit 2 ;;
+esac
