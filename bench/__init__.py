@@ -1,1 +1,1 @@
-"""Benchmark clients for tandem (torch-free): ``tandem bench serve`` lives in :mod:`bench.serve`."""
+"""Benchmark clients for tandem (torch-free): ``tandem bench serve`` lives in :mod:`tandem.bench.serve`."""

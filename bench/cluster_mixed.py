@@ -6,9 +6,9 @@ Writes a random-weight checkpoint at the shape (safetensors, HF names, bf16)
 with a locally built word-level tokenizer covering the whole vocabulary (so every
 generated id streams as text and TTFT/ITL are measured per token), measures HF ``generate_batch`` on the same
 weights shape, then starts ``tandem serve`` (gateway, prefill and decode
-workers on this GPU, cuda_ipc handoff) and drives it with ``bench.serve``:
+workers on this GPU, cuda_ipc handoff) and drives it with ``tandem.bench.serve``:
 128 requests, prompts uniform in [64, 511] tokens (seed 0), 256 new tokens
-each, all submitted at once. Rows as in ``bench.engine``.
+each, all submitted at once. Rows as in ``tandem.bench.engine``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 For each policy: ``tandem serve`` (private redis-server, one prefill and one
 decode worker, the gateway) with ``--max-tokens-in-paged-kv-cache`` far below
-what the load needs, then ``bench.serve``'s client sends every request at once
+what the load needs, then ``tandem.bench.serve``'s client sends every request at once
 (prompts and outputs of mixed lengths, ``ignore_eos``, greedy) and the pauses
 are read from the gateway's ``tandem_preemptions_total``. The policies take
 turns ``--repeat`` times (a shared machine's load then hits them alike); the

@@ -16,9 +16,9 @@ Usage::
 
     python -m tandem.bench.serve ...          # same, without the ``tandem`` entry point
 
-Metric definitions (TTFT, ITL, TPOT, E2E, goodput) are in :mod:`bench.serve_metrics`;
-SSE parsing in :mod:`bench.sse`; one request in :mod:`bench.serve_request`; the
-report and ``--result-json`` rows in :mod:`bench.serve_report`.
+Metric definitions (TTFT, ITL, TPOT, E2E, goodput) are in :mod:`tandem.bench.serve_metrics`;
+SSE parsing in :mod:`tandem.bench.sse`; one request in :mod:`tandem.bench.serve_request`; the
+report and ``--result-json`` rows in :mod:`tandem.bench.serve_report`.
 
 Exit status of :func:`main`: 0 when at least one request succeeded, 1 when none
 did, 2 on a usage/setup error (bad arguments, model lookup failed), 130 when

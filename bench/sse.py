@@ -1,6 +1,6 @@
 """Server-sent events from an OpenAI-compatible stream: the SSE line decoder, the
 JSON payloads of one event, and the generated text or error message a chunk
-carries. Used by :mod:`bench.serve_request`; torch-free, stdlib only.
+carries. Used by :mod:`tandem.bench.serve_request`; torch-free, stdlib only.
 """
 
 from __future__ import annotations

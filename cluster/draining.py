@@ -1,9 +1,9 @@
 """Draining: workers that get no new requests while they finish what they hold.
 
-The admin API (``gateway.admin``) marks a worker in ``keys.draining(role)``, a hash
+The admin API (``tandem.gateway.admin``) marks a worker in ``keys.draining(role)``, a hash
 worker_id -> the ``started_at`` of the run it drains and the time of the drain. Routers skip a marked
-worker: the gateways when they admit a request to a decode worker (``gateway.router``),
-the decode workers when they hand a prefill job out (``decode.worker``). The mark names
+worker: the gateways when they admit a request to a decode worker (``tandem.gateway.router``),
+the decode workers when they hand a prefill job out (``tandem.decode.worker``). The mark names
 one incarnation, so a worker restarted under its id (compose and ``tandem serve`` use
 fixed ids) takes work again without an undrain; marks of runs replaced by a new one are
 pruned at the next drain. Marks live in Redis: a Redis restarted without its data forgets

@@ -19,7 +19,7 @@ def inbox(role: str, worker_id: str) -> str:
 
 
 def prefix_index(worker_id: str) -> str:
-    """Set of the chained block hashes a prefill worker's prefix cache holds (``cluster.prefix_index``)."""
+    """Set of the chained block hashes a prefill worker's prefix cache holds (``tandem.cluster.prefix_index``)."""
     return f"{PREFIX}:prefix:{worker_id}"
 
 
@@ -33,7 +33,7 @@ GATEWAY_OUTPUT_MAXLEN = 100_000  # entries kept (approximately) in a gateway's o
 
 
 def admitted(worker_id: str) -> str:
-    """Hash request_id -> tokens reserved on a decode worker by admission (``cluster.admission``)."""
+    """Hash request_id -> tokens reserved on a decode worker by admission (``tandem.cluster.admission``)."""
     return f"{PREFIX}:admitted:{worker_id}"
 
 
@@ -49,5 +49,5 @@ def policy() -> str:
 
 def draining(role: str) -> str:
     """Hash worker_id -> started_at of the workers of ``role`` that take no new requests
-    (``cluster.draining``; the admin API's DrainWorker)."""
+    (``tandem.cluster.draining``; the admin API's DrainWorker)."""
     return f"{PREFIX}:draining:{role}"

@@ -1,7 +1,7 @@
 """Which prompt prefixes each prefill worker has cached, kept in Redis for routing.
 
 A prefill worker with prefix caching mirrors the chained block hashes its
-cache holds (``engine.prefix_cache``) into the set ``tandem:prefix:<worker>``
+cache holds (``tandem.engine.prefix_cache``) into the set ``tandem:prefix:<worker>``
 (``PrefixIndex.sync``, once per loop step: only the hashes cached or evicted
 since the last step travel). The set is bounded by the worker's KV pool and
 expires with the worker: its TTL is the heartbeat TTL, refreshed every

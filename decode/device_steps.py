@@ -2,7 +2,7 @@
 
 ``DeviceSteps.launch`` starts a step for a batch of requests; a request whose last token
 is still on the device (``num_pending``, sampled by ``previous``) gets it fed from there
-(``engine.step_tokens``). ``read`` waits for one step's tokens; a step counts as done for the
+(``tandem.engine.step_tokens``). ``read`` waits for one step's tokens; a step counts as done for the
 allocator (blocks freed meanwhile go free) only once read. ``stop`` after an engine error.
 """
 

@@ -25,7 +25,7 @@ its prompt + output tokens but the last, and decoding goes on from the last.
 Sliding window (``attention_window``): after each step the blocks a request
 no longer attends to are released and recycled for its later positions, so a
 request reserves and holds only about a window's worth of blocks beyond its
-prompt (``decode.window``).
+prompt (``tandem.decode.window``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Each step: read the inbox (new requests, prefill results, aborts), reserve
 blocks and hand prefill jobs out, check handoffs in flight, run one decode
 step over the running batch and publish every new token in one Redis round
-trip. Request statuses moved here: see ``decode.scheduler``; the prefill handoff
-(dispatch, PrefillDone, lost prefill workers): ``decode.handoffs``.
+trip. Request statuses moved here: see ``tandem.decode.scheduler``; the prefill handoff
+(dispatch, PrefillDone, lost prefill workers): ``tandem.decode.handoffs``.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class DecodeWorker:
         """One loop turn. The GPU runs step N+1 while this process publishes step N's
         tokens and does its Redis work. With ``run_ahead`` (CUDA), step N+1 is launched
         before step N's tokens reach the host, its input tokens taken from step N's on the
-        device (``engine.step_tokens``): the GPU never waits for this turn's host work.
+        device (``tandem.engine.step_tokens``): the GPU never waits for this turn's host work.
         Otherwise, or when step N+1 would need to pause a request for room, step N is read
         first, then step N+1 launched.
 

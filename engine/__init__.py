@@ -11,11 +11,12 @@ Modules, in the order data flows through them:
   tensor; on the CPU optionally a /dev/shm file another process can map.
 - ``attention``: ``SeqChunk`` (a sequence's new tokens + its block table) and
   ``build_metadata`` -> ``AttentionMetadata`` for one flattened, unpadded batch.
-- ``model``: ``LlamaFamilyModel``; every heavy op goes through ``kernels.ops``.
+- ``model``: ``LlamaFamilyModel``; every heavy op goes through ``tandem.kernels.ops``.
 - ``runner``: ``ModelRunner.forward(chunks) -> logits`` of each sequence's last new token.
 - ``sampler``: ``sample(logits, params, step_indices)``; seeded rows reproducible across
   batches and workers.
-- ``testing``: ``make_tiny_checkpoint`` for tests everywhere (random weights + tokenizer).
+- ``demo_model``: ``make_tiny_checkpoint``, the tiny random-weight model ``--model demo`` serves
+  (random weights + a locally built tokenizer); the tests build their checkpoints with it too.
 
 Block allocation (which block ids a sequence gets) is the schedulers' business, in
 plain Python; the engine only reads and writes the blocks it is handed.

@@ -5,7 +5,7 @@ this step (a prompt chunk, or one decode token), how many of its tokens are
 already in the KV cache, and its block table. The tokens of all sequences are
 concatenated (no padding); the metadata says where each sequence's tokens are
 and where their K/V go. It is passed explicitly to the model (no global
-context), with the layouts of ``kernels.reference``.
+context), with the layouts of ``tandem.kernels.reference``.
 """
 
 from __future__ import annotations

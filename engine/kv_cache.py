@@ -3,7 +3,7 @@
     kv  [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 
 One tensor (rather than one per layer) so a transfer can move block ids across
-all layers with a single gather/scatter (``kernels.ops.gather_blocks``).
+all layers with a single gather/scatter (``tandem.kernels.ops.gather_blocks``).
 
 On the CPU the pool can live in a file (normally under /dev/shm) so that a
 second process maps the very same memory: the creator calls ``create_shared``

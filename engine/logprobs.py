@@ -7,7 +7,7 @@ before; ``entries`` turns the host copies into one wire entry per row::
 
     [sampled token's logprob, [[token id, logprob], ... the row's k most likely]]
 
-(None for a row that did not ask). ``engine.step_tokens.StepTokens`` brings the
+(None for a row that did not ask). ``tandem.engine.step_tokens.StepTokens`` brings the
 tensors to the host with the tokens.
 """
 

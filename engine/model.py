@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV pool.
 
-Every heavy op goes through ``kernels.ops`` (Triton on CUDA, torch reference
+Every heavy op goes through ``tandem.kernels.ops`` (Triton on CUDA, torch reference
 elsewhere); this module only does the matmuls and wiring. Weights are held
 fused, as the loader writes them: ``qkv_proj`` = [q; k; v] and
 ``gate_up_proj`` = [gate; up], one matmul each.

@@ -1,6 +1,6 @@
 """Rotary embedding tables, computed exactly as transformers computes inv_freq.
 
-The cache layout is the one ``kernels.reference.rotary_kv_write`` reads:
+The cache layout is the one ``tandem.kernels.reference.rotary_kv_write`` reads:
 row p = [cos(p * inv_freq) | sin(p * inv_freq)], i.e. [max_position, head_dim].
 """
 

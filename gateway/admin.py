@@ -3,7 +3,7 @@
 Every method reads or writes the cluster's state in Redis, so any gateway answers
 for the whole cluster: the registry (``ListWorkers``), the live policies the
 workers re-read between steps (``tandem.cluster.live_policies``), the drain marks the routers
-skip (``cluster.draining``) and the decode workers' inboxes (``CancelRequest``
+skip (``tandem.cluster.draining``) and the decode workers' inboxes (``CancelRequest``
 sends the same ``AbortRequest`` a client disconnect does). Bad arguments get
 INVALID_ARGUMENT or NOT_FOUND and change nothing; a Redis error is UNAVAILABLE.
 

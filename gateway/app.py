@@ -2,8 +2,8 @@
 
 ``create_app(settings)`` resolves the settings (model limits), loads the
 tokenizer and returns the FastAPI app, whose lifespan also serves the gRPC admin
-API (``gateway.admin``) on ``--admin-port``. Errors are mapped to responses in
-``gateway.errors`` only; bodies over ``MAX_BODY_BYTES`` get a 413.
+API (``tandem.gateway.admin``) on ``--admin-port``. Errors are mapped to responses in
+``tandem.gateway.errors`` only; bodies over ``MAX_BODY_BYTES`` get a 413.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Only the shape and per-field ranges are checked here; what needs the tokenizer
 or the length limits (prompt length, vocabulary, max_tokens against
-max_seq_len) is checked in ``gateway.validation``. Unknown fields are ignored
+max_seq_len) is checked in ``tandem.gateway.validation``. Unknown fields are ignored
 like OpenAI does; fields we cannot honour (best_of > 1, echo, tools and
 function calls, a JSON response format, tool calls in the messages) are
 accepted only at their neutral value, so a request that relies on them gets

@@ -6,12 +6,12 @@ requests; concurrent readers share one read and wake together. The snapshot stay
 workers reported it (metrics republish it).
 
 A request goes to a decode worker only with an admission reservation on it
-(``cluster.admission``): one Lua call over every live decode worker picks the
+(``tandem.cluster.admission``): one Lua call over every live decode worker picks the
 one with the most unreserved room that can take the request under the
 capacity policy it reports, and records the charge, atomically, so gateways
 sharing a pool cannot oversubscribe a worker. The worker gives the
 reservation back when the request leaves it. Workers being drained
-(``cluster.draining``, read with the registry) get no new requests.
+(``tandem.cluster.draining``, read with the registry) get no new requests.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ ROLES = ("decode", "prefill")
 
 
 async def live_workers(client: aioredis.Redis, role: str) -> list[WorkerInfo]:
-    """Every worker of ``role`` whose heartbeat has not expired (async ``cluster.registry.live_workers``)."""
+    """Every worker of ``role`` whose heartbeat has not expired (async ``tandem.cluster.registry.live_workers``)."""
     names = [name async for name in client.scan_iter(match=keys.worker_pattern(role), count=1000)]
     return parse_records(role, await client.mget(names)) if names else []
 

@@ -79,7 +79,7 @@ def _gemv_kernel(
 def tile_config(num_out: int, K: int, silu_mul: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes only.
 
-    From ``bench.tune_gemv`` on an H200 (cold L2, 14 projection shapes of llama3.2-1b,
+    From ``tandem.bench.tune_gemv`` on an H200 (cold L2, 14 projection shapes of llama3.2-1b,
     llama2-7b and llama3-8b): 4 whole rows of 1024-wide tiles per program were best or
     within 3% for K <= 8192; the down projections (K of 11008, 14336) want 8 rows; the
     fused gate/up form, two accumulators, 512-wide tiles and 3 stages.

@@ -1,6 +1,6 @@
 """Shared pieces of the ``nccl`` transport: wire constants, control frames, pair process groups.
 
-See ``kvtransfer.nccl`` for the protocol, the roles and the ownership rules.
+See ``tandem.kvtransfer.nccl`` for the protocol, the roles and the ownership rules.
 """
 
 from __future__ import annotations

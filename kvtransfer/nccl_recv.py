@@ -1,6 +1,6 @@
 """Decode side of the ``nccl`` transport: the pool server that accepts pairs and applies chunks.
 
-See ``kvtransfer.nccl`` for the protocol, the roles and the ownership rules.
+See ``tandem.kvtransfer.nccl`` for the protocol, the roles and the ownership rules.
 """
 
 from __future__ import annotations

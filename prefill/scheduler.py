@@ -5,7 +5,7 @@ forward, at most ``max_num_tokens`` tokens per forward over all jobs) ->
 TRANSFERRING (last chunk done, first token sampled, KV writes draining) ->
 FINISHED | ABORTED | FAILED, freeing the local blocks on every exit.
 
-Prefix caching (``engine.prefix_cache``): at admission a job takes the cached
+Prefix caching (``tandem.engine.prefix_cache``): at admission a job takes the cached
 blocks of its longest cached prefix (never the block of its last token, whose
 logits are needed) and starts computing after them; every block that becomes
 full is cached. Sliding window: between chunks, blocks no later query of the

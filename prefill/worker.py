@@ -5,7 +5,7 @@ scheduler picked (at most ``max_num_tokens`` tokens), push each chunk's blocks
 into the decode worker's destination blocks, sample and publish the first
 token of every prompt that completed (TTFT does not wait for the decode
 worker), and report finished handoffs with PrefillDone. Statuses moved here:
-see ``prefill.scheduler``.
+see ``tandem.prefill.scheduler``.
 """
 
 from __future__ import annotations
