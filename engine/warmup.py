@@ -5,10 +5,11 @@ dims below 128, 128 rows) from the batch's mean query length; each tile is a sep
 compilation, a second or more each. Without a warm-up, the first batches of
 real traffic pay for them (measured on an H200: 8192-token prefill batches
 taking 1-2 s instead of ~0.2 s in the first seconds of a benchmark). The KV
-handoff's block gather and scatter kernels (kernels.block_copy, run by the
+handoff's block gather and scatter kernels (tandem.kernels.block_copy, run by the
 cuda_ipc and NCCL transports after the first chunk) are compiled here too: the
-first request's prefill step took 446 ms for 445 tokens without them (H200,
-bench.cluster_mixed timeline, tenth session).
+first request's prefill step took 446 ms for 445 tokens without them (one H200,
+2026-11-30, at ecd6a75: `python3 -m tandem.bench.cluster_mixed --skip-hf`, then
+`python3 -m tandem.bench.cluster_timeline` on its cluster.log; docs/kernels.md).
 """
 
 from __future__ import annotations

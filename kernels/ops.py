@@ -58,17 +58,22 @@ def silu_mul(x):
     return _pick("silu_mul", x)(x)
 
 
-# Decode batches multiply through kernels.skinny_gemm up to these many tokens (0 turns it off).
-# Measured on an H200 (engine A/B, docs/benchmarks.md, seventh session): at 8 tokens the step is
-# 5.4% faster on llama2-7b (4.61 -> 4.36 ms), 3.2% on llama3-8b, 3.7% on llama3.2-1b; at 32 tokens
-# 1-4%; at 64 only the long-K projections (K >= 2N: down) beat cuBLAS (llama2-7b 30.9 -> 27.4 us
-# per layer; with every projection the 7B step lost 0.22 ms), and at 128 every projection lost.
+# Decode batches multiply through tandem.kernels.skinny_gemm up to these many tokens (0 turns it
+# off). Engine A/B against cuBLAS on one H200 (torch 2.11, triton 3.6), 2026-11-30, at 6fbcc11
+# (scripts/decode_ab.py --batches 1,8,16,32,64 --variants rule,cublas,skinny32,skinny64, removed
+# since) and ea8f9db (python3 -m tandem.bench.tune_skinny_gemm --quick; decode_ab at 128 rows;
+# docs/kernels.md): at 8 tokens the step is 5.4% faster on llama2-7b (4.61 -> 4.36 ms), 3.2% on
+# llama3-8b, 3.7% on llama3.2-1b; at 32 tokens 1-4%; at 64 only the long-K projections (K >= 2N:
+# down) beat cuBLAS (llama2-7b 30.9 -> 27.4 us per layer; with every projection the 7B step lost
+# 0.22 ms), and at 128 every projection lost.
 SKINNY_GEMM_MAX_ROWS = 32
 SKINNY_GEMM_LONG_K_MAX_ROWS = 64
 SKINNY_GEMM_ROWS_LIMIT = 128  # kernels.skinny_gemm.MAX_M: the most rows its kernels take
 # gate/up with SiLU·mul fused through the skinny GEMM up to this many rows (its own rule: the
 # fused form also saves the SiLU·mul kernel that cuBLAS needs after it; at 33-64 rows with its own
-# tile, kernels.skinny_gemm.tile_config: llama2-7b b64 6.51 -> 6.46 ms per step, tenth session).
+# tile, tandem.kernels.skinny_gemm.tile_config: llama2-7b b64 6.51 -> 6.46 ms per step, engine A/B
+# on one H200, 2026-11-30, at ecd6a75: scripts/decode_ab.py --models llama2-7b --batches 64
+# --rounds 2 --variants rule,gate_up64_w,gate_up64_n, removed since; docs/kernels.md).
 SKINNY_SILU_MUL_MAX_ROWS = 64
 
 
@@ -122,9 +127,11 @@ def _triton_layout(x, weight, bias) -> bool:
 
 # A decode batch's o and down projections end in the skinny GEMM's finishing kernel, which also
 # adds the residual and applies the next RMSNorm (one kernel less per projection), from 2 up to
-# this many tokens (0: off). Engine A/B on an H200 (docs/benchmarks.md, eighth session), unfused
-# -> fused: llama2-7b b64 6.735 -> 6.678 and 6.558 -> 6.467 ms, llama3-8b b64 5.546 -> 5.457 and
-# 5.418 -> 5.316, b16/b32 -0.03/-0.05, llama2-7b b8 -0.03; llama3-8b b8 +0.04 to +0.08 (not understood).
+# this many tokens (0: off). Engine A/B on one H200 (torch 2.11, triton 3.6), 2026-11-30, at
+# a82129f and 3197fbc (scripts/decode_ab.py --batches 8,16,32,64 --variants unfused,rule, removed
+# since; docs/kernels.md), unfused -> fused: llama2-7b b64 6.735 -> 6.678 and 6.558 -> 6.467 ms,
+# llama3-8b b64 5.546 -> 5.457 and 5.418 -> 5.316, b16/b32 -0.03/-0.05, llama2-7b b8 -0.03;
+# llama3-8b b8 +0.04 to +0.08 (not understood).
 # At 64 rows this moves the o projection from cuBLAS to the skinny GEMM (up to 32 only: 7B b64 6.734).
 FUSED_NORM_MAX_ROWS = 64
 
@@ -162,8 +169,10 @@ def decode_attention_new_token(q, k, v, positions, cos_sin_cache, k_cache, v_cac
                                                   block_tables, seq_lens, scale, sliding_window)
 
 
-# Measured on an H200 (docs/benchmarks.md, fifth session): the fused form is 1-3% faster per step at
-# batch 1 (llama3.2-1b, llama2-7b, llama3-8b) and 1.5-3.6% slower at batch 64 on llama2-7b.
+# Engine A/B on one H200 (torch 2.11, triton 3.6), 2026-11-29, at f1fd6a8 and e85a817
+# (TANDEM_FUSED_ROTARY=0, then 1: tandem bench engine --batches 1,64 --anchors ''; docs/kernels.md):
+# the fused form is 1-3% faster per step at batch 1 (llama3.2-1b, llama2-7b, llama3-8b) and
+# 1.5-3.6% slower at batch 64 on llama2-7b.
 FUSED_ROTARY_MAX_BATCH = 8
 
 

@@ -160,11 +160,12 @@ def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2,
                 sms: int = 132) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) for x [M, K] and a weight of N rows
     (2I for silu_mul) from shapes and the device's SMs (``sms``, 132: an H200's) only. Measured
-    on an H200 (bench.tune_skinny_gemm --quick, llama2-7b, 64 rows; docs/benchmarks.md, seventh
-    session): best or within 2% of the best of 22 settings for the down projection (27.4-28.0 us
-    against cuBLAS's 30.9) and the o projection; on qkv and gate_up at 64 rows 64-wide K tiles
-    were better (and only tied cuBLAS), where kernels.ops sends them to cuBLAS; at 8 and 32 rows
-    the engine A/B ran this rule (faster than cuBLAS on three models).
+    on one H200 (torch 2.11, triton 3.6), 2026-11-30, at ea8f9db with
+    ``python3 -m tandem.bench.tune_skinny_gemm --quick`` (llama2-7b, 64 rows; docs/kernels.md):
+    best or within 2% of the best of 22 settings for the down projection (27.4-28.0 us against
+    cuBLAS's 30.9) and the o projection; on qkv and gate_up at 64 rows 64-wide K tiles were
+    better (and only tied cuBLAS), where kernels.ops sends them to cuBLAS; at 8 and 32 rows the
+    engine A/B ran this rule (faster than cuBLAS on three models).
 
     64 rows (one wgmma tile of 4 warps) by 128-wide K tiles (256 contiguous bytes per bf16 row),
     64-wide where fewer than 3 stages would fit; as many stages, up to 4, as fit in shared memory:
@@ -174,12 +175,14 @@ def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2,
     so the last may hold fewer).
 
     gate/up with SiLU·mul at 33-64 rows takes 128-row weight tiles (gate and up: 256 rows a
-    program), 64-wide K, 8 warps, 4 stages: the best of the eighth session's sweep at llama2-7b
-    64 rows (51.1 us against cuBLAS 51.4 plus 1.9 for its SiLU·mul kernel; this rule's 64-row
-    tile took 59.5), and 0.05 ms off the whole 7B b64 step in the tenth session's engine A/B
-    (6.507/6.512 -> 6.455/6.458 ms, two rounds; docs/benchmarks.md). 200 KB of shared memory
-    leaves one program per SM, so K is split only while the grid stays one wave (7B's 86 and
-    8B's 112 programs: unsplit, as measured; 1B's 64: in two).
+    program), 64-wide K, 8 warps, 4 stages: the best of the sweep at llama2-7b 64 rows (one H200,
+    2026-11-30, at 3197fbc, ``python3 -m tandem.bench.tune_skinny_gemm --quick``: 51.1 us against
+    cuBLAS 51.4 plus 1.9 for its SiLU·mul kernel; this rule's 64-row tile took 59.5), and 0.05 ms
+    off the whole 7B b64 step in the engine A/B (2026-11-30, at ecd6a75, ``scripts/decode_ab.py
+    --models llama2-7b --batches 64 --rounds 2 --variants rule,gate_up64_w``, removed since:
+    6.507/6.512 -> 6.455/6.458 ms; docs/kernels.md). 200 KB of shared memory leaves one program
+    per SM, so K is split only while the grid stays one wave (7B's 86 and 8B's 112 programs:
+    unsplit, as measured; 1B's 64: in two).
     """
     block_n, block_m = 64, max(16, triton.next_power_of_2(M))
     if silu_mul and block_m == 64 and (2 * 128 + 64) * 64 * elem_size * 5 <= _SMEM_BYTES:

@@ -17,7 +17,7 @@ gpu_env_bundle() {
   set -euo pipefail
   mkdir -p "$DEPS/whl" "$DEPS/bin" "$DEPS/lib"
   for spec in $PACKAGES; do
-    version=$(python3 -m pip show "$spec" 2>/dev/null | awk '/^Version:/{print $2}')
+    version=$(python3 -m pip show "$spec" 2>/dev/null | awk '/^Version:/{print $2}' || true)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${GPU_PYTHON_VERSION:-3.12}" \
       --implementation cp --platform "${GPU_PLATFORM:-manylinux_2_28_x86_64}" --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d "$DEPS/whl" "${spec}${version:+==$version}"
