@@ -36,7 +36,7 @@ LOG2E = 1.4426950408889634
 HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention compares both)
 # Fused form only: the share's last tile is loaded before the PDL wait, the new token's k and v
 # taken from registers instead of a store, barrier and reload; for batches of up to
-# PREFETCH_MAX_BATCH (engine A/B on an H200, docs/benchmarks.md: batch 1 llama3.2-1b 0.947 ->
+# PREFETCH_MAX_BATCH (engine A/B on an H200, docs/kernels.md: batch 1 llama3.2-1b 0.947 ->
 # 0.916 ms per step, llama3-8b 4.12 -> 4.06; batch 8 llama2-7b 4.56 -> 4.76, slower).
 PREFETCH = True
 PREFETCH_MAX_BATCH = 1

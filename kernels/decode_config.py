@@ -67,7 +67,7 @@ _TILE_OVERRIDE = _tile_override()
 
 # Wide grids (num_seqs * num_kv_heads programs before splits; 16-bit, head_dim 128): 32-token tiles
 # on 3 stages with the block ids in registers (so the loop's loads run ahead), from WIDE_GRID on 4
-# warps, from WIDER_GRID on 2. Engine A/B, llama2-7b on an H200, two rounds (docs/benchmarks.md):
+# warps, from WIDER_GRID on 2. Engine A/B, llama2-7b on an H200, two rounds (docs/kernels.md):
 # b64 6.44 -> 6.39 ms per step (4 warps; 2 warps 6.49), b128 9.32 -> 9.11 (2 warps; 4 warps 9.33);
 # at b1 and b8 (32 and 256 programs) the 64-token tile with per-tile ids stays (b8 4.34 vs 4.38).
 WIDE_GRID = 1024
