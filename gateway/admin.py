@@ -7,6 +7,9 @@ skip (``tandem.cluster.draining``) and the decode workers' inboxes (``CancelRequ
 sends the same ``AbortRequest`` a client disconnect does). Bad arguments get
 INVALID_ARGUMENT or NOT_FOUND and change nothing; a Redis error is UNAVAILABLE.
 
+The same port serves the standard health service (``tandem.gateway.health``) and
+server reflection (so ``grpcurl`` needs no .proto).
+
 The stubs are generated from the .proto when this module is imported
 (``grpc.protos_and_services``, grpcio-tools): no generated code is checked in, so
 they always match the installed protobuf runtime.
@@ -24,12 +27,16 @@ import time
 import grpc
 import redis.asyncio as aioredis
 import structlog
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
+from grpc_reflection.v1alpha import reflection
 from redis.exceptions import RedisError
 
 from tandem.cluster import keys
 from tandem.cluster.draining import is_drained, is_draining, mark_value, parse_marks
 from tandem.cluster.messages import FIELD, AbortRequest, WorkerInfo, encode
 from tandem.cluster.policies import CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES
+from tandem.gateway.health import GatewayHealth
 from tandem.gateway.router import ROLES, live_workers
 
 log = structlog.get_logger(__name__)
@@ -197,10 +204,17 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
-async def start_admin_server(client: aioredis.Redis, host: str, port: int) -> grpc.aio.Server:
-    """Serve the admin API on host:port (in the running event loop); raises OSError if it cannot bind."""
+async def start_admin_server(client: aioredis.Redis, host: str, port: int,
+                             health: GatewayHealth | None = None) -> grpc.aio.Server:
+    """Serve the admin API, ``health``'s service and reflection on host:port (in the running
+    event loop); raises OSError if it cannot bind."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
     pb_grpc.add_AdminServicer_to_server(AdminServicer(client), server)
+    services = [pb.DESCRIPTOR.services_by_name["Admin"].full_name, reflection.SERVICE_NAME]
+    if health is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+        services.append(HEALTH_SERVICE)
+    reflection.enable_server_reflection(services, server)
     # every address the host resolves to, one by one: grpc binds a name to whichever of its
     # addresses it can and succeeds if one works (localhost: ::1 bound, 127.0.0.1 someone else's)
     addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
@@ -210,6 +224,8 @@ async def start_admin_server(client: aioredis.Redis, host: str, port: int) -> gr
             server.add_insecure_port(target)
         except RuntimeError as exc:  # grpc's "Failed to bind"
             raise OSError(f"the admin API cannot listen on {target} ({host}:{port}): {exc}") from exc
+    if health is not None:
+        await health.start()
     await server.start()
     log.info("admin API listening", host=host, port=port)
     return server

@@ -17,6 +17,7 @@ from tandem.cluster.settings import Settings
 from tandem.gateway.body_limit import BodyLimitMiddleware
 from tandem.gateway.cancellation import GenerationStreamResponse, until_disconnected
 from tandem.gateway.errors import install_error_handlers
+from tandem.gateway.health import GatewayHealth
 from tandem.gateway.choices import Choices
 from tandem.gateway.metrics import CONTENT_TYPE, StatusMiddleware
 from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -30,6 +31,7 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     """The gateway app. ``tokenizer`` and ``redis`` (a redis.asyncio client) override the defaults in tests."""
     settings.resolve()
     service = GatewayService(settings, tokenizer=tokenizer, redis=redis)
+    admin_health = GatewayHealth(service.router)  # the admin port's grpc.health.v1; set_draining() on the way down
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -39,14 +41,16 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
         if settings.admin_port:
             from tandem.gateway.admin import start_admin_server
 
-            admin = await start_admin_server(service.redis, settings.admin_host, settings.admin_port)
+            admin = await start_admin_server(service.redis, settings.admin_host, settings.admin_port, admin_health)
         yield
+        admin_health.stop()
         if admin is not None:
             await admin.stop(grace=1.0)
         await service.close()
 
     app = FastAPI(title="tandem gateway", lifespan=lifespan)
     app.state.service = service
+    app.state.health = admin_health
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=MAX_BODY_BYTES)
     app.add_middleware(StatusMiddleware, metrics=service.metrics)  # outermost: counts the 413s too
