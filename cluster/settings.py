@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.cluster.policies import (
@@ -35,8 +35,12 @@ class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     host: str = "127.0.0.1"
     port: int = 8000
-    admin_host: str = "127.0.0.1"  # gateway: the gRPC admin API (gateway/admin.proto); unauthenticated
+    admin_host: str = "127.0.0.1"  # gateway: the gRPC admin API (gateway/admin.proto)
     admin_port: int = 50051  # 0: no admin API
+    # secrets: kept out of repr (logs) and passed to child processes in the environment, not argv
+    admin_token: str | None = field(default=None, repr=False)  # every Admin RPC needs "Bearer <token>"
+    admin_tls_cert: str | None = None  # PEM files: the admin port speaks TLS
+    admin_tls_key: str | None = None
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     tokens_per_block: int = 16
@@ -108,6 +112,11 @@ class Settings:
         _check(1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}")
         _check(0 <= self.admin_port <= 65535 and self.admin_port != self.port,
                f"--admin-port must be in [0, 65535] (0: no admin API) and differ from --port, got {self.admin_port}")
+        _check(self.admin_token != "", "--admin-token (TANDEM_ADMIN_TOKEN) is empty")
+        _check((self.admin_tls_cert is None) == (self.admin_tls_key is None),
+               "--admin-tls-cert and --admin-tls-key go together")
+        for flag, path in (("--admin-tls-cert", self.admin_tls_cert), ("--admin-tls-key", self.admin_tls_key)):
+            _check(path is None or os.path.isfile(path), f"{flag}: no file {path!r}")
         _check(0 < self.heartbeat_interval_s < self.heartbeat_ttl_s,
                f"--heartbeat-interval-s ({self.heartbeat_interval_s}) must be > 0 and below --heartbeat-ttl-s "
                f"({self.heartbeat_ttl_s}): a worker would otherwise expire between its beats")
@@ -181,8 +190,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
         a("--host", default=d.host)
         a("--port", type=int, default=d.port)
         a("--admin-host", default=d.admin_host,
-          help="where the gRPC admin API listens (it has no authentication: keep it off public networks)")
+          help="where the gRPC admin API listens (without --admin-token anyone reaching it may use it)")
         a("--admin-port", type=int, default=d.admin_port, help="gRPC admin API port (0: none)")
+        a("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN") or None,
+          help="every admin RPC needs 'authorization: Bearer <token>' (the health service stays open); "
+               "prefer the environment variable TANDEM_ADMIN_TOKEN: a flag shows in ps")
+        a("--admin-tls-cert", help="PEM certificate (chain): the admin API speaks TLS")
+        a("--admin-tls-key", help="PEM private key of --admin-tls-cert")
         a("--request-timeout-s", type=float, default=d.request_timeout_s)
         a("--max-queue-len", type=int, default=d.max_queue_len,
           help="requests the gateway holds while no decode worker has room; more get 429")

@@ -8,7 +8,10 @@ sends the same ``AbortRequest`` a client disconnect does). Bad arguments get
 INVALID_ARGUMENT or NOT_FOUND and change nothing; a Redis error is UNAVAILABLE.
 
 The same port serves the standard health service (``tandem.gateway.health``) and
-server reflection (so ``grpcurl`` needs no .proto).
+server reflection (so ``grpcurl`` needs no .proto). With a token (``--admin-token``)
+every call but the health service's needs the metadata ``authorization: Bearer
+<token>``, else UNAUTHENTICATED (probes carry no token); with a certificate and key
+(``--admin-tls-cert``/``--admin-tls-key``) the port speaks TLS only.
 
 The stubs are generated from the .proto when this module is imported
 (``grpc.protos_and_services``, grpcio-tools): no generated code is checked in, so
@@ -18,6 +21,7 @@ they always match the installed protobuf runtime.
 from __future__ import annotations
 
 import functools
+import hmac
 import os
 import re
 import socket
@@ -54,6 +58,7 @@ _CHUNKING = pb.ContextChunkingPolicy
 POLICY_FIELDS = {"capacity_scheduler_policy": (_CAPACITY, CAPACITY_POLICY_NAMES),
                  "context_chunking_policy": (_CHUNKING, CHUNKING_POLICY_NAMES)}
 CANCEL_REASON = "cancelled through the admin API"
+OPEN_METHODS = "/grpc.health.v1.Health/"  # no token needed: load balancer and Kubernetes probes
 
 
 class AdminError(Exception):
@@ -193,6 +198,39 @@ class AdminServicer(pb_grpc.AdminServicer):
         return found[0]
 
 
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Every call outside ``OPEN_METHODS`` needs ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHODS) or self._authorized(details.invocation_metadata):
+            return handler
+        return _refusal(handler, details.method)
+
+    def _authorized(self, metadata) -> bool:
+        values = [value for key, value in metadata or () if key == "authorization"]
+        if len(values) != 1:
+            return False
+        value = values[0].encode() if isinstance(values[0], str) else values[0]
+        return hmac.compare_digest(value, self._expected)  # constant time: no guessing byte by byte
+
+
+def _refusal(handler, method: str):
+    """A handler of the same kind as ``handler`` that only answers UNAUTHENTICATED."""
+
+    async def refuse(_request, context):
+        log.warning("admin call refused: no valid token", method=method, peer=context.peer())
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this admin API needs 'authorization: Bearer <token>'")
+
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[(handler.request_streaming, handler.response_streaming)](
+        refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
 def _roles(role: str) -> tuple[str, ...]:
     if role and role not in ROLES:
         raise AdminError(grpc.StatusCode.INVALID_ARGUMENT, f"role must be one of {ROLES} or empty, not {role!r}")
@@ -204,11 +242,18 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
-async def start_admin_server(client: aioredis.Redis, host: str, port: int,
-                             health: GatewayHealth | None = None) -> grpc.aio.Server:
+async def start_admin_server(client: aioredis.Redis, host: str, port: int, health: GatewayHealth | None = None, *,
+                             token: str | None = None, tls_cert: str | None = None,
+                             tls_key: str | None = None) -> grpc.aio.Server:
     """Serve the admin API, ``health``'s service and reflection on host:port (in the running
-    event loop); raises OSError if it cannot bind."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
+    event loop); ``token``: calls but health need it; ``tls_cert``/``tls_key`` (PEM files):
+    TLS only. Raises OSError if it cannot bind or read the files."""
+    credentials = None
+    if tls_cert is not None and tls_key is not None:
+        with open(tls_key, "rb") as key, open(tls_cert, "rb") as cert:
+            credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+    server = grpc.aio.server(interceptors=[TokenAuth(token)] if token else None,
+                             options=[("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
     pb_grpc.add_AdminServicer_to_server(AdminServicer(client), server)
     services = [pb.DESCRIPTOR.services_by_name["Admin"].full_name, reflection.SERVICE_NAME]
     if health is not None:
@@ -221,11 +266,14 @@ async def start_admin_server(client: aioredis.Redis, host: str, port: int,
     for address in addresses:
         target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
         try:
-            server.add_insecure_port(target)
+            if credentials is None:
+                server.add_insecure_port(target)
+            else:
+                server.add_secure_port(target, credentials)
         except RuntimeError as exc:  # grpc's "Failed to bind"
             raise OSError(f"the admin API cannot listen on {target} ({host}:{port}): {exc}") from exc
     if health is not None:
         await health.start()
     await server.start()
-    log.info("admin API listening", host=host, port=port)
+    log.info("admin API listening", host=host, port=port, tls=credentials is not None, token=bool(token))
     return server

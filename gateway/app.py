@@ -41,7 +41,9 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
         if settings.admin_port:
             from tandem.gateway.admin import start_admin_server
 
-            admin = await start_admin_server(service.redis, settings.admin_host, settings.admin_port, admin_health)
+            admin = await start_admin_server(service.redis, settings.admin_host, settings.admin_port, admin_health,
+                                             token=settings.admin_token, tls_cert=settings.admin_tls_cert,
+                                             tls_key=settings.admin_tls_key)
         yield
         admin_health.stop()
         if admin is not None:

@@ -76,10 +76,23 @@ class RedisServer:
 
 
 def service_argv(role: str, settings: Settings, worker_id: str | None = None) -> list[str]:
-    """The command line that starts one service with these settings."""
+    """The command line that starts one service with these settings.
+
+    Secrets are left off it (any local user reads command lines in ps): they are set in this
+    process's environment instead, which the child inherits and reads them from, and removed
+    from it where these settings have none (so no earlier value leaks into this child)."""
+    import os
+
+    secrets = {"admin_token": "TANDEM_ADMIN_TOKEN"}  # field -> the variable its flag defaults to
     argv = [sys.executable, "-m", "tandem", role]
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
+        if field.name in secrets:
+            if value:
+                os.environ[secrets[field.name]] = value
+            else:
+                os.environ.pop(secrets[field.name], None)
+            continue
         if value is None or field.name == "worker_id":
             continue
         argv += [f"--{field.name.replace('_', '-')}", str(value)]

@@ -1,0 +1,39 @@
+"""Secrets in the settings: never in repr (logs), never on a child's command line (ps); the
+child gets them through the environment its flags default to."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from tandem.cluster.settings import Settings, add_arguments
+from tandem.launcher import service_argv
+
+SECRET_ENV = ("TANDEM_ADMIN_TOKEN",)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in SECRET_ENV:
+        monkeypatch.delenv(name, raising=False)  # restored after the test, whatever service_argv set
+    return monkeypatch
+
+
+def _child_settings(argv: list[str]) -> Settings:
+    """What the child process started with ``argv`` parses (its flags read the environment now)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return Settings.from_args(parser.parse_args(argv[4:]))  # after: python -m tandem <role>
+
+
+def test_the_admin_token_goes_to_the_child_through_the_environment(clean_env):
+    settings = Settings(admin_token="tok-123456")
+    assert "tok-123456" not in repr(settings)
+    argv = service_argv("gateway", settings)
+    assert not any("tok-123456" in arg for arg in argv) and "--admin-token" not in argv
+    assert os.environ["TANDEM_ADMIN_TOKEN"] == "tok-123456"
+    assert _child_settings(argv).admin_token == "tok-123456"
+    argv = service_argv("gateway", Settings())  # a later cluster without one: nothing left behind
+    assert "TANDEM_ADMIN_TOKEN" not in os.environ and _child_settings(argv).admin_token is None
