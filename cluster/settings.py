@@ -41,6 +41,8 @@ class Settings:
     admin_token: str | None = field(default=None, repr=False)  # every Admin RPC needs "Bearer <token>"
     admin_tls_cert: str | None = None  # PEM files: the admin port speaks TLS
     admin_tls_key: str | None = None
+    api_keys: list[str] = field(default_factory=list, repr=False)  # gateway: /v1 needs "Bearer <one of them>"
+    metrics_require_auth: bool = False  # gateway: /metrics needs a key too
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     tokens_per_block: int = 16
@@ -117,6 +119,10 @@ class Settings:
                "--admin-tls-cert and --admin-tls-key go together")
         for flag, path in (("--admin-tls-cert", self.admin_tls_cert), ("--admin-tls-key", self.admin_tls_key)):
             _check(path is None or os.path.isfile(path), f"{flag}: no file {path!r}")
+        # keys travel comma-separated in TANDEM_API_KEY; the message must not quote them
+        _check(all(key and "," not in key and not any(c.isspace() for c in key) for key in self.api_keys),
+               "--api-key: a key must be non-empty, without commas or spaces")
+        _check(self.api_keys or not self.metrics_require_auth, "--metrics-require-auth needs --api-key")
         _check(0 < self.heartbeat_interval_s < self.heartbeat_ttl_s,
                f"--heartbeat-interval-s ({self.heartbeat_interval_s}) must be > 0 and below --heartbeat-ttl-s "
                f"({self.heartbeat_ttl_s}): a worker would otherwise expire between its beats")
@@ -134,6 +140,10 @@ def _parse_bool(value: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
+
+
+def _env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
 
 
 def _check(ok: bool, message: str) -> None:
@@ -197,6 +207,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
                "prefer the environment variable TANDEM_ADMIN_TOKEN: a flag shows in ps")
         a("--admin-tls-cert", help="PEM certificate (chain): the admin API speaks TLS")
         a("--admin-tls-key", help="PEM private key of --admin-tls-cert")
+        a("--api-key", dest="api_keys", action="append", default=_env_list("TANDEM_API_KEY"),
+          help="repeatable: /v1 requests need 'Authorization: Bearer <one of these>' (401 otherwise); "
+               "prefer TANDEM_API_KEY (comma-separated): a flag shows in ps")
+        a("--metrics-require-auth", nargs="?", const=True, default=d.metrics_require_auth, type=_parse_bool,
+          help="/metrics needs an API key too (/health never does)")
         a("--request-timeout-s", type=float, default=d.request_timeout_s)
         a("--max-queue-len", type=int, default=d.max_queue_len,
           help="requests the gateway holds while no decode worker has room; more get 429")

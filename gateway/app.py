@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.cluster.settings import Settings
+from tandem.gateway.auth import install_api_key_auth
 from tandem.gateway.body_limit import BodyLimitMiddleware
 from tandem.gateway.cancellation import GenerationStreamResponse, until_disconnected
 from tandem.gateway.errors import install_error_handlers
@@ -55,6 +56,7 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     app.state.health = admin_health
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=MAX_BODY_BYTES)
+    install_api_key_auth(app, settings)  # --api-key: before anything reads the body
     app.add_middleware(StatusMiddleware, metrics=service.metrics)  # outermost: counts the 413s too
 
     @app.post("/v1/completions")

@@ -43,6 +43,15 @@ class InvalidRequest(GatewayError):
     type = "invalid_request_error"
 
 
+class Unauthorized(GatewayError):
+    """No valid API key (``--api-key``): OpenAI's answer to a wrong key, so clients raise
+    their authentication error."""
+
+    status_code = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
 class ModelNotFound(GatewayError):
     status_code = 404
     type = "invalid_request_error"

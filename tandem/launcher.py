@@ -83,13 +83,13 @@ def service_argv(role: str, settings: Settings, worker_id: str | None = None) ->
     from it where these settings have none (so no earlier value leaks into this child)."""
     import os
 
-    secrets = {"admin_token": "TANDEM_ADMIN_TOKEN"}  # field -> the variable its flag defaults to
+    secrets = {"admin_token": "TANDEM_ADMIN_TOKEN", "api_keys": "TANDEM_API_KEY"}  # field -> its flag's variable
     argv = [sys.executable, "-m", "tandem", role]
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
         if field.name in secrets:
             if value:
-                os.environ[secrets[field.name]] = value
+                os.environ[secrets[field.name]] = value if isinstance(value, str) else ",".join(value)
             else:
                 os.environ.pop(secrets[field.name], None)
             continue

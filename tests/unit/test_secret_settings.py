@@ -11,7 +11,7 @@ import pytest
 from tandem.cluster.settings import Settings, add_arguments
 from tandem.launcher import service_argv
 
-SECRET_ENV = ("TANDEM_ADMIN_TOKEN",)
+SECRET_ENV = ("TANDEM_ADMIN_TOKEN", "TANDEM_API_KEY")
 
 
 @pytest.fixture
@@ -37,3 +37,17 @@ def test_the_admin_token_goes_to_the_child_through_the_environment(clean_env):
     assert _child_settings(argv).admin_token == "tok-123456"
     argv = service_argv("gateway", Settings())  # a later cluster without one: nothing left behind
     assert "TANDEM_ADMIN_TOKEN" not in os.environ and _child_settings(argv).admin_token is None
+
+
+def test_api_keys_go_to_the_child_through_the_environment(clean_env):
+    settings = Settings(api_keys=["key-a-123", "key-b-456"], metrics_require_auth=True)
+    assert "key-a-123" not in repr(settings)
+    argv = service_argv("gateway", settings)
+    assert not any("key-a" in arg or "key-b" in arg for arg in argv) and "--api-keys" not in argv
+    assert os.environ["TANDEM_API_KEY"] == "key-a-123,key-b-456"
+    child = _child_settings(argv)
+    assert child.api_keys == ["key-a-123", "key-b-456"] and child.metrics_require_auth
+    argv = service_argv("gateway", Settings())
+    assert "TANDEM_API_KEY" not in os.environ
+    child = _child_settings(argv)
+    assert child.api_keys == [] and not child.metrics_require_auth
