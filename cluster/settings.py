@@ -66,6 +66,9 @@ class Settings:
     request_timeout_s: float = 600.0
     max_queue_len: int = 1024  # gateway: requests waiting for room on a decode worker, then 429
     queue_timeout_s: float = 60.0  # gateway: longest wait for room, then 429
+    stream_retention_s: float = 300.0  # gateway: how long a resumable stream's events stay after its last one
+    shutdown_timeout_s: float = 30.0  # gateway: on SIGTERM, how long in-flight streams may run on
+    failover_wait_s: float = 60.0  # gateway: how long a request whose decode worker died waits for another
     log_level: str = "info"
 
     @classmethod
@@ -103,10 +106,13 @@ class Settings:
                    f"--max-tokens-in-paged-kv-cache {self.max_tokens_in_paged_kv_cache} cannot hold one "
                    f"sequence of --max-seq-len {self.max_seq_len}")
         _check(self.decode_batch_wait_ms >= 0, f"--decode-batch-wait-ms must be >= 0, got {self.decode_batch_wait_ms}")
+        _check(self.failover_wait_s >= 0, f"--failover-wait-s must be >= 0, got {self.failover_wait_s}")
+        _check(self.shutdown_timeout_s >= 0, f"--shutdown-timeout-s must be >= 0, got {self.shutdown_timeout_s}")
         _check(self.decode_run_ahead in RUN_AHEAD_MODES,
                f"--decode-run-ahead must be one of {RUN_AHEAD_MODES}, got {self.decode_run_ahead!r}")
         _check(self.max_queue_len >= 0, f"--max-queue-len must be >= 0, got {self.max_queue_len}")
         _check(self.queue_timeout_s >= 0, f"--queue-timeout-s must be >= 0, got {self.queue_timeout_s}")
+        _check(self.stream_retention_s > 0, f"--stream-retention-s must be > 0, got {self.stream_retention_s}")
         _check(self.capacity_scheduler_policy in CAPACITY_POLICY_NAMES,
                f"--capacity-scheduler-policy must be one of {CAPACITY_POLICY_NAMES}")
         _check(self.context_chunking_policy in CHUNKING_POLICY_NAMES,
@@ -217,4 +223,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
           help="requests the gateway holds while no decode worker has room; more get 429")
         a("--queue-timeout-s", type=float, default=d.queue_timeout_s,
           help="longest a request waits in the gateway for room before it gets 429")
+        a("--stream-retention-s", type=float, default=d.stream_retention_s,
+          help="how long a resumable stream's events stay in Redis after its last event, for "
+               "GET /v1/streams/<id> on any gateway")
+        a("--failover-wait-s", type=float, default=d.failover_wait_s,
+          help="how long a request whose decode worker died waits for a live one (another, or the same "
+               "one restarted) before it fails with worker_lost")
+        a("--shutdown-timeout-s", type=float, default=d.shutdown_timeout_s,
+          help="on SIGTERM (or one Ctrl-C) a gateway refuses new requests (503) and lets its open "
+               "streams finish for up to this long; a second signal ends them at once")
     a("--worker-id", help="worker name in the registry (default: role-host-pid)")

@@ -82,6 +82,12 @@ class WorkerFailed(ServiceUnavailable):
     code = "worker_error"
 
 
+class ShuttingDown(ServiceUnavailable):
+    """The gateway drains (SIGTERM): it takes no new request; another gateway can."""
+
+    code = "shutting_down"
+
+
 class ServerBusy(GatewayError):
     """No decode worker had room and the gateway's admission queue was full or the wait ran out."""
 

@@ -47,6 +47,12 @@ class OutputMux:
     def unregister(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
+    def fail_all(self, error: Exception) -> None:
+        """End every registered request with ``error`` (the gateway is stopping now): each reader
+        raises it, so its stream ends with an error event and its workers are told to abort."""
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
     @property
     def num_registered(self) -> int:
         return len(self._queues)

@@ -1,8 +1,15 @@
-"""Gateway process entry point: one uvicorn process serving ``create_app(settings)``."""
+"""Gateway process entry point: one uvicorn process serving ``create_app(settings)``.
+
+Signals are the gateway's own, not uvicorn's (uvicorn would stop listening at once):
+the first SIGTERM or SIGINT drains (``tandem.gateway.drain``: new requests get 503
+while the open streams finish, for up to --shutdown-timeout-s), the second ends
+the open streams at once with an error event and ``[DONE]``; then uvicorn exits.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import structlog
 import uvicorn
@@ -10,17 +17,66 @@ import uvicorn
 from tandem.cluster.service import configure_logging
 from tandem.cluster.settings import Settings, add_arguments
 from tandem.gateway.app import create_app
+from tandem.gateway.errors import ShuttingDown
 
 log = structlog.get_logger(__name__)
 
+STOP_GRACE_S = 2.0  # after the second signal: for the streams' last events to go out
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app, shutdown_timeout_s: float):
+        super().__init__(config)
+        self._app = app
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._num_signals = 0
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        """Runs in the signal handler: only schedules work on the loop (no locks taken here)."""
+        self._num_signals += 1
+        if self._loop is None or not self.started:
+            self.should_exit = True  # still starting: nothing to drain
+            return
+        self._loop.call_soon_threadsafe(self._on_signal, self._num_signals)
+
+    def _on_signal(self, count: int) -> None:
+        service = self._app.state.service
+        if count == 1:
+            log.info("draining: new requests get 503", open_requests=service.drain.num_in_flight,
+                     timeout_s=self._shutdown_timeout_s)
+            service.drain.start()
+            self._loop.create_task(self._exit_when_idle())
+        else:
+            log.warning("stopping now: ending the open streams", open_requests=service.drain.num_in_flight)
+            service.drain.stop_now()
+            service.mux.fail_all(ShuttingDown("the gateway stopped before the request finished"))
+            self._loop.create_task(self._exit_when_idle(STOP_GRACE_S))
+
+    async def _exit_when_idle(self, timeout_s: float | None = None) -> None:
+        drain = self._app.state.service.drain
+        idle = await drain.wait_idle(self._shutdown_timeout_s if timeout_s is None else timeout_s)
+        if not idle and timeout_s is None:
+            if drain.state.value == "stopping":
+                return  # the second signal's own wait takes over
+            log.warning("shutdown timeout: ending the open streams", open_requests=drain.num_in_flight)
+            drain.stop_now()
+            self._app.state.service.mux.fail_all(ShuttingDown("the gateway's shutdown timeout ended the request"))
+            await drain.wait_idle(STOP_GRACE_S)
+        self.should_exit = True
+
 
 def main(settings: Settings) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests)."""
+    """Serve until told to stop (see the module's docstring)."""
     configure_logging(settings.log_level, "gateway")
     app = create_app(settings)
     log.info("gateway starting", host=settings.host, port=settings.port, model=settings.model_name,
              max_seq_len=settings.max_seq_len, max_input_len=settings.max_input_len)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -29,6 +85,7 @@ def main(settings: Settings) -> None:
         timeout_graceful_shutdown=5,
         backlog=4096,
     )
+    DrainingServer(config, app, settings.shutdown_timeout_s).run()
 
 
 def _cli() -> None:

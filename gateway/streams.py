@@ -48,9 +48,13 @@ async def read_queued_events(
             if not await worker_alive() and queue.empty():
                 raise WorkerLost("the decode worker serving this request stopped responding") from None
             continue
-        yield event
-        while not queue.empty():  # drain what arrived meanwhile without waiting
-            yield queue.get_nowait()
+        while True:
+            if isinstance(event, Exception):  # the gateway itself ends the request (OutputMux.fail_all)
+                raise event
+            yield event
+            if queue.empty():
+                break
+            event = queue.get_nowait()  # what arrived meanwhile, without waiting
 
 
 @dataclass

@@ -1,78 +1,60 @@
-"""`tandem serve`: the whole cluster as child processes of one command.
+"""`tandem serve`: the whole cluster as supervised child processes of one command.
 
-Starts a private redis-server (unless --redis-url), the decode and prefill
-workers and the gateway; prints where it listens once /health answers 200;
-on Ctrl-C or SIGTERM stops every child (SIGTERM, then SIGKILL after a grace
-period). If any child dies, the others are stopped too and the exit code is 1.
+Starts a private redis-server (unless --redis-url; persistent, restarted like the
+rest), the prefill and decode workers and the gateway under ``Supervisor``
+(``tandem.supervisor``): a process that exits is restarted with backoff within a
+restart budget, and no exit stops the others. It prints where it listens once
+/health answers 200.
+
+Stopping: SIGTERM or one Ctrl-C drains. The gateway refuses new requests (503
+with Retry-After) and lets its open streams finish, for up to
+--shutdown-timeout-s; then the workers stop, then Redis, and every process is
+gone. A second signal ends the open streams at once (each gets an error event and
+``[DONE]``) and stops everything.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 
-from tandem.placement import count_gpus, plan
 from tandem.cluster.settings import Settings
 from tandem.models import resolve_model
+from tandem.placement import count_gpus, plan
+from tandem.redis_server import RedisServer, free_port, private_dir, redis_argv, wait_redis
+from tandem.supervisor import ChildSpec, Supervisor
+
+__all__ = ["RedisServer", "free_port", "serve", "service_argv", "stop_all", "wait_healthy", "wait_registered"]
 
 GRACE_S = 10.0
 READY_TIMEOUT_S = 600.0
+TICK_S = 0.2
+GATEWAY, WORKERS, REDIS = 0, 1, 2  # stop order
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Signals:
+    """SIGTERM and SIGINT counted, not acted on: the supervisor's loop reads the count (a
+    handler that only adds to an int takes no lock, so it cannot deadlock the main thread)."""
 
+    def __init__(self) -> None:
+        self.count = 0
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
 
-class RedisServer:
-    """A throwaway redis-server on a free loopback port, data in a temp dir."""
+    def _handle(self, _signum, _frame) -> None:
+        self.count += 1
 
-    def __init__(self, port: int | None = None):
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server not found: install it (Debian: apt-get install redis-server) "
-                               "or pass --redis-url")
-        self.port = port or free_port()
-        self.dir = tempfile.mkdtemp(prefix="tandem-redis-")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL,
-        )
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._wait_ready()
-
-    def _wait_ready(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    @property
+    def is_set(self) -> bool:  # as a stop event, for wait_healthy and wait_registered
+        return self.count > 0
 
 
 def service_argv(role: str, settings: Settings, worker_id: str | None = None) -> list[str]:
@@ -105,7 +87,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float,
                  stop: threading.Event | None = None) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs) or (stop is not None and stop.is_set()):
+        if any(p.poll() is not None for p in procs) or (stop is not None and _is_set(stop)):
             return False
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
@@ -117,8 +99,8 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float,
     return False
 
 
-def wait_registered(redis_url: str, role: str, count: int, procs: list[subprocess.Popen], timeout_s: float,
-                    stop: threading.Event | None = None) -> bool:
+def wait_registered(redis_url: str, role: str, count: int, timeout_s: float, stop=None) -> bool:
+    """Whether ``count`` workers of ``role`` registered within ``timeout_s``."""
     import redis
 
     from tandem.cluster.registry import live_workers
@@ -126,10 +108,13 @@ def wait_registered(redis_url: str, role: str, count: int, procs: list[subproces
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs) or (stop is not None and stop.is_set()):
+        if stop is not None and _is_set(stop):
             return False
-        if len(live_workers(client, role)) >= count:
-            return True
+        try:
+            if len(live_workers(client, role)) >= count:
+                return True
+        except redis.RedisError:
+            pass  # Redis restarting: its supervisor brings it back
         time.sleep(0.2)
     return False
 
@@ -147,21 +132,79 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def serve(args: argparse.Namespace) -> int:
-    from tandem.cluster.service import sleep_unless_stopped, stop_on_signals
+def _is_set(stop) -> bool:
+    """A threading.Event or a Signals."""
+    return stop.is_set() if callable(stop.is_set) else stop.is_set
 
-    settings = Settings.from_args(args)
-    settings.model = resolve_model(settings.model)
-    settings.resolve()
-    # before starting anything: a server already there would answer our readiness check
+
+def _check_free(settings: Settings) -> str | None:
+    """Before starting anything: a server already there would answer our readiness check."""
     for host, port in ((settings.host, settings.port), (settings.admin_host, settings.admin_port)):
         try:
             if port:  # admin port 0: no admin API
                 with socket.create_server((host, port)):
                     pass
         except OSError as exc:
-            print(f"tandem: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
-            return 1
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
+def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace, signals: Signals) -> bool:
+    """Start the workers (prefill first: on a shared GPU the decode workers then size their pools
+    from the memory the prefill workers left free) and the gateway; False if told to stop meanwhile."""
+    placements = plan(count_gpus(), settings.device, settings.kv_transport,
+                      args.num_prefill_workers, args.num_decode_workers)
+    for role in ("prefill", "decode"):
+        for place in (p for p in placements if p.role == role):
+            worker_settings = dataclasses.replace(settings, kv_transport=place.kv_transport or settings.kv_transport)
+            name = f"{role}-{place.index}"
+            supervisor.add(ChildSpec(name, service_argv(role, worker_settings, name), WORKERS, place.env))
+        if role == "prefill" and not _wait(lambda: wait_registered(
+                settings.redis_url, "prefill", args.num_prefill_workers, 2.0, signals), supervisor, signals):
+            return False
+    supervisor.add(ChildSpec("gateway", service_argv("gateway", settings), GATEWAY))
+    base = f"http://{settings.host}:{settings.port}"
+    return _wait(lambda: wait_healthy(f"{base}/health", [], 2.0, signals), supervisor, signals)
+
+
+def _wait(ready, supervisor: Supervisor, signals: Signals) -> bool:
+    """Poll ``ready`` (a short bounded wait) while supervising, up to READY_TIMEOUT_S."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline and not signals.is_set:
+        if ready():
+            return True
+        lines, failed = supervisor.check()
+        for line in lines:
+            print(f"tandem: {line}", file=sys.stderr, flush=True)
+        if failed is not None:
+            return False
+    return False
+
+
+def _drain_and_stop(supervisor: Supervisor, settings: Settings, signals: Signals) -> None:
+    """Gateways first (they drain their streams), then the workers, then Redis."""
+    supervisor.stopping = True
+    seen = signals.count
+    supervisor.signal_group(GATEWAY, signal.SIGTERM)
+    deadline = time.monotonic() + settings.shutdown_timeout_s + GRACE_S
+    gateways = [c for c in supervisor.children if c.spec.stop_order == GATEWAY]
+    while any(c.running() for c in gateways) and time.monotonic() < deadline:
+        if signals.count > seen:  # a second signal: the gateways end their streams at once
+            seen = signals.count
+            supervisor.signal_group(GATEWAY, signal.SIGTERM)
+            deadline = min(deadline, time.monotonic() + GRACE_S)
+        time.sleep(0.05)
+    supervisor.stop_all(GRACE_S)
+
+
+def serve(args: argparse.Namespace) -> int:
+    settings = Settings.from_args(args)
+    settings.model = resolve_model(settings.model)
+    settings.resolve()
+    problem = _check_free(settings)
+    if problem:
+        print(f"tandem: {problem}", file=sys.stderr)
+        return 1
     try:  # before the workers load the weights: the gateway needs it
         from tandem.gateway.tokenizer import load_tokenizer
 
@@ -169,44 +212,35 @@ def serve(args: argparse.Namespace) -> int:
     except Exception as exc:  # transformers raises several types for a missing or broken tokenizer
         print(f"tandem: cannot load the tokenizer of {settings.model}: {exc}", file=sys.stderr)
         return 1
-    stop = stop_on_signals()
-    redis_server = None if args.redis_url else RedisServer()
-    if redis_server is not None:
-        settings.redis_url = redis_server.url
-    procs: list[subprocess.Popen] = []
+    signals = Signals()
+    supervisor = Supervisor()
+    redis_dir = None
     try:
-        # prefill workers first: on a shared GPU the decode workers then size
-        # their pools from the memory the prefill workers left free
-        placements = plan(count_gpus(), settings.device, settings.kv_transport,
-                          args.num_prefill_workers, args.num_decode_workers)
-        for role in ("prefill", "decode"):
-            for place in (p for p in placements if p.role == role):
-                worker_settings = dataclasses.replace(settings, kv_transport=place.kv_transport or settings.kv_transport)
-                argv = service_argv(role, worker_settings, f"{role}-{place.index}")
-                procs.append(subprocess.Popen(argv, env={**os.environ, **place.env}))
-            if role == "prefill" and not wait_registered(
-                settings.redis_url, "prefill", args.num_prefill_workers, procs, READY_TIMEOUT_S, stop
-            ):
-                if stop.is_set():
-                    return 0  # told to stop while starting
-                print("tandem: the prefill workers did not start; stopping", file=sys.stderr)
+        if not args.redis_url:
+            port, redis_dir = free_port(), private_dir("tandem-redis-")
+            supervisor.add(ChildSpec("redis", redis_argv(port, redis_dir), REDIS))
+            if not wait_redis(port):
+                print("tandem: redis-server did not start", file=sys.stderr)
                 return 1
-        procs.append(subprocess.Popen(service_argv("gateway", settings)))
-        base = f"http://{settings.host}:{settings.port}"
-        if not wait_healthy(f"{base}/health", procs, READY_TIMEOUT_S, stop):
-            if stop.is_set():
-                return 0
-            print("tandem: the cluster did not become healthy; stopping", file=sys.stderr)
+            settings.redis_url = f"redis://127.0.0.1:{port}/0"
+        if not _start(supervisor, settings, args, signals):
+            if signals.is_set:
+                return 0  # told to stop while starting
+            print("tandem: the cluster did not start; stopping", file=sys.stderr)
             return 1
         admin = f", admin API {settings.admin_host}:{settings.admin_port}" if settings.admin_port else ""
-        print(f"tandem: serving {settings.model_name} at {base}/v1 (redis {settings.redis_url}{admin})", flush=True)
-        watched = procs + ([redis_server.proc] if redis_server is not None else [])  # its own redis too
-        while not sleep_unless_stopped(stop, 0.5):
-            if any(p.poll() is not None for p in watched):
-                print("tandem: a service exited; stopping the cluster", file=sys.stderr)
+        print(f"tandem: serving {settings.model_name} at http://{settings.host}:{settings.port}/v1 "
+              f"(redis {settings.redis_url}{admin})", flush=True)
+        while not signals.is_set:
+            lines, failed = supervisor.check()
+            for line in lines:
+                print(f"tandem: {line}", file=sys.stderr, flush=True)
+            if failed is not None:
                 return 1
+            time.sleep(TICK_S)
+        _drain_and_stop(supervisor, settings, signals)
         return 0
     finally:
-        stop_all(procs)
-        if redis_server is not None:
-            redis_server.stop()
+        supervisor.stop_all(GRACE_S)
+        if redis_dir is not None:
+            shutil.rmtree(redis_dir, ignore_errors=True)

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tandem.launcher import free_port
+from tandem.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 

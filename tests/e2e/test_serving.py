@@ -54,7 +54,7 @@ async def _httpx_stream(base_url, model, prompt):
             assert resp.status_code == 200
             assert resp.headers["content-type"].startswith("text/event-stream")
             async for line in resp.aiter_lines():
-                if not line:
+                if not line or line.startswith("id: "):
                     continue
                 assert line.startswith("data: ")
                 payload = line[len("data: "):]

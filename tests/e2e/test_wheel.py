@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tandem.engine.demo_model import make_tiny_checkpoint
-from tandem.launcher import free_port
+from tandem.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 

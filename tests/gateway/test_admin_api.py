@@ -38,7 +38,7 @@ def _status(call) -> grpc.StatusCode:
 
 
 def test_list_workers_of_both_pools_and_of_one(admin, fake_worker, rclient, text_ids):
-    fake_worker(token_script(text_ids), worker_id="decode-a", num_free_blocks=60)
+    fake_worker(token_script(text_ids), worker_id="decode-a", num_free_blocks=60, with_prefill=False)
     register_prefill(rclient, "prefill-a")
     _server, stub = admin()
     workers = stub.ListWorkers(pb.ListWorkersRequest()).workers

@@ -241,7 +241,7 @@ def test_two_gateways_never_oversubscribe_a_worker(redis_url, rclient, fake_work
     assert rclient.hlen(keys.admitted("decode-a")) == 6 and rclient.hlen(keys.admitted("decode-b")) == 5
 
 def test_models_health_metrics(serve, fake_worker, rclient):
-    fake_worker(token_script([5], "length"))
+    fake_worker(token_script([5], "length"), with_prefill=False)
     server = serve()
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]

@@ -123,3 +123,69 @@ def test_worker_death_mid_stream_ends_with_an_error_event(serve, fake_worker, te
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "worker_lost"
     assert events[-3]["choices"][0]["finish_reason"] == "error"
+
+
+def _resuming(text_ids, n, delay_s):
+    def script(req):  # plays from the tokens the request already has, as a real worker does
+        return token_script(text_ids[:n], "length", delay_s=delay_s)(req)[len(req.output_token_ids):]
+    return script
+
+
+def test_a_lone_decode_worker_restarted_takes_its_requests_back(serve, fake_worker, text_ids):
+    """One decode worker: it dies mid-stream and comes back as a new run under its id; the
+    stream pauses, then continues on it (the failover waits for a live worker)."""
+    worker = fake_worker(_resuming(text_ids, 12, 0.1), ttl_s=0.5)
+    server = serve(failover_wait_s=10.0)
+
+    def restart():
+        worker._alive = False  # heartbeats stop; its key expires
+        time.sleep(1.5)
+        worker.started_at, worker._alive = 2.0, True  # the supervisor started it again
+        worker.beat()
+
+    threading.Timer(0.4, restart).start()
+    events = parse_sse(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 12, "stream": True,
+                                                         "return_token_ids": True}, timeout=30).text)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length", events[-3:]
+    assert [t for e in events[:-1] for t in e["choices"][0].get("token_ids") or []] == text_ids[:12]
+    first, again = worker.requests[0], worker.requests[-1]
+    assert again.request_id == f"{first.request_id}.1" and 0 < len(again.output_token_ids) < 12
+
+
+def test_a_record_wiped_with_redis_does_not_fail_the_request_over(serve, fake_worker, text_ids, rclient):
+    """Redis restarted without its data: the worker's record is gone before its TTL could run
+    out. The worker goes on and re-registers; the request is not recomputed elsewhere."""
+    from tandem.cluster import keys
+
+    def paused(req):  # a second-long gap after token 3, while Redis is away: liveness is asked
+        events = token_script(text_ids[:12], "length", delay_s=0.05)(req)
+        events[4] = (1.5, events[4][1])
+        return events
+
+    worker = fake_worker(paused, ttl_s=0.5)
+    server = serve(heartbeat_ttl_s=5.0, heartbeat_interval_s=1.0)
+
+    def wipe():
+        worker.beating = False
+        rclient.delete(keys.worker("decode", worker.worker_id))
+        time.sleep(0.8)  # longer than the gateway's liveness poll
+        worker.beating = True
+        worker.beat()
+
+    threading.Timer(0.25, wipe).start()
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 12, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == text_ids[:12]
+    assert len(worker.requests) == 1  # never resubmitted
+    assert "tandem_gateway_failovers_total 0.0" in httpx.get(server.url + "/metrics").text
+
+
+def test_no_prefill_worker_is_503_with_retry_after_at_once(serve, fake_worker, text_ids):
+    fake_worker(token_script(text_ids), with_prefill=False)
+    server = serve()
+    started = time.monotonic()
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+    assert time.monotonic() - started < 2
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    error = response.json()["error"]
+    assert error["code"] == "no_worker_available" and "prefill" in error["message"]

@@ -24,7 +24,7 @@ class _FlakyRouter:
             raise RedisConnectionError("redis is down")
         self.aborts.append((worker_id, wire_id, reason))
 
-    async def is_alive(self, role, worker_id, started_at=None):
+    async def workers(self, role, max_age_s=None):
         raise RedisConnectionError("redis is down")
 
 

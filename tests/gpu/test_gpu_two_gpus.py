@@ -16,7 +16,7 @@ def test_serve_splits_prefill_and_decode_over_two_gpus(tmp_path):
     import httpx
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tandem.launcher import free_port
+    from tandem.redis_server import free_port
     from tandem.engine.demo_model import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=128, num_attention_heads=4,

@@ -9,7 +9,7 @@ import redis
 
 from tandem.cluster import keys
 from tandem.cluster.inbox import Inbox, Mailer, send
-from tandem.launcher import RedisServer, free_port
+from tandem.redis_server import RedisServer, free_port
 from tandem.cluster.messages import AbortRequest, GenerateRequest, MessageError, PrefillDone, TokenBatch, decode, encode
 from tandem.cluster.sampling import SamplingParams
 

@@ -4,7 +4,7 @@ import pytest
 import redis
 
 from tandem.cluster import keys
-from tandem.launcher import RedisServer, free_port
+from tandem.redis_server import RedisServer, free_port
 from tandem.cluster.messages import FIELD, TokenEvent, decode
 from tandem.cluster.outputs import Outbox
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import redis
 
-from tandem.launcher import free_port
+from tandem.redis_server import free_port
 from tandem.cluster.settings import Settings
 from tandem.decode.pool_files import remove_stale_pool_files
 

@@ -6,7 +6,7 @@ import pytest
 import redis
 
 from tandem.cluster import keys
-from tandem.launcher import RedisServer
+from tandem.redis_server import RedisServer
 from tandem.cluster.messages import WorkerInfo
 from tandem.cluster.prefix_index import PrefixIndex, choose_prefill_worker, longest_prefixes
 from tandem.engine.block_allocator import BlockAllocator

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tandem.launcher import free_port
+from tandem.redis_server import free_port
 from tandem.cluster.settings import CPU_DEFAULT_KV_TOKENS, Settings, SettingsError
 from tandem.engine.placement import kv_pool_blocks
 
