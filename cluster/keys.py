@@ -32,6 +32,21 @@ def gateway_output(gateway_id: str) -> str:
 GATEWAY_OUTPUT_MAXLEN = 100_000  # entries kept (approximately) in a gateway's output stream
 
 
+def sse_log(request_id: str) -> str:
+    """A resumable stream's events (a stream whose entry ids are ``0-<seq + 1>``; ``tandem.gateway.stream_log``)."""
+    return f"{PREFIX}:sse:{request_id}:log"
+
+
+def sse_request(request_id: str) -> str:
+    """Hash of what a resumable stream's request needs to be continued by any gateway."""
+    return f"{PREFIX}:sse:{request_id}:request"
+
+
+def sse_lease(request_id: str) -> str:
+    """The gateway producing a resumable stream (its id, with a TTL it renews while it streams)."""
+    return f"{PREFIX}:sse:{request_id}:lease"
+
+
 def admitted(worker_id: str) -> str:
     """Hash request_id -> tokens reserved on a decode worker by admission (``tandem.cluster.admission``)."""
     return f"{PREFIX}:admitted:{worker_id}"

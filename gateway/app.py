@@ -16,13 +16,13 @@ from fastapi.responses import JSONResponse, Response
 from tandem.cluster.settings import Settings
 from tandem.gateway.auth import install_api_key_auth
 from tandem.gateway.body_limit import BodyLimitMiddleware
-from tandem.gateway.cancellation import GenerationStreamResponse, until_disconnected
+from tandem.gateway.cancellation import GenerationStreamResponse, followed_stream_response, until_disconnected
 from tandem.gateway.errors import install_error_handlers
 from tandem.gateway.health import GatewayHealth
 from tandem.gateway.choices import Choices
 from tandem.gateway.metrics import CONTENT_TYPE, StatusMiddleware
 from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tandem.gateway.responses import ResponseFormat, sse_events
+from tandem.gateway.responses import ResponseFormat, sse_events, with_ids
 from tandem.gateway.service import GatewayService
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -71,6 +71,12 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
         choices = await service.start(inp, prefix="chatcmpl", client_gone=request.is_disconnected)
         return await _respond(request, body, choices, chat=True)
 
+    @app.get("/v1/streams/{request_id}")
+    async def resume_stream(request_id: str, request: Request, last_event_id: str | None = None):
+        # the header (what an EventSource sends when it reconnects) wins over the query
+        events = await service.streams.open(request_id, request.headers.get("last-event-id") or last_event_id)
+        return followed_stream_response(events, request_id)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [service.model_card()]}
@@ -89,9 +95,12 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
                              bool(body.return_token_ids), choices.generations[0].input.prompt_token_ids,
                              service.token_text)
         if body.stream:
+            if body.resumable:
+                events = await service.streams.start(choices, fmt, body.include_usage, body.continuous_usage)
+                return followed_stream_response(events, choices.request_id)
             events = sse_events(fmt, choices.deltas(), lambda: choices.usage, body.include_usage,
                                 body.continuous_usage, choices.n)
-            return GenerationStreamResponse(events, choices)
+            return GenerationStreamResponse(with_ids(choices.request_id, events), choices)
         try:
             results = await until_disconnected(request, choices.collect())
         finally:

@@ -13,16 +13,21 @@ Before either, while a request waits in the admission queue, the queue asks
 ``client_gone`` (the request's ``is_disconnected``) every ``CLIENT_CHECK_S``:
 a client that left gives up its place (and is never submitted), so it holds
 no room in the queue that live clients would be refused for.
+
+Resumable streams (``stream_options.resumable``) are the exception once
+submitted: their response only follows the events retained in Redis
+(``tandem.gateway.resume``), so a disconnect ends that following and nothing
+else; the request runs on for a client that comes back with its Last-Event-ID.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.gateway.errors import ClientDisconnected
@@ -63,3 +68,13 @@ class GenerationStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._generation.close()
+
+
+def followed_stream_response(events: AsyncIterator[bytes] | None, request_id: str) -> Response:
+    """A resumable stream's response: its retained events; closing it leaves the request alone.
+    None (the client already has the stream's last event) is a 204, which tells an EventSource
+    to stop reconnecting."""
+    if events is None:
+        return Response(status_code=204, headers={"X-Request-Id": request_id})
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})

@@ -16,6 +16,11 @@ and goes on, so the client sees one uninterrupted stream (greedy and seeded
 sampling give the same tokens as without the loss). At most
 ``MAX_FAILOVERS`` times per request.
 
+A Generation can also start from output tokens a client already has (a
+resumable stream whose gateway was lost, continued by another: its
+``TextStream`` has caught up on them and ``wire_seq`` numbers its first wire
+id): it then expects the worker's events from the index after them on.
+
 ``deltas()`` reads the request's events (routed to its queue by the
 gateway's ``OutputMux``), orders tokens by index and hands them to its
 ``TextStream`` (detokenizer, stop strings, logprobs: no I/O). The cluster is
@@ -81,15 +86,18 @@ _FINISH_LABELS = {Status.FAILED: "error", Status.ABORTED: "abort"}
 class Generation:
     def __init__(self, request_id: str, inp: GenerationInput, worker: WorkerInfo, *, backend: Backend,
                  mux: OutputMux, metrics: GatewayMetrics, text: TextStream, timeout_s: float,
-                 arrived_at: float | None = None):
+                 arrived_at: float | None = None, wire_seq: int = 0):
         """``arrived_at`` (monotonic): when the request reached the gateway; TTFT, E2E and the
-        deadline (``timeout_s`` later) count from it."""
+        deadline (``timeout_s`` later) count from it. ``wire_seq`` > 0: the first wire id is
+        ``<request_id>.<wire_seq>`` (a request continued from another gateway's, whose wire ids
+        are not to be reused)."""
         self._backend = backend
         self._mux = mux
         self._metrics = metrics
         self._text = text
         self.request_id = request_id  # what the client sees
-        self._wire_id = request_id  # what the workers see (changes on a failover)
+        self._wire_seq = wire_seq
+        self._wire_id = f"{request_id}.{wire_seq}" if wire_seq else request_id  # what the workers see (changes on a failover)
         self._failovers = 0
         self.input = inp
         self.worker_id = worker.worker_id
@@ -105,11 +113,16 @@ class Generation:
         self._abort_reason = "client disconnected"
         self._failed = False
         self._closed = False
-        self._queue = mux.register(request_id)  # before submission: no event can be missed
+        self._queue = mux.register(self._wire_id)  # before submission: no event can be missed
 
     @property
     def wire_id(self) -> str:
         return self._wire_id
+
+    @property
+    def wire_seq(self) -> int:
+        """The current wire id's suffix (0: the request id itself)."""
+        return self._wire_seq
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -133,7 +146,8 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas until the request ends; the last one carries ``finish_reason``."""
-        assembler = TokenAssembler()
+        # tokens the text already holds (a request continued from another gateway) are not sent again
+        assembler = TokenAssembler(num_tokens=len(self.output_token_ids))
         try:
             while True:
                 try:
@@ -234,7 +248,8 @@ class Generation:
         bounded by the request's deadline; no room or no worker reads as the loss it is."""
         lost_worker = self.worker_id
         self._failovers += 1
-        self._wire_id = f"{self.request_id}.{self._failovers}"
+        self._wire_seq += 1
+        self._wire_id = f"{self.request_id}.{self._wire_seq}"
         self._queue = self._mux.register(self._wire_id)
         assembler.forget_pending()  # only tokens already released count; the rest is regenerated
         inp, done = self.input, len(self.output_token_ids)

@@ -31,6 +31,8 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+    # tandem's: the request outlives its connection and its events are kept, for GET /v1/streams/<id>
+    resumable: bool | None = False
 
 
 class SamplingFields(_Strict):
@@ -143,6 +145,19 @@ class SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given with stream: true")
         return self
+
+    @model_validator(mode="after")
+    def _resumable_has_one_choice(self) -> "SamplingFields":
+        # a resumable stream's events carry one sequence of ids and its takeover continues one
+        # sequence of tokens; n choices would need n of each
+        if self.resumable and (self.n or 1) != 1:
+            raise ValueError(f"stream_options.resumable needs n = 1 (one choice per resumable stream), got n = {self.n}")
+        return self
+
+    @property
+    def resumable(self) -> bool:
+        """tandem's ``stream_options.resumable``: the stream can be resumed from its events' ids."""
+        return bool(self.stream_options and self.stream_options.resumable)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -5,13 +5,20 @@ A ``ResponseFormat`` knows one endpoint's shapes (``text_completion`` or
 event stream: content chunks (the last one carrying ``finish_reason``), an
 optional usage chunk with empty ``choices``, then ``data: [DONE]``. An error
 after the stream started becomes ``data: {"error": ...}`` before ``[DONE]``.
+
+Every event the gateway sends carries an id, ``<request_id>.<seq>`` with seq
+counting the stream's events from 0 (``[DONE]`` included): ``with_ids`` adds
+them. ``sse_events`` keeps what its next events depend on in a
+``StreamPosition``, so a stream another gateway continues (a resumable one,
+``tandem.gateway.resume``) goes on from its last retained event's position.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.gateway.errors import error_payload
 
@@ -20,6 +27,35 @@ DONE = b"data: [DONE]\n\n"
 
 def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def event_id(request_id: str, seq: int) -> str:
+    return f"{request_id}.{seq}"
+
+
+_SEQ = re.compile(r"[0-9]{1,18}")
+
+
+def parse_event_id(request_id: str, value: str) -> int | None:
+    """The seq of an event id of ``request_id``'s stream; None when ``value`` is not one."""
+    prefix, dot, seq = value.rpartition(".")
+    if not dot or prefix != request_id or not _SEQ.fullmatch(seq):
+        return None
+    return int(seq)
+
+
+def with_id(frame: bytes, request_id: str, seq: int) -> bytes:
+    """``frame`` (one ``data:`` event) with its ``id:`` line. The id goes after the data (SSE fields
+    may come in any order): clients that read an event's first line as its data keep working."""
+    return frame[:-1] + b"id: " + event_id(request_id, seq).encode() + b"\n\n"
+
+
+async def with_ids(request_id: str, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Number a stream's events from 0."""
+    seq = 0
+    async for frame in frames:
+        yield with_id(frame, request_id, seq)
+        seq += 1
 
 
 @dataclass
@@ -55,6 +91,29 @@ class Usage:
         if self.cached_tokens:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return usage
+
+
+@dataclass
+class StreamPosition:
+    """What an event stream has sent, as far as its next events depend on it (JSON-able, so a
+    resumable stream keeps it with each event and another gateway can go on from there)."""
+
+    roles_sent: int = 0  # chat: choices whose role chunk went out
+    started: set[int] = field(default_factory=set)  # choices that sent a chunk
+    finished: set[int] = field(default_factory=set)  # choices whose last chunk went out
+    offsets: dict[int, int] = field(default_factory=dict)  # per choice: where its next token's text starts
+    usage_sent: bool = False
+    failed: bool = False  # the stream's error events started
+
+    def to_dict(self) -> dict:
+        return {"roles": self.roles_sent, "started": sorted(self.started), "finished": sorted(self.finished),
+                "offsets": {str(i): o for i, o in self.offsets.items()}, "usage": self.usage_sent,
+                "failed": self.failed}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StreamPosition":
+        return cls(d["roles"], set(d["started"]), set(d["finished"]),
+                   {int(i): o for i, o in d["offsets"].items()}, d["usage"], d["failed"])
 
 
 @dataclass
@@ -158,36 +217,39 @@ class ResponseFormat:
 
 
 async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[tuple[int, Delta]], usage, include_usage: bool,
-                     continuous_usage: bool = False, num_choices: int = 1):
+                     continuous_usage: bool = False, num_choices: int = 1, position: StreamPosition | None = None):
     """The event stream of one request: ``deltas`` yields (choice index, delta). ``usage()`` is
     read after the last delta (and, with ``continuous_usage``, for every chunk: the usage so far,
-    as vLLM's continuous_usage_stats)."""
-    started: set[int] = set()  # choices that sent a chunk
-    finished: set[int] = set()  # choices whose last chunk went out
-    offsets: dict[int, int] = {}  # per choice: where its next token's text starts (completions' logprobs)
+    as vLLM's continuous_usage_stats). ``position`` (updated before each event is yielded): where a
+    stream continued from retained events stands; the events it says were sent are not sent again."""
+    at = position if position is not None else StreamPosition()
     try:
         if fmt.chat:
-            for index in range(num_choices):
-                yield sse(fmt.role_chunk(index))
+            while at.roles_sent < num_choices:
+                at.roles_sent += 1
+                yield sse(fmt.role_chunk(at.roles_sent - 1))
         async for index, delta in deltas:
             if not delta.text and delta.finish_reason is None and not fmt.return_token_ids and not delta.logprobs:
                 continue  # held-back text (partial character, possible stop string): nothing to send yet
-            offset = offsets.get(index, 0)
-            chunk = fmt.chunk(delta, first=index not in started and not fmt.chat, index=index, text_offset=offset)
+            offset = at.offsets.get(index, 0)
+            chunk = fmt.chunk(delta, first=index not in at.started and not fmt.chat, index=index, text_offset=offset)
             logprobs = chunk["choices"][0]["logprobs"]
             if logprobs and "tokens" in logprobs:  # completions: the next token's text starts after these
-                offsets[index] = offset + sum(map(len, logprobs["tokens"]))
+                at.offsets[index] = offset + sum(map(len, logprobs["tokens"]))
             if continuous_usage:
                 chunk["usage"] = usage().to_dict()
-            yield sse(chunk)
-            started.add(index)
+            at.started.add(index)
             if delta.finish_reason is not None:
-                finished.add(index)
-        if include_usage:
+                at.finished.add(index)
+            yield sse(chunk)
+        if include_usage and not at.usage_sent and not at.failed:
+            at.usage_sent = True
             yield sse(fmt.usage_chunk(usage()))
     except Exception as exc:  # after the 200 went out, an error can only travel in the stream
+        at.failed = True
         for index in range(num_choices):  # every choice not yet ended ends here
-            if index not in finished:
+            if index not in at.finished:
+                at.finished.add(index)
                 yield sse(fmt.chunk(Delta("", [], "error"), first=False, index=index))
         yield sse(error_payload(exc)[1])
     yield DONE

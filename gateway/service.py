@@ -33,7 +33,9 @@ from tandem.gateway.generation import Generation
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.mux import OutputMux
 from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.resume import ResumableStreams
 from tandem.gateway.router import ROLES, Router
+from tandem.gateway.stream_log import RetainedRequest, StreamLog
 from tandem.gateway.streams import POLL_S
 from tandem.gateway.text_stream import TextStream
 from tandem.gateway.tokenizer import load_tokenizer
@@ -128,6 +130,42 @@ class GatewayService:
         self.metrics.prompt_tokens.inc(len(inp.prompt_token_ids))
         log.info("request submitted", worker_id=worker.worker_id, num_prompt_tokens=len(inp.prompt_token_ids),
                  max_tokens=inp.max_tokens, choice=request_id)
+        return generation
+
+    # ---- resumable streams ----------------------------------------------------------
+    @functools.cached_property
+    def streams(self) -> ResumableStreams:
+        """Resumable streams: their events in Redis, the resume route, takeovers (built on first use)."""
+        stream_log = StreamLog(self.redis, owner=self.mux.gateway_id, retention_s=self.settings.stream_retention_s)
+        return ResumableStreams(stream_log, background=self.background, canceller=self.dispatcher,
+                                continue_generation=self.continue_generation, token_text=self.token_text)
+
+    async def continue_generation(self, request: RetainedRequest, batches: list[list[int]], wire_seq: int,
+                                  cached_tokens: int) -> Generation:
+        """Resubmit a resumable request whose gateway was lost, from the output tokens its client
+        has (``batches``, as its events carried them), as a decode-worker failover does: wire id
+        ``<id>.<wire_seq>``, admitted as resumed (charged prompt + those tokens, then the rest),
+        its text caught up on them, its arrival time kept."""
+        inp, request_id = request.inp, request.request_id
+        text = TextStream(self.tokenizer, inp)
+        text.catch_up(batches)
+        done = len(text.output_token_ids)
+        wire_id = f"{request_id}.{wire_seq}"
+        arrived_at, timeout_s = time.monotonic(), self.settings.request_timeout_s
+        worker = await self.dispatcher.admit(wire_id, len(inp.prompt_token_ids) + done, max(inp.max_tokens - done, 1),
+                                             inp.priority, resumed=True, deadline=arrived_at + timeout_s)
+        generation = Generation(request_id, inp, worker, backend=self.dispatcher, mux=self.mux, metrics=self.metrics,
+                                text=text, timeout_s=timeout_s, arrived_at=arrived_at, wire_seq=wire_seq)
+        generation.arrival_time = request.arrival_time
+        generation.num_cached_tokens = cached_tokens
+        try:
+            await self.dispatcher.submit(worker, wire_id, inp, text.output_token_ids, arrival_time=request.arrival_time)
+        except BaseException:
+            self.mux.unregister(wire_id)
+            raise
+        self.metrics.running.inc()
+        log.info("resumable request resubmitted", worker_id=worker.worker_id, wire_id=wire_id,
+                 num_output_tokens=done)
         return generation
 
     async def prepare(self) -> None:

@@ -6,6 +6,11 @@ reason, detokenizes incrementally, applies the stop strings and returns the
 ``Delta`` the client may be sent now. With ``min_tokens`` it feeds the text
 token by token, so that (as vLLM) no stop string may end in the text of the
 first min_tokens tokens, whatever batches the tokens arrive in.
+
+``catch_up`` feeds tokens whose text the client already has (a resumable
+stream continued by another gateway): the detokenizer's window, the stop
+strings' held-back text and the token counts end where the first gateway's
+were after those tokens, since neither depends on how the tokens were batched.
 """
 
 from __future__ import annotations
@@ -57,6 +62,13 @@ class TextStream:
             if self._stop.stopped:  # the released tail held a stop string
                 self.finish_reason = "stop"
         return Delta(text, new_token_ids, self.finish_reason, logprobs)
+
+    def catch_up(self, batches: list[list[int]]) -> None:
+        """Take output tokens already sent as text (in the batches they were sent in); nothing is
+        returned: the text they make was the client's before."""
+        for token_ids in batches:
+            if token_ids:
+                self.advance(token_ids, None)
 
     def _feed(self, token_ids: list[int], num_before: int) -> str:
         """Detokenize ``token_ids`` (output tokens num_before on) through the stop strings."""

@@ -298,11 +298,13 @@ def post(server, path, body, **kwargs):
 
 
 def parse_sse(body: str) -> list:
-    """The ``data:`` payloads of an SSE body: dicts, and the string "[DONE]"."""
+    """The ``data:`` payloads of an SSE body: dicts, and the string "[DONE]" (every event's ``id:``
+    line left out)."""
     out = []
     for block in body.split("\n\n"):
         if not block.strip():
             continue
+        block = "\n".join(line for line in block.split("\n") if not line.startswith("id: "))
         assert block.startswith("data: "), block
         data = block[len("data: "):]
         out.append(data if data == "[DONE]" else json.loads(data))
