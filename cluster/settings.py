@@ -170,7 +170,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     a = parser.add_argument
     a("--model", default=d.model, help="HF checkpoint directory, or 'demo' for a tiny random Llama built locally")
     a("--served-model-name", help="model id clients use (default: the directory name)")
-    a("--redis-url", help="Redis to coordinate through (serve: start a private redis-server if omitted)")
+    a("--redis-url", default=os.environ.get("TANDEM_REDIS_URL") or None,
+      help="Redis to coordinate through, e.g. redis://:password@host:6379/0 or rediss:// for TLS "
+           "(default TANDEM_REDIS_URL, better for a URL with a password: a flag shows in ps; "
+           "serve: start a private redis-server if neither is given)")
     a("--device", default=d.device, help="auto (CUDA if present), cpu, cuda or cuda:N")
     a("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     a("--tokens-per-block", type=int, default=d.tokens_per_block)

@@ -116,8 +116,16 @@ class KVCachePool:
 
 def _create_zeroed_file(path: str, num_bytes: int) -> None:
     # truncate to 0 first so a stale file of the same size comes back zeroed; then take the space
-    # now (a sparse file on a /dev/shm too small for it would kill the process with SIGBUS later)
-    with open(path, "wb") as f:
+    # now (a sparse file on a /dev/shm too small for it would kill the process with SIGBUS later).
+    # Owner only (0600, whatever the umask): the pool holds every prompt's keys and values, and
+    # /dev/shm is open to every local user; a link planted at the path is not followed
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode is cut by the umask, and an existing file keeps its own
+    except OSError:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "wb") as f:
         f.truncate(num_bytes)
         try:
             if hasattr(os, "posix_fallocate"):  # Linux; elsewhere the file stays sparse

@@ -16,16 +16,25 @@ a write on a FAILED pair forms a new one.
 Chunk lifecycle (``ChunkStatus``): QUEUED (gathered, pair not ready yet) ->
 SENT (header and payload issued) -> ACKED | FAILED.
 
-Messages. Control frames (u32 length + msgpack map) travel on a TCP socket;
-the payload alone travels on the process group (nccl for a CUDA pool, gloo for
-a CPU pool), so a receive is only posted for a payload already announced (an
-idle NCCL receive would spin on an SM and trip the watchdog; a blocked gloo
+Messages. Control frames (u32 length + msgpack map, at most 1 MiB) travel on a
+TCP socket; the payload alone travels on the process group (nccl for a CUDA pool,
+gloo for a CPU pool), so a receive is only posted for a payload already announced
+(an idle NCCL receive would spin on an SM and trip the watchdog; a blocked gloo
 wait cannot be interrupted, so a worker could not exit cleanly):
-    prefill <- decode  socket  {"kind": "kv_welcome", "v", "pair_id"}
+    prefill <- decode  socket  {"kind": "kv_hello", "v", "nonce"}
+    prefill -> decode  socket  {"kind": "kv_auth", "v", "proof": HMAC(secret, "ctrl" + nonce)}
+    prefill <- decode  socket  {"kind": "kv_welcome", "v", "pair_id"}  (or "kv_refused", then closed)
+    prefill -> decode  group   HMAC(secret, "group" + nonce)  (the group's peer is the one on the socket)
     prefill -> decode  socket  {"kind": "kv_chunk", "v", "seq", "dst_block_ids", "handoff", "num_bytes"}
     prefill -> decode  group   gather_blocks(src_kv, src_block_ids) as bytes
     prefill <- decode  socket  {"kind": "kv_ack", "v", "seq", "error"}
     prefill -> decode  socket  {"kind": "kv_bye", "v"}
+
+Peers: the pool's secret is random per exported pool and travels only in its
+endpoint, i.e. through the cluster's Redis (the registry and PrefillJobs), so only
+processes that can read that Redis can pair with the pool; the secret itself never
+crosses the network. A peer without it is closed after one small frame, before
+any process group or receive exists.
 
 Ownership: the destination blocks are the decode worker's throughout. The
 receive thread scatters a chunk only once its whole payload arrived, and acks
@@ -61,6 +70,7 @@ import torch
 from tandem.kernels import ops
 from tandem.kvtransfer.base import CompletedTransfer, Connection, Transfer, TransferError, Transport
 from tandem.kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, PairStatus, ChunkStatus, Frames, make_group, warm_up, abort_later, on_stream
+from tandem.kvtransfer.nccl_pair import NONCE_BYTES, endpoint_secret, proof
 from tandem.kvtransfer.nccl_recv import PoolServer
 
 log = structlog.get_logger(__name__)
@@ -184,21 +194,31 @@ class _SendPair:
         self._thread.join(join_s)
 
     def _form(self) -> None:
-        """Pairing thread: control connection, welcome, process group, warm-up."""
+        """Pairing thread: control connection, hello and proof, welcome, process group, warm-up."""
         endpoint, sock = self._endpoint, None
         deadline = time.monotonic() + self.timeout_s
         try:
+            secret = endpoint_secret(endpoint)
             if self._device.type == "cuda":
                 torch.cuda.set_device(self._device)
             sock = socket.create_connection((endpoint["host"], endpoint["ctrl_port"]), timeout=self.timeout_s)
             sock.settimeout(POLL_S)
             ctrl = Frames(sock)
+            hello = ctrl.wait(self._stop, deadline)
+            first = hello[0] if hello and isinstance(hello[0], dict) else {}
+            nonce = first.get("nonce")
+            if first.get("kind") != "kv_hello" or first.get("v") != WIRE_VERSION or not (
+                    isinstance(nonce, bytes) and len(nonce) == NONCE_BYTES):
+                raise TransferError(f"unexpected hello {hello!r}")
+            ctrl.send({"kind": "kv_auth", "v": WIRE_VERSION, "proof": proof(secret, nonce, b"ctrl")})
             welcome = ctrl.wait(self._stop, deadline)
+            if welcome and welcome[0].get("kind") == "kv_refused":
+                raise TransferError(f"the decode side refused the pair: {welcome[0].get('error')}")
             if not welcome or welcome[0].get("kind") != "kv_welcome" or welcome[0].get("v") != WIRE_VERSION:
                 raise TransferError(f"unexpected welcome {welcome!r}")
             self._group = make_group(endpoint["store_port"], welcome[0]["pair_id"], PREFILL_RANK,
                                       endpoint["backend"], endpoint["host"], self.timeout_s)
-            warm_up(self._group, PREFILL_RANK, self._device, self.timeout_s)
+            warm_up(self._group, PREFILL_RANK, self._device, self.timeout_s, proof(secret, nonce, b"group"))
             sock.setblocking(False)
         except Exception as exc:
             if sock is not None:
@@ -307,7 +327,9 @@ class NcclTransport(Transport):
 
     def connect(self, endpoint: dict) -> Connection:
         if endpoint.get("transport") != self.name or endpoint.get("backend") not in ("gloo", "nccl"):
-            raise TransferError(f"not an nccl KV endpoint: {endpoint!r}")
+            # not the endpoint itself: it may hold a secret, and this message reaches PrefillDone
+            raise TransferError(f"not an nccl KV endpoint (transport {endpoint.get('transport')!r}, "
+                                f"backend {endpoint.get('backend')!r})")
         return NcclConnection(endpoint, self.timeout_s)
 
     def close(self) -> None:

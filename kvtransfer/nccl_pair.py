@@ -9,6 +9,8 @@ import atexit
 import contextlib
 import datetime
 import enum
+import hashlib
+import hmac
 import os
 import select
 import socket
@@ -25,11 +27,15 @@ import torch.distributed as dist
 from tandem.kvtransfer.base import TransferError
 log = structlog.get_logger(__name__)
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: the hello/auth handshake and the group proof
 PAYLOAD_TAG = 1
 DECODE_RANK, PREFILL_RANK = 0, 1
 POLL_S = 0.1  # how often blocked threads look at their stop flag
-MAX_FRAME_BYTES = 1 << 24
+# a chunk header lists its block ids (a few bytes each): far below this; a longer frame is not ours
+MAX_FRAME_BYTES = 1 << 20
+HANDSHAKE_FRAME_BYTES = 1024  # before a peer has proved itself, only the small auth frame is read
+NONCE_BYTES = 32
+PROOF_BYTES = 32  # HMAC-SHA256
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 LIVE = weakref.WeakSet()  # servers and pairs whose threads must stop before the process exits
 
@@ -60,8 +66,9 @@ class Frames:
     """Length-prefixed msgpack maps over a socket, buffered both ways, so the same code
     serves a non-blocking socket (worker loop) and one with a timeout (threads)."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, max_frame_bytes: int = MAX_FRAME_BYTES):
         self.sock = sock
+        self.max_frame_bytes = max_frame_bytes  # a longer frame ends the connection
         # small frames must not wait: with Nagle on, an ack behind unacknowledged data waited
         # for the peer's delayed ACK (40 ms on Linux), which made 8 chunks take 48 ms, not 5
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -93,8 +100,8 @@ class Frames:
         frames = []
         while len(self._in) >= 4:
             (size,) = struct.unpack_from(">I", self._in)
-            if size > MAX_FRAME_BYTES:
-                raise ConnectionError(f"control frame of {size} bytes")
+            if size > self.max_frame_bytes:
+                raise ConnectionError(f"control frame of {size} bytes (at most {self.max_frame_bytes})")
             if len(self._in) < 4 + size:
                 break
             frames.append(msgpack.unpackb(bytes(self._in[4 : 4 + size])))
@@ -121,7 +128,24 @@ class Frames:
         return []
 
 
-def make_group(store_port: int, pair_id: int, rank: int, backend: str, host: str, timeout_s: float):
+def proof(secret: bytes, nonce: bytes, purpose: bytes) -> bytes:
+    """What a prefill worker shows for the decode side's ``nonce``: HMAC-SHA256 under the pool's
+    secret, so the secret itself never travels; ``purpose`` keeps the two proofs apart."""
+    return hmac.new(secret, purpose + nonce, hashlib.sha256).digest()
+
+
+def endpoint_secret(endpoint: dict) -> bytes:
+    """The pool's secret, from its endpoint (which only the cluster's Redis carries)."""
+    try:
+        secret = bytes.fromhex(endpoint["secret"])
+    except (KeyError, TypeError, ValueError):
+        raise TransferError("an nccl KV endpoint without its secret (a decode worker of an older version?)") from None
+    if len(secret) < 16:
+        raise TransferError("an nccl KV endpoint with a short secret")
+    return secret
+
+
+def make_group(store_port: int, pair_id: str, rank: int, backend: str, host: str, timeout_s: float):
     """The pair's process group; blocks until the peer joins (threads only)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     # a store client per pair: a rendezvous blocks its client while it waits
@@ -139,16 +163,21 @@ def make_group(store_port: int, pair_id: int, rank: int, backend: str, host: str
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
-def warm_up(group, rank: int, device: torch.device, timeout_s: float) -> None:
-    """One byte from prefill to decode in the pairing threads, so the NCCL communicator
-    is created there, not inside the first real send on the worker loop."""
-    probe = torch.zeros(1, dtype=torch.uint8, device=device)
+def warm_up(group, rank: int, device: torch.device, timeout_s: float, group_proof: bytes) -> None:
+    """The prefill side's proof for the group, sent over the group itself in the pairing
+    threads: so the NCCL communicator is created there, not inside the first real send on the
+    worker loop, and the decode side knows its peer in the group is the one that authenticated
+    on the control socket (the TCPStore takes anyone, who could join a pair being formed)."""
     if rank == PREFILL_RANK:
+        probe = torch.frombuffer(bytearray(group_proof), dtype=torch.uint8).to(device)
         group.send([probe], DECODE_RANK, PAYLOAD_TAG).wait()
     else:
+        probe = torch.zeros(PROOF_BYTES, dtype=torch.uint8, device=device)
         group.recv([probe], PREFILL_RANK, PAYLOAD_TAG).wait()
     if device.type == "cuda":
         wait_device(time.monotonic() + timeout_s)
+    if rank == DECODE_RANK and not hmac.compare_digest(probe.cpu().numpy().tobytes(), group_proof):
+        raise TransferError("the peer that joined the pair's process group did not prove the pool's secret")
 
 
 def wait_device(deadline: float) -> None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import collections
 import json
+import hmac
 import os
 import dataclasses
 import datetime
+import secrets
 import socket
 import threading
 import time
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from tandem.kernels import ops
 from tandem.kvtransfer.base import TransferError
 from tandem.kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, Frames, make_group, warm_up, abort_later, on_stream
+from tandem.kvtransfer.nccl_pair import HANDSHAKE_FRAME_BYTES, MAX_FRAME_BYTES, NONCE_BYTES, proof
 
 log = structlog.get_logger(__name__)
 TRACE_PATH = os.environ.get("TANDEM_KV_TRACE")  # diagnostics: per-chunk receive timeline, written at close
@@ -60,6 +63,13 @@ class PoolServer:
     it: a late chunk (its sender gave up, or was taken for dead) never writes
     blocks that another request owns. Chunks that name no handoff (the transport's
     own tests) are applied as they come.
+
+    Peers: anyone who reaches the host may connect, so a pair is formed only with a
+    peer that proves it knows the pool's secret (a random one per pool, handed out in
+    the endpoint, which travels only through the cluster's Redis): the control
+    connection opens with a nonce the peer answers with its HMAC, and the peer in the
+    process group then sends a second HMAC of it over the group. Until then nothing it
+    sends is read beyond one small frame, and no receive into the pool is posted.
     """
 
     def __init__(self, pool, host: str, timeout_s: float):
@@ -71,6 +81,7 @@ class PoolServer:
         self._lock = threading.Lock()  # grants and scatters in flight: receive threads and the worker loop
         self._grants: dict[str, frozenset[int]] = {}
         self._scattering: dict[str, list] = collections.defaultdict(list)  # handoff -> CUDA events
+        self._secret = secrets.token_bytes(32)
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self._listener = socket.create_server((host, 0))
@@ -78,6 +89,7 @@ class PoolServer:
         self.endpoint = {
             "transport": "nccl", "backend": self._backend, "host": host, "store_port": self._store.port,
             "ctrl_port": self._listener.getsockname()[1], "instance": uuid.uuid4().hex, "layout": pool.layout(),
+            "secret": self._secret.hex(),
         }
         self._trace: list[tuple] = []
         self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
@@ -115,32 +127,51 @@ class PoolServer:
         with self._listener:
             while not self._stop.is_set():
                 try:
-                    conn, _addr = self._listener.accept()
+                    conn, addr = self._listener.accept()
                 except TimeoutError:
                     continue
                 pair_id += 1
-                thread = threading.Thread(target=self._serve_pair, args=(conn, pair_id),
+                thread = threading.Thread(target=self._serve_pair, args=(conn, pair_id, addr),
                                           name=f"kv-recv-{pair_id}", daemon=True)
                 self._threads = [t for t in self._threads if t.is_alive()] + [thread]
                 thread.start()
 
-    def _serve_pair(self, conn: socket.socket, pair_id: int) -> None:
+    def _serve_pair(self, conn: socket.socket, pair_id: int, addr=None) -> None:
         device, group = self._kv.device, None
         if device.type == "cuda":
             torch.cuda.set_device(device)
         try:
             with conn:
                 conn.settimeout(POLL_S)
-                ctrl = Frames(conn)
-                ctrl.send({"kind": "kv_welcome", "v": WIRE_VERSION, "pair_id": pair_id})
-                group = make_group(self._store.port, pair_id, DECODE_RANK, self._backend, self._host,
+                ctrl = Frames(conn, max_frame_bytes=HANDSHAKE_FRAME_BYTES)
+                nonce = secrets.token_bytes(NONCE_BYTES)
+                if not self._authenticated(ctrl, nonce):
+                    log.warning("kv pair refused: the peer did not prove the pool's secret", peer=str(addr))
+                    ctrl.send({"kind": "kv_refused", "v": WIRE_VERSION, "error": "no valid proof of the pool's secret"})
+                    return
+                ctrl.max_frame_bytes = MAX_FRAME_BYTES
+                # the store prefix: unguessable, and sent only to the peer that proved itself
+                group_id = f"{pair_id}-{secrets.token_hex(16)}"
+                ctrl.send({"kind": "kv_welcome", "v": WIRE_VERSION, "pair_id": group_id})
+                group = make_group(self._store.port, group_id, DECODE_RANK, self._backend, self._host,
                                     self._timeout_s)
-                warm_up(group, DECODE_RANK, device, self._timeout_s)
+                warm_up(group, DECODE_RANK, device, self._timeout_s, proof(self._secret, nonce, b"group"))
                 with on_stream(torch.cuda.Stream(device) if device.type == "cuda" else None):
                     self._receive_loop(group, ctrl, conn)
         except Exception as exc:  # this pair is over (peer gone, broken frame); the pool is not
             log.info("kv pair closed", pair_id=pair_id, error=str(exc)[:300])
         abort_later(group)  # the pair is over either way: free its communicator, end any posted receive
+
+    def _authenticated(self, ctrl: Frames, nonce: bytes) -> bool:
+        """Send the nonce; True once the one frame that answers it carries its HMAC."""
+        ctrl.send({"kind": "kv_hello", "v": WIRE_VERSION, "nonce": nonce})
+        frames = ctrl.wait(self._stop, time.monotonic() + self._timeout_s)
+        if len(frames) != 1 or not isinstance(frames[0], dict):
+            return False
+        answer = frames[0]
+        shown = answer.get("proof")
+        return (answer.get("kind") == "kv_auth" and answer.get("v") == WIRE_VERSION and isinstance(shown, bytes)
+                and hmac.compare_digest(shown, proof(self._secret, nonce, b"ctrl")))
 
     def _receive_loop(self, group, ctrl: Frames, conn: socket.socket) -> None:
         """Receives run ahead of the scatters: while chunk i's payload lands and is

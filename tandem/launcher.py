@@ -64,17 +64,22 @@ def service_argv(role: str, settings: Settings, worker_id: str | None = None) ->
     process's environment instead, which the child inherits and reads them from, and removed
     from it where these settings have none (so no earlier value leaks into this child)."""
     import os
+    from urllib.parse import urlsplit
 
-    secrets = {"admin_token": "TANDEM_ADMIN_TOKEN", "api_keys": "TANDEM_API_KEY"}  # field -> its flag's variable
+    # field -> the variable its flag defaults to; a Redis URL is a secret when it holds a password
+    secrets = {"admin_token": "TANDEM_ADMIN_TOKEN", "api_keys": "TANDEM_API_KEY", "redis_url": "TANDEM_REDIS_URL"}
     argv = [sys.executable, "-m", "tandem", role]
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
         if field.name in secrets:
-            if value:
+            url = urlsplit(value) if field.name == "redis_url" and value else None
+            on_argv = url is not None and not (url.password or "password=" in url.query)  # nothing secret in it
+            if value and not on_argv:
                 os.environ[secrets[field.name]] = value if isinstance(value, str) else ",".join(value)
             else:
                 os.environ.pop(secrets[field.name], None)
-            continue
+            if not on_argv:
+                continue
         if value is None or field.name == "worker_id":
             continue
         argv += [f"--{field.name.replace('_', '-')}", str(value)]

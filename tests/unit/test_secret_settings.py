@@ -11,7 +11,7 @@ import pytest
 from tandem.cluster.settings import Settings, add_arguments
 from tandem.launcher import service_argv
 
-SECRET_ENV = ("TANDEM_ADMIN_TOKEN", "TANDEM_API_KEY")
+SECRET_ENV = ("TANDEM_ADMIN_TOKEN", "TANDEM_API_KEY", "TANDEM_REDIS_URL")
 
 
 @pytest.fixture
@@ -51,3 +51,18 @@ def test_api_keys_go_to_the_child_through_the_environment(clean_env):
     assert "TANDEM_API_KEY" not in os.environ
     child = _child_settings(argv)
     assert child.api_keys == [] and not child.metrics_require_auth
+
+
+@pytest.mark.parametrize("url", ["redis://:pw-secret@10.0.0.5:6379/0", "rediss://user:pw-secret@redis.internal:6380/1",
+                                 "unix:///run/redis.sock?password=pw-secret"])
+def test_a_redis_url_with_a_password_goes_through_the_environment(clean_env, url):
+    argv = service_argv("decode", Settings(redis_url=url), "decode-0")
+    assert not any("pw-secret" in arg for arg in argv) and "--redis-url" not in argv
+    assert os.environ["TANDEM_REDIS_URL"] == url and _child_settings(argv).redis_url == url
+
+
+def test_a_redis_url_without_one_stays_on_the_command_line(clean_env):
+    os.environ["TANDEM_REDIS_URL"] = "redis://:old@127.0.0.1:1/0"  # left by an earlier cluster
+    argv = service_argv("decode", Settings(redis_url="redis://127.0.0.1:6390/0"), "decode-0")
+    assert argv[argv.index("--redis-url") + 1] == "redis://127.0.0.1:6390/0"
+    assert "TANDEM_REDIS_URL" not in os.environ

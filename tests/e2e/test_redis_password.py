@@ -1,0 +1,71 @@
+"""A cluster on a password-protected Redis (redis-server --requirepass): every service
+reaches it through redis://:password@host:port/0, a request is served, and the password
+is on no service's command line (tandem serve hands it over in TANDEM_REDIS_URL)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import httpx
+import pytest
+import redis
+
+from tandem.cluster.settings import Settings
+from tandem.launcher import free_port, service_argv, stop_all, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+PASSWORD = "pw-7f3a9c1e5b"
+
+
+@pytest.fixture
+def protected_redis(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--requirepass", PASSWORD,
+                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    yield port, url, client
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_a_cluster_on_a_password_protected_redis(tiny_llama, tmp_path, protected_redis, monkeypatch):
+    port, url, client = protected_redis
+    monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)  # service_argv sets it; put back afterwards
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port).set("tandem:probe", 1)  # the password is needed
+    settings = Settings(model=tiny_llama, redis_url=url, port=free_port(), admin_port=free_port(),
+                        heartbeat_interval_s=0.2, heartbeat_ttl_s=2.0, max_seq_len=256).resolve()
+    procs = []
+    try:
+        for role, worker_id in (("decode", "decode-0"), ("prefill", "prefill-0"), ("gateway", None)):
+            argv = service_argv(role, settings, worker_id)
+            assert not any(PASSWORD in arg for arg in argv)
+            log = open(tmp_path / f"{role}.log", "ab")
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=log))
+        base = f"http://{settings.host}:{settings.port}"
+        assert wait_healthy(f"{base}/health", procs, 180), [(tmp_path / f"{r}.log").read_text()[-2000:]
+                                                           for r in ("decode", "prefill", "gateway")]
+        for proc in procs:  # what ps shows
+            with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+                assert PASSWORD.encode() not in f.read()
+        body = {"model": settings.model_name, "prompt": "Hello", "max_tokens": 4, "temperature": 0.0}
+        response = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+        assert client.keys("tandem:worker:decode:*") and client.keys("tandem:worker:prefill:*")
+    finally:
+        stop_all(procs)
+    assert os.environ.get("TANDEM_REDIS_URL") == url  # how the children got it
