@@ -1,6 +1,7 @@
-"""A cluster on a password-protected Redis (redis-server --requirepass): every service
-reaches it through redis://:password@host:port/0, a request is served, and the password
-is on no service's command line (tandem serve hands it over in TANDEM_REDIS_URL)."""
+"""A cluster on a password-protected Redis (redis-server --requirepass), plain and over TLS:
+every service reaches it through redis://:password@host:port/0 (rediss://...?ssl_ca_certs=
+for TLS), a request is served, and the password is on no service's command line (tandem
+serve hands it over in TANDEM_REDIS_URL)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,23 @@ pytestmark = pytest.mark.slow
 PASSWORD = "pw-7f3a9c1e5b"
 
 
-@pytest.fixture
-def protected_redis(tmp_path):
+@pytest.fixture(params=["redis", "rediss"])
+def protected_redis(request, tmp_path):
     port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--requirepass", PASSWORD,
-                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    argv = ["redis-server", "--bind", "127.0.0.1", "--requirepass", PASSWORD, "--save", "", "--appendonly", "no",
+            "--dir", str(tmp_path)]
     url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+    if request.param == "rediss":
+        pytest.importorskip("cryptography")
+        from tests.gateway.test_admin_auth import _self_signed
+
+        cert, key = _self_signed(tmp_path)
+        argv += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", cert, "--tls-key-file", key,
+                 "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]
+        url = f"rediss://:{PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+    else:
+        argv += ["--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + 10
     while True:
@@ -45,7 +57,7 @@ def test_a_cluster_on_a_password_protected_redis(tiny_llama, tmp_path, protected
     port, url, client = protected_redis
     monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)  # service_argv sets it; put back afterwards
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis(port=port).set("tandem:probe", 1)  # the password is needed
+        redis.Redis.from_url(url.replace(PASSWORD, "wrong")).set("tandem:probe", 1)  # the password is needed
     settings = Settings(model=tiny_llama, redis_url=url, port=free_port(), admin_port=free_port(),
                         heartbeat_interval_s=0.2, heartbeat_ttl_s=2.0, max_seq_len=256).resolve()
     procs = []
