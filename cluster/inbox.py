@@ -6,23 +6,56 @@ delivered once a worker has taken it, and is then deleted from the stream
 worker had taken would need acknowledging after handling instead; it is not
 built. A Redis restarted without its data has lost the consumer group: the
 next read recreates it (NOGROUP) instead of failing for ever.
+
+An entry that is not a valid message (``tandem.cluster.messages``: bad bytes, a
+field of the wrong type or range) is logged and dropped; one whose map still
+names a request (a string ``request_id``) is handed to the worker as an
+``Unreadable`` in its place, so that the request can be failed instead of left
+waiting.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 import structlog
 
 from tandem.cluster import keys
-from tandem.cluster.messages import FIELD, MessageError, decode, encode
+from tandem.cluster.messages import FIELD, MessageError, decode, encode, named
 
 log = structlog.get_logger(__name__)
 
 
 def send(client: redis.Redis, stream: str, msg: Any) -> None:
     client.xadd(stream, {FIELD: encode(msg)})
+
+
+@dataclass
+class Unreadable:
+    """An inbox entry that is no valid message but names a request: ``body`` is its map, for
+    ``messages.named`` to read what else it names."""
+
+    entry_id: Any
+    error: str
+    body: dict
+
+    kind = "unreadable"
+
+
+def read_entry(entry_id: Any, fields: dict) -> Any:
+    """One stream entry -> its message; an invalid one is logged and gives an Unreadable when it
+    names a request, else None."""
+    try:
+        return decode(fields[FIELD])
+    except KeyError:
+        error, body = f"no {FIELD!r} field", {}
+    except MessageError as exc:
+        error, body = str(exc), exc.body
+    log.error("invalid inbox entry dropped", entry_id=entry_id, error=error,
+              kind=named(body, "kind"), request_id=named(body, "request_id"))
+    return Unreadable(entry_id, error, body) if named(body, "request_id") else None
 
 
 class Inbox:
@@ -40,7 +73,8 @@ class Inbox:
                 raise
 
     def read(self, block_ms: int | None, count: int = 256) -> list[Any]:
-        """Take up to ``count`` new messages; wait up to ``block_ms`` if none (None = don't wait)."""
+        """Take up to ``count`` new messages (an Unreadable for an invalid one that names a
+        request); wait up to ``block_ms`` if none (None = don't wait)."""
         try:
             reply = self._client.xreadgroup(
                 keys.GROUP, self._consumer, {self.stream: ">"}, count=count, block=block_ms, noack=True
@@ -56,10 +90,9 @@ class Inbox:
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 taken.append(entry_id)
-                try:
-                    messages.append(decode(fields[FIELD]))
-                except (MessageError, KeyError) as exc:
-                    log.error("dropping unreadable inbox entry", entry_id=entry_id, error=str(exc))
+                msg = read_entry(entry_id, fields)
+                if msg is not None:
+                    messages.append(msg)
         if taken:  # delivered (NOACK): nothing reads them again
             try:
                 self._client.xdel(self.stream, *taken)

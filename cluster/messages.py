@@ -4,33 +4,173 @@ Every message carries ``kind`` (its type name) and ``v`` (schema version). No
 pickle and no positional frames: a reader looks fields up by name, ignores
 fields it does not know, and rejects a kind or version it cannot read.
 
+Every field has a rule (``rules``, beside the fields) that ``decode`` checks:
+its type and its range. A message that decodes is one a worker can hold without
+a type error anywhere later; what needs a worker's own state (its vocabulary,
+max_seq_len, the peer's pool size) the worker checks itself. Anything else
+raises ``MessageError``, whose ``body`` keeps the map so that the request it
+names can still be answered.
+
 Streams carry one message per entry under the field ``m``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import msgpack
 
-from tandem.cluster.sampling import SamplingParams
+from tandem.cluster.sampling import MAX_LOGPROBS, SamplingParams
 
 VERSION = 1
 FIELD = b"m"  # the stream-entry field holding a packed message
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # msgpack and the workers' tensors hold no wider ints
+FINISH_REASONS = ("stop", "length", "abort", "error")
+PREFILL_STATUSES = ("ok", "aborted", "failed")
 
 
 class MessageError(ValueError):
-    """A message that cannot be decoded: unknown kind, newer version, bad map."""
+    """A message that cannot be decoded: unknown kind, newer version, bad map, a field's bad
+    type or range. ``body``: the message's map when it was one ({} otherwise)."""
 
+    def __init__(self, reason: str, body: dict | None = None):
+        super().__init__(reason)
+        self.body = body if body is not None else {}
+
+
+# ---- field rules --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rule:
+    """What one field may hold: ``test`` says whether a value does, ``expected`` in words.
+    ``read`` turns an accepted wire value into the field's value (a nested map to its class)."""
+
+    test: Callable[[Any], bool]
+    expected: str
+    read: Callable[[Any, str], Any] = lambda value, _where: value
+
+    def take(self, value: Any, where: str) -> Any:
+        if not self.test(value):
+            raise MessageError(f"{where} must be {self.expected}, got {_describe(value)}")
+        return self.read(value, where)
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:40] + '...'}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not to us
+
+
+def _is_float(value: Any) -> bool:
+    """Any float, NaN too: a logprob is only shown to the client, and refusing one would drop
+    its whole step's batch at the gateway."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def integer(lo: int = 0, hi: int = INT64_MAX) -> Rule:
+    return Rule(lambda v: _is_int(v) and lo <= v <= hi,
+                f"an int >= {lo}" if hi == INT64_MAX else f"an int in [{lo}, {hi}]")
+
+
+def number(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Rule:
+    """A finite float (an int too: 0 and 0.0 are the same temperature); NaN and infinities never,
+    they poison the sampler's arithmetic."""
+
+    def test(v):
+        if not _is_float(v) or not math.isfinite(v):
+            return False
+        return (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi)
+
+    bounds = [f"{'>' if lo_open else '>='} {lo}"] if lo is not None else []
+    bounds += [f"<= {hi}"] if hi is not None else []
+    return Rule(test, " ".join(["a finite number", " and ".join(bounds)]).strip())
+
+
+def text(nonempty: bool = False, choices: tuple[str, ...] | None = None) -> Rule:
+    if choices is not None:
+        return Rule(lambda v: isinstance(v, str) and v in choices, f"one of {list(choices)}")
+    if nonempty:
+        return Rule(lambda v: isinstance(v, str) and v != "", "a non-empty string")
+    return Rule(lambda v: isinstance(v, str), "a string")
+
+
+BOOL = Rule(lambda v: isinstance(v, bool), "a bool")
+
+
+def ids(nonempty: bool = False) -> Rule:
+    """Token or block ids: a list of ints >= 0."""
+    return Rule(lambda v: isinstance(v, list) and (bool(v) or not nonempty)
+                and all(_is_int(i) and 0 <= i <= INT64_MAX for i in v),
+                "a non-empty list of ints >= 0" if nonempty else "a list of ints >= 0")
+
+
+def optional(rule: Rule) -> Rule:
+    return Rule(lambda v: v is None or rule.test(v), f"None or {rule.expected}", rule.read)
+
+
+# a transport's endpoint or any such map: its contents are the transport's to check
+STR_MAP = Rule(lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v), "a map with string keys")
+BYTE_STRINGS = Rule(lambda v: isinstance(v, list) and all(isinstance(b, bytes) for b in v), "a list of bytes")
+
+
+TOKEN = integer()
+
+
+def _is_logprob_entry(entry: Any) -> bool:
+    """engine.logprobs' entry: [sampled logprob, [[token id, logprob], ...]] (or None: not asked)."""
+    if entry is None:
+        return True
+    if not (isinstance(entry, list) and len(entry) == 2 and _is_float(entry[0]) and isinstance(entry[1], list)):
+        return False
+    return all(isinstance(p, list) and len(p) == 2 and TOKEN.test(p[0]) and _is_float(p[1]) for p in entry[1])
+
+
+LOGPROBS = Rule(lambda v: isinstance(v, list) and all(_is_logprob_entry(e) for e in v),
+                "a list of [logprob, [[token id, logprob], ...]] entries")
+INT64 = integer(INT64_MIN, INT64_MAX)
+ID = text(nonempty=True)  # request and worker ids: every table of requests is keyed by them
+
+# SamplingParams as the gateway makes them (gateway.protocol, gateway.validation): top_k -1 is
+# sent as 0 (off), temperature 0 is greedy
+SAMPLING_RULES: dict[str, Rule] = {
+    "temperature": number(lo=0.0),
+    "top_p": number(lo=0.0, hi=1.0, lo_open=True),
+    "top_k": integer(),
+    "seed": optional(INT64),
+    "logprobs": optional(integer(0, MAX_LOGPROBS)),
+    "min_tokens": integer(),
+}
+
+
+def _read_sampling(value: dict, where: str) -> SamplingParams:
+    """Sampling settings off the wire; fields this version does not know (a newer sender's) are
+    dropped, as a message's unknown fields are."""
+    return SamplingParams(**{name: rule.take(value[name], f"{where}.{name}")
+                             for name, rule in SAMPLING_RULES.items() if name in value})
+
+
+SAMPLING = Rule(lambda v: isinstance(v, dict), "a sampling map", _read_sampling)
+
+
+# ---- encoding -------------------------------------------------------------------------------
 
 _REGISTRY: dict[str, type] = {}
 
 
 def message(cls):
-    """Class decorator: make a frozen-less dataclass and register it by name."""
+    """Class decorator: make a frozen-less dataclass and register it by name; every field must
+    have its rule."""
     cls = dataclass(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    if set(cls.rules) != names:
+        raise TypeError(f"{cls.__name__}: fields without a rule {sorted(names - set(cls.rules))}, "
+                        f"rules without a field {sorted(set(cls.rules) - names)}")
     cls.kind = cls.__name__
     _REGISTRY[cls.__name__] = cls
     return cls
@@ -50,36 +190,44 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
+    """bytes -> a message whose every field passed its rule; MessageError otherwise (only)."""
     try:
         body = msgpack.unpackb(data, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise MessageError(f"undecodable message: {exc}") from exc
     if not isinstance(body, dict):
-        raise MessageError("message is not a map")
-    kind, version = body.pop("kind", None), body.pop("v", None)
+        raise MessageError(f"message is not a map: {type(body).__name__}")
+    try:
+        return _from_map(body)
+    except MessageError as exc:
+        exc.body = body
+        raise
+
+
+def _from_map(body: dict) -> Any:
+    kind, version = body.get("kind"), body.get("v")
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise MessageError(f"unknown message kind {kind!r}")
-    if not isinstance(version, int) or version > VERSION:
-        raise MessageError(f"{kind} version {version!r} is newer than {VERSION}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: v for k, v in body.items() if k in names}
-    if "sampling" in kwargs:
-        kwargs["sampling"] = _sampling(kwargs["sampling"])
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise MessageError(f"bad {kind}: {exc}") from exc
+        raise MessageError(f"unknown message kind {_describe(kind)}")
+    if not _is_int(version) or version < 1:
+        raise MessageError(f"{kind} has no readable version: {_describe(version)}")
+    if version > VERSION:
+        raise MessageError(f"{kind} version {version} is newer than {VERSION}")
+    kwargs = {name: rule.take(body[name], f"{kind}.{name}") for name, rule in cls.rules.items() if name in body}
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise MessageError(f"{kind} lacks {', '.join(missing)}")
+    return cls(**kwargs)
 
 
-def _sampling(value: Any) -> SamplingParams:
-    """Sampling settings off the wire; fields this version does not know (a newer sender's) are
-    dropped, as a message's unknown fields are."""
-    if not isinstance(value, dict):
-        raise MessageError(f"sampling is not a map: {type(value).__name__}")
-    names = {f.name for f in dataclasses.fields(SamplingParams)}
-    return SamplingParams(**{k: v for k, v in value.items() if k in names})
+def named(body: dict, name: str) -> str | None:
+    """A field of an undecodable message's map, when it is a non-empty string (what the map names)."""
+    value = body.get(name)
+    return value if isinstance(value, str) and value else None
 
+
+# ---- the messages ---------------------------------------------------------------------------
 
 @message
 class GenerateRequest:
@@ -98,6 +246,11 @@ class GenerateRequest:
     # (its KV is recomputed over prompt + these but the last, and decoding goes on from there)
     output_token_ids: list[int] = field(default_factory=list)
     kind: ClassVar[str]
+    rules: ClassVar[dict[str, Rule]] = {
+        "request_id": ID, "prompt_token_ids": ids(nonempty=True), "sampling": SAMPLING,
+        "max_tokens": integer(1), "stop_token_ids": ids(), "ignore_eos": BOOL, "priority": INT64,
+        "arrival_time": number(), "reply_to": text(), "output_token_ids": ids(),
+    }
 
 
 @message
@@ -107,6 +260,7 @@ class AbortRequest:
     request_id: str
     reason: str = "abort"
     kind: ClassVar[str]
+    rules: ClassVar[dict[str, Rule]] = {"request_id": ID, "reason": text()}
 
 
 @message
@@ -135,6 +289,12 @@ class PrefillJob:
     resume: bool = False  # a paused request's KV is recomputed: no first token is sampled or published
     handoff_id: str = ""  # this dispatch's grant on the decode side's pool (transports that check one)
     kind: ClassVar[str]
+    rules: ClassVar[dict[str, Rule]] = {
+        "request_id": ID, "prompt_token_ids": ids(nonempty=True), "sampling": SAMPLING,
+        "max_tokens": integer(1), "dst_block_ids": ids(nonempty=True), "kv_endpoint": STR_MAP,
+        "decode_worker_id": ID, "stop_token_ids": ids(), "ignore_eos": BOOL, "priority": INT64,
+        "arrival_time": number(), "reply_to": text(), "resume": BOOL, "handoff_id": text(),
+    }
 
 
 @message
@@ -154,6 +314,11 @@ class PrefillDone:
     prefill_worker_id: str = ""  # who sends it: a reply from an earlier dispatch is recognised and ignored
     handoff_id: str = ""  # the PrefillJob's it answers: told apart even from the same worker's earlier job
     kind: ClassVar[str]
+    rules: ClassVar[dict[str, Rule]] = {
+        "request_id": ID, "status": text(choices=PREFILL_STATUSES), "first_token": optional(TOKEN),
+        "finish_reason": optional(text(choices=FINISH_REASONS)), "error": optional(text()),
+        "prefill_worker_id": text(), "handoff_id": text(),
+    }
 
 
 @message
@@ -173,6 +338,11 @@ class TokenEvent:
     # with SamplingParams.logprobs: one engine.logprobs entry per token of token_ids
     logprobs: list | None = None
     kind: ClassVar[str]
+    rules: ClassVar[dict[str, Rule]] = {
+        "request_id": ID, "index": integer(), "token_ids": ids(),
+        "finish_reason": optional(text(choices=FINISH_REASONS)), "error": optional(text()),
+        "num_cached_tokens": integer(), "logprobs": optional(LOGPROBS),
+    }
 
 
 @message
@@ -181,6 +351,7 @@ class TokenBatch:
 
     events: list[bytes]  # each an encoded TokenEvent
     kind: ClassVar[str]
+    rules: ClassVar[dict[str, Rule]] = {"events": BYTE_STRINGS}  # each checked as it is unpacked
 
     @classmethod
     def of(cls, events: list["TokenEvent"]) -> "TokenBatch":
@@ -214,4 +385,14 @@ class WorkerInfo:
     num_preemptions: int = 0  # decode: requests paused since it started (monotonic)
     device: str = ""  # what it computes on, the same string for the same GPU in any process ("" unknown)
     pid_namespace: int = 0  # its PID namespace (0 unknown): ``pid`` means something only within it
+    num_restarts: int = 0  # times its supervisor restarted it (TANDEM_RESTARTS)
+    heartbeat_ttl_s: float = 0.0  # how long its record lives without a beat (0 unknown)
     kind: ClassVar[str]
+    rules: ClassVar[dict[str, Rule]] = {
+        "worker_id": ID, "role": text(choices=("prefill", "decode")), "model": text(), "inbox": text(),
+        "pid": integer(), "host": text(), "started_at": number(), "heartbeat_at": number(),
+        "num_total_blocks": integer(), "num_free_blocks": integer(), "num_running": integer(),
+        "num_waiting": integer(), "block_size": integer(1), "max_seq_len": integer(), "kv_endpoint": STR_MAP,
+        "capacity_scheduler_policy": text(), "max_batch_size": integer(), "num_preemptions": integer(),
+        "device": text(), "pid_namespace": integer(), "num_restarts": integer(), "heartbeat_ttl_s": number(),
+    }

@@ -23,20 +23,44 @@ log = structlog.get_logger(__name__)
 def live_workers(client: redis.Redis, role: str) -> list[WorkerInfo]:
     """Every worker of ``role`` whose heartbeat has not expired."""
     names = list(client.scan_iter(match=keys.worker_pattern(role), count=1000))
-    return parse_records(role, client.mget(names)) if names else []
+    return parse_records(role, client.mget(names), names) if names else []
 
 
-def parse_records(role: str, raws: list[bytes | None]) -> list[WorkerInfo]:
-    """Registry values (MGET of the worker keys) -> records, skipping expired and unreadable ones."""
+# (key, error) of the records already reported unreadable: a bad record is read again with every
+# refresh (several a second), and is logged once. Bounded: forgotten wholesale when full.
+_reported: set[tuple[str, str]] = set()
+MAX_REPORTED = 1024
+
+
+def parse_records(role: str, raws: list[bytes | None], names: list | None = None) -> list[WorkerInfo]:
+    """Registry values (MGET of the worker keys ``names``) -> records, skipping expired ones and
+    unreadable ones (a bad type or range in any field, a record of another kind or role): those
+    are logged once each, and never reach a caller that would compute with their fields."""
     workers = []
-    for raw in raws:
+    for i, raw in enumerate(raws):
         if raw is None:
             continue  # expired between SCAN and MGET
+        key = names[i] if names is not None else ""
+        key = key.decode(errors="replace") if isinstance(key, bytes) else key
         try:
-            workers.append(decode(raw))
+            info = decode(raw)
+            if not isinstance(info, WorkerInfo) or info.role != role:
+                raise MessageError(f"not a {role} worker's record: {info.kind} "
+                                   f"{getattr(info, 'role', '')}".rstrip())
         except MessageError as exc:  # e.g. a newer worker during a rolling upgrade
-            log.error("unreadable registry record", role=role, error=str(exc))
+            _report(role, key, str(exc))
+            continue
+        workers.append(info)
     return workers
+
+
+def _report(role: str, key: str, error: str) -> None:
+    if (key, error) in _reported:
+        return
+    if len(_reported) >= MAX_REPORTED:
+        _reported.clear()
+    _reported.add((key, error))
+    log.error("unreadable registry record skipped", role=role, key=key, error=error)
 
 
 def of_model(workers: list[WorkerInfo], model: str, reported: set[tuple[str, str]]) -> list[WorkerInfo]:

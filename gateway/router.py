@@ -40,7 +40,7 @@ ROLES = ("decode", "prefill")
 async def live_workers(client: aioredis.Redis, role: str) -> list[WorkerInfo]:
     """Every worker of ``role`` whose heartbeat has not expired (async ``tandem.cluster.registry.live_workers``)."""
     names = [name async for name in client.scan_iter(match=keys.worker_pattern(role), count=1000)]
-    return parse_records(role, await client.mget(names)) if names else []
+    return parse_records(role, await client.mget(names), names) if names else []  # bad records skipped
 
 
 def capacity_tokens(worker: WorkerInfo) -> int:

@@ -3,11 +3,13 @@
 Everything here raises ``InvalidRequest`` (400) or ``ModelNotFound`` (404),
 so a request that passes is one a worker can run: a known model, a non-empty
 prompt of at most ``max_input_len`` tokens, token ids inside the vocabulary,
-and ``prompt + max_tokens <= max_seq_len``.
+``prompt + max_tokens <= max_seq_len`` and a finite temperature (what the wire
+messages' rules in ``tandem.cluster.messages`` accept).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from tandem.cluster.sampling import SamplingParams
@@ -107,6 +109,9 @@ class Validator:
                                  param="min_tokens")
         stop_token_ids = list(body.stop_token_ids or [])
         self._check_vocab(stop_token_ids, "stop_token_ids")
+        if body.temperature is not None and not math.isfinite(body.temperature):
+            # the workers refuse it (tandem.cluster.messages): an infinite temperature poisons sampling
+            raise InvalidRequest(f"temperature must be finite, got {body.temperature}", param="temperature")
         top_k = body.top_k if body.top_k and body.top_k > 0 else 0
         sampling = SamplingParams(
             temperature=1.0 if body.temperature is None else float(body.temperature),
