@@ -9,6 +9,7 @@ trip. Request statuses moved here: see ``tandem.decode.scheduler``; the prefill 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -18,8 +19,8 @@ import structlog
 
 from tandem.cluster import keys
 from tandem.cluster.admission import Reservations
-from tandem.cluster.inbox import Inbox, Mailer
-from tandem.cluster.messages import AbortRequest, GenerateRequest, PrefillDone, TokenEvent, WorkerInfo
+from tandem.cluster.inbox import Inbox, Mailer, Unreadable
+from tandem.cluster.messages import AbortRequest, GenerateRequest, PrefillDone, TokenEvent, WorkerInfo, named
 from tandem.cluster.outputs import Outbox
 from tandem.cluster.worker_loop import run_steps, worker_info
 from tandem.cluster.live_policies import LivePolicies
@@ -47,6 +48,7 @@ RECONCILE_INTERVAL_S = 5.0  # how often admission entries of requests never seen
 
 class DecodeWorker:
     role = "decode"
+    vocab_size: int | None = None  # the model's (set at start): token ids from the inbox must be below it
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -60,6 +62,7 @@ class DecodeWorker:
             remove_stale_pool_files(_shm_dir(), f"tandem-kv-{self.worker_id}-")
             shm_path = os.path.join(_shm_dir(), f"tandem-kv-{self.worker_id}-{os.getpid()}")
         self.runner = build_runner(settings, shm_path=shm_path)
+        self.vocab_size = self.runner.config.vocab_size
         try:
             self._set_up(settings)
         except BaseException:
@@ -185,7 +188,9 @@ class DecodeWorker:
 
     def _handle_messages(self, messages: list) -> None:
         """Handle what was read (NOACK: nobody delivers it again), after what a Redis error left
-        unhandled last turn; a Redis error keeps the messages not yet handled for the next turn."""
+        unhandled last turn; a Redis error keeps the messages not yet handled for the next turn.
+        Any other error is the message's: it is logged and the message dropped (its request
+        failed), and the worker goes on."""
         pending, self._unhandled = self._unhandled + messages, []
         for i, msg in enumerate(pending):
             try:
@@ -193,11 +198,19 @@ class DecodeWorker:
             except redis.RedisError:
                 self._unhandled = pending[i + 1:]
                 raise
+            except Exception as exc:
+                log.exception("message handling failed; dropped", kind=msg.kind)
+                if isinstance(msg, GenerateRequest) and msg.request_id not in self.scheduler.requests:
+                    self._refuse(msg.request_id, msg.reply_to, f"the request could not be taken: {exc}")
 
     def _handle(self, msg) -> None:
         if isinstance(msg, GenerateRequest):
             if msg.request_id in self.scheduler.requests:
                 log.error("duplicate request id ignored", request_id=msg.request_id)
+                return
+            problem = self._unfit(msg)
+            if problem is not None:
+                self._refuse(msg.request_id, msg.reply_to, problem)
                 return
             done = len(msg.output_token_ids)
             if self._early_aborts.pop(msg.request_id, None) is not None:
@@ -212,11 +225,51 @@ class DecodeWorker:
                 return
             self.scheduler.add(DecodeRequest(spec=msg, output_token_ids=list(msg.output_token_ids)))
         elif isinstance(msg, PrefillDone):
+            if msg.status == "ok" and msg.first_token is not None and not self._in_vocab([msg.first_token]):
+                # the decode step would embed it: an index out of range
+                msg = dataclasses.replace(msg, status="failed", first_token=None,
+                                          error=f"first token {msg.first_token} is outside the vocabulary")
             self.handoffs.on_prefill_done(msg)
         elif isinstance(msg, AbortRequest):
             self._abort(msg.request_id)  # blocks a step on the device uses are held until it is read
+        elif isinstance(msg, Unreadable):
+            self._reject(msg)
         else:
             log.error("unexpected message", kind=msg.kind)
+
+    def _unfit(self, msg: GenerateRequest) -> str | None:
+        """Why this worker cannot run a request that decoded (what needs its model and limits)."""
+        if len(msg.prompt_token_ids) >= self.scheduler.max_seq_len:
+            return (f"the prompt has {len(msg.prompt_token_ids)} tokens, no fewer than this worker's "
+                    f"max_seq_len {self.scheduler.max_seq_len}")
+        if not self._in_vocab(msg.prompt_token_ids) or not self._in_vocab(msg.output_token_ids):
+            return f"token ids outside the vocabulary of {self.vocab_size}"
+        return None
+
+    def _in_vocab(self, token_ids: list[int]) -> bool:
+        return self.vocab_size is None or all(t < self.vocab_size for t in token_ids)
+
+    def _refuse(self, request_id: str, reply_to: str, error: str) -> None:
+        """End a request this worker does not take: its client gets the error, its admission is
+        given back. Kept, not sent: it goes out with this turn's events."""
+        log.error("request refused", request_id=request_id, error=error)
+        self._ended_ids.append(request_id)
+        self.outbox.keep([(reply_to, TokenEvent(request_id, 0, [], "error", error=error))])
+
+    def _reject(self, entry: Unreadable) -> None:
+        """An invalid message that names a request: a GenerateRequest's client gets the error (not
+        a hang); a PrefillDone for a handoff in flight fails that handoff (``handoffs.check`` then
+        ends it as any failed transfer, holding blocks the prefill worker may still write)."""
+        kind, request_id = named(entry.body, "kind"), named(entry.body, "request_id")
+        if kind == "GenerateRequest":
+            reply_to = named(entry.body, "reply_to")
+            if reply_to is not None and request_id not in self.scheduler.requests:
+                self._refuse(request_id, reply_to, f"invalid request: {entry.error}")
+        elif kind == "PrefillDone":
+            request, handoff_id = self.scheduler.prefilling.get(request_id), named(entry.body, "handoff_id")
+            if (request is not None and request.receiver is not None and handoff_id is not None
+                    and handoff_id == request.dispatch_id):  # the reply to the job in flight, not a stale one
+                request.receiver.fail(f"invalid PrefillDone: {entry.error}")
 
     def _abort(self, request_id: str) -> None:
         request = self.scheduler.abort(request_id)

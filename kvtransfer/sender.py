@@ -3,7 +3,8 @@
 Lifecycle: BOOTSTRAPPING (no connection yet) -> WAITING_FOR_INPUT (connected,
 idle) <-> TRANSFERRING (writes in flight) -> SUCCESS (``finish()`` called and
 every write done) | FAILED (a write or the connection failed, and no write is still in
-flight: until then a failed handoff reads TRANSFERRING).
+flight: until then a failed handoff reads TRANSFERRING). A write that raises
+anything fails the handoff, never the prefill worker.
 """
 
 from __future__ import annotations
@@ -11,6 +12,15 @@ from __future__ import annotations
 import torch
 
 from tandem.kvtransfer.base import Connection, KVPoll, Transfer, TransferError
+
+
+def pool_num_blocks(endpoint: dict) -> int | None:
+    """How many blocks the pool an endpoint names has, where the endpoint says (shm and nccl:
+    its layout; cuda_ipc: the pool's shape [L, 2, N, ...]); None when it does not."""
+    layout, shape = endpoint.get("layout"), endpoint.get("shape")
+    count = layout.get("num_blocks") if isinstance(layout, dict) else (
+        shape[2] if isinstance(shape, list) and len(shape) > 2 else None)
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 class KVSender:
@@ -35,8 +45,8 @@ class KVSender:
                 self._connection.write(src_kv, src_block_ids, self._dst_block_ids[first_block_index:end],
                                        self._handoff_id)
             )
-        except TransferError as exc:
-            self._fail(str(exc))
+        except Exception as exc:  # TransferError, or a copy's own error (an index the pool lacks)
+            self._fail(str(exc) if isinstance(exc, TransferError) else f"KV write failed: {exc!r}")
 
     def finish(self) -> None:
         """No more blocks will be sent."""
@@ -52,7 +62,7 @@ class KVSender:
             try:
                 if not transfer.done():
                     pending.append(transfer)
-            except TransferError as exc:  # this write is over (failed); the others still count
+            except Exception as exc:  # this write is over (failed); the others still count
                 self.error = self.error or str(exc)
         self._in_flight = pending
         if pending:

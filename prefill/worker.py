@@ -16,8 +16,8 @@ import redis
 import structlog
 
 from tandem.cluster import keys
-from tandem.cluster.inbox import Inbox, Mailer
-from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo
+from tandem.cluster.inbox import Inbox, Mailer, Unreadable
+from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo, named
 from tandem.cluster.outputs import Outbox
 from tandem.cluster.worker_loop import run_steps, worker_info
 from tandem.cluster.live_policies import LivePolicies
@@ -34,6 +34,7 @@ from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine import logprobs
 from tandem.engine.sampler import sample_async
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
+from tandem.kvtransfer.sender import pool_num_blocks
 from tandem.kvtransfer.base import TransferError
 from tandem.prefill.job import PrefillState
 from tandem.prefill.scheduler import PrefillScheduler
@@ -135,12 +136,43 @@ class PrefillWorker:
     # ---- helpers --------------------------------------------------------------------
     def _handle_messages(self, messages: list) -> None:
         for msg in messages:
-            if isinstance(msg, PrefillJob):
-                self._accept(msg)
-            elif isinstance(msg, AbortRequest):
-                self._abort(msg.request_id)
-            else:
-                log.error("unexpected message", kind=msg.kind)
+            self._guarded(self._handle, msg)
+
+    def _guarded(self, handle, msg) -> None:
+        """``handle(msg)``; an error of the message's (anything but a Redis error) is logged and
+        the message dropped, its job failed when it was not taken: the worker goes on."""
+        try:
+            handle(msg)
+        except redis.RedisError:
+            raise
+        except Exception as exc:
+            log.exception("message handling failed; dropped", kind=msg.kind)
+            if (isinstance(msg, PrefillJob) and msg.request_id not in self.scheduler.jobs
+                    and msg.request_id not in self._deferred):
+                self._reply(PrefillState(job=msg), "failed", error=f"the job could not be taken: {exc}")
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, PrefillJob):
+            self._accept(msg)
+        elif isinstance(msg, AbortRequest):
+            self._abort(msg.request_id)
+        elif isinstance(msg, Unreadable):
+            self._reject(msg)
+        else:
+            log.error("unexpected message", kind=msg.kind)
+
+    def _reject(self, entry: Unreadable) -> None:
+        """An invalid PrefillJob that names its request and decode worker: answered with
+        PrefillDone(failed), so the decode side frees its blocks now instead of at its transfer
+        timeout. Not when a job of that request is here: its blocks are still being written."""
+        body = entry.body
+        request_id, decode_worker_id = named(body, "request_id"), named(body, "decode_worker_id")
+        if (named(body, "kind") != "PrefillJob" or decode_worker_id is None
+                or request_id in self.scheduler.jobs or request_id in self._deferred):
+            return
+        done = PrefillDone(request_id, "failed", error=f"invalid PrefillJob: {entry.error}",
+                           prefill_worker_id=self.worker_id, handoff_id=named(body, "handoff_id") or "")
+        self.mailer.send(keys.inbox("decode", decode_worker_id), done)
 
     def _accept(self, job: PrefillJob) -> None:
         current = self.scheduler.jobs.get(job.request_id)
@@ -153,10 +185,10 @@ class PrefillWorker:
             log.error("duplicate prefill job ignored", request_id=job.request_id)
             return
         state = PrefillState(job=job)
-        if not self.allocator.can_allocate_total(len(job.prompt_token_ids)):
-            # it could never be admitted, and would hold up every job behind it
-            self._reply(state, "failed", error=f"{len(job.prompt_token_ids)} tokens exceed this prefill worker's "
-                                               f"KV pool of {self.allocator.num_total * self.block_size}")
+        problem = self._unfit(job)
+        if problem is not None:
+            log.error("prefill job refused", request_id=job.request_id, error=problem)
+            self._reply(state, "failed", error=problem)
             return
         try:
             state.sender = KVSender(self._connect(job), job.dst_block_ids, job.handoff_id or None)
@@ -164,6 +196,24 @@ class PrefillWorker:
             self._reply(state, "failed", error=str(exc))
             return
         self.scheduler.add(state)
+
+    def _unfit(self, job: PrefillJob) -> str | None:
+        """Why this worker cannot run a job that decoded (what needs its model, limits and the
+        destination pool); a prompt it could never be given room for would hold up every job behind it."""
+        num_prompt = len(job.prompt_token_ids)
+        if num_prompt >= self.settings.max_seq_len:
+            return f"the prompt has {num_prompt} tokens, no fewer than max_seq_len {self.settings.max_seq_len}"
+        if not self.allocator.can_allocate_total(num_prompt):
+            pool_tokens = self.allocator.num_total * self.block_size
+            return f"{num_prompt} tokens exceed this prefill worker's KV pool of {pool_tokens}"
+        vocab_size = self.runner.config.vocab_size
+        if max(job.prompt_token_ids) >= vocab_size:
+            return f"prompt token ids outside the vocabulary of {vocab_size}"  # an embedding out of range
+        num_dst = pool_num_blocks(job.kv_endpoint)
+        if num_dst is not None and max(job.dst_block_ids) >= num_dst:
+            # a write there would land outside the decode worker's pool
+            return f"destination blocks outside the decode worker's pool of {num_dst}"
+        return None
 
     def _connect(self, job: PrefillJob):
         """The connection to the job's decode pool, made once per pool. A decode worker that
@@ -185,7 +235,7 @@ class PrefillWorker:
 
     def _accept_deferred(self) -> None:
         for request_id in [r for r in self._deferred if r not in self.scheduler.jobs]:
-            self._accept(self._deferred.pop(request_id))
+            self._guarded(self._accept, self._deferred.pop(request_id))
 
     def _abort(self, request_id: str) -> None:
         deferred = self._deferred.pop(request_id, None)
