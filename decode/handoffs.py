@@ -71,6 +71,9 @@ class PrefillHandoffs:
         # blocks of given-up handoffs a prefill worker that may still run could write (shm, cuda_ipc)
         self.quarantine = Quarantine(settings.transfer_timeout_s)
         self._pid_namespace = pid_namespace()
+        # re-dispatches that found no live prefill worker: sent once one is back (a restarted lone
+        # prefill worker), within the receiver's deadline (--transfer-timeout-s)
+        self._undispatched: list[DecodeRequest] = []
 
     @property
     def prefill_workers(self) -> list[WorkerInfo]:
@@ -148,17 +151,23 @@ class PrefillHandoffs:
         """Hand the requests the scheduler starts now to prefill workers."""
         if not self._taking_prefill_workers:
             return  # requests wait, holding no blocks, until a prefill worker registers (or is undrained)
+        waiting, self._undispatched = self._undispatched, []
+        for request in waiting:
+            if request.request_id in self.scheduler.prefilling and request.prefill_worker_id is None:
+                self._send_prefill_job(request, fresh_deadline=False)
         started = self.scheduler.schedule_prefills()
         for request in started:  # every started request is tracked before any Redis call can fail
             request.receiver = KVReceiver(self.settings.transfer_timeout_s)
         for request in started:
             self._send_prefill_job(request)
 
-    def _send_prefill_job(self, request: DecodeRequest) -> None:
-        """Hand the request to a prefill worker; if that cannot happen now, its handoff fails (blocks freed).
-        Draining workers only take a re-dispatched job, and only when no other worker can."""
+    def _send_prefill_job(self, request: DecodeRequest, fresh_deadline: bool = True) -> None:
+        """Hand the request to a prefill worker; with none alive it waits for one (within its
+        receiver's deadline); if the send fails, its handoff fails (blocks freed). Draining
+        workers only take a re-dispatched job, and only when no other worker can."""
         workers = self._taking_prefill_workers or self._prefill_workers
-        request.receiver = KVReceiver(self.settings.transfer_timeout_s)
+        if fresh_deadline or request.receiver is None:
+            request.receiver = KVReceiver(self.settings.transfer_timeout_s)
         self._end_handoff(request)  # a re-dispatch: the earlier worker's late chunks are refused
         self._handoff_seq += 1  # per worker: a reused request id never meets an old grant
         request.handoff_id = request.dispatch_id = f"{request.request_id}#{self._handoff_seq}"
@@ -166,7 +175,7 @@ class PrefillHandoffs:
         self.transport.grant(request.handoff_id, request.block_ids)
         if not workers:
             request.prefill_worker_id = None  # nobody got the job: nobody writes these blocks
-            request.receiver.fail("no prefill worker alive")
+            self._undispatched.append(request)
             return
         try:
             self._round_robin += 1
@@ -214,6 +223,9 @@ class PrefillHandoffs:
         for request in list(self.scheduler.prefilling.values()):
             if request.receiver.poll() is KVPoll.FAILED:
                 error = request.receiver.error or "kv handoff failed"
+                if request in self._undispatched:
+                    self._undispatched.remove(request)
+                    error = "no prefill worker was alive to compute the prompt within --transfer-timeout-s"
                 if request.prefill_worker_id:
                     self.mailer.send(keys.inbox("prefill", request.prefill_worker_id),
                                      AbortRequest(request.request_id))

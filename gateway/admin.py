@@ -90,7 +90,7 @@ def worker_message(worker: WorkerInfo, draining: bool, drained: bool = False):
         num_free_blocks=worker.num_free_blocks, num_running=worker.num_running, num_waiting=worker.num_waiting,
         block_size=worker.block_size, max_seq_len=worker.max_seq_len, max_batch_size=worker.max_batch_size,
         capacity_scheduler_policy=worker.capacity_scheduler_policy, num_preemptions=worker.num_preemptions,
-        device=worker.device, draining=draining, drained=drained,
+        device=worker.device, draining=draining, drained=drained, num_restarts=worker.num_restarts,
     )
 
 

@@ -17,6 +17,7 @@ from tandem.cluster.settings import Settings
 from tandem.gateway.auth import install_api_key_auth
 from tandem.gateway.body_limit import BodyLimitMiddleware
 from tandem.gateway.cancellation import GenerationStreamResponse, followed_stream_response, until_disconnected
+from tandem.gateway.drain import DrainMiddleware
 from tandem.gateway.errors import install_error_handlers
 from tandem.gateway.health import GatewayHealth
 from tandem.gateway.choices import Choices
@@ -54,8 +55,10 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     app = FastAPI(title="tandem gateway", lifespan=lifespan)
     app.state.service = service
     app.state.health = admin_health
+    service.drain.on_drain(admin_health.set_draining)  # gRPC health NOT_SERVING while draining
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=MAX_BODY_BYTES)
+    app.add_middleware(DrainMiddleware, drain=service.drain)
     install_api_key_auth(app, settings)  # --api-key: before anything reads the body
     app.add_middleware(StatusMiddleware, metrics=service.metrics)  # outermost: counts the 413s too
 

@@ -7,7 +7,7 @@ cancelled request still sends them.
 
 Liveness: a decode worker is taken for lost once its registry record is gone (or
 names another run of it) and its last heartbeat the gateway saw is older than the
-heartbeat TTL. A record that vanished sooner was wiped with Redis's data (a
+heartbeat TTL (its record's own, else this gateway's). A record that vanished sooner was wiped with Redis's data (a
 restart without persistence): the worker re-registers within a heartbeat
 interval, and its requests wait for it instead of being recomputed elsewhere.
 
@@ -40,6 +40,7 @@ FAILOVER_POLL_S = 0.25
 class _Seen:
     started_at: float
     heartbeat_at: float  # the worker's own clock (wall time), as its record says
+    ttl_s: float  # how long its record lives without a beat
 
 
 class Dispatcher:
@@ -78,7 +79,8 @@ class Dispatcher:
                 await asyncio.sleep(FAILOVER_POLL_S)
 
     def _saw(self, worker: WorkerInfo) -> WorkerInfo:
-        self._seen[worker.worker_id] = _Seen(worker.started_at, worker.heartbeat_at)
+        self._seen[worker.worker_id] = _Seen(worker.started_at, worker.heartbeat_at,
+                                             worker.heartbeat_ttl_s or self._heartbeat_ttl_s)
         return worker
 
     async def submit(self, worker: WorkerInfo, wire_id: str, inp: GenerationInput,
@@ -127,7 +129,7 @@ class Dispatcher:
         if seen is None or (started_at is not None and seen.started_at != started_at):
             return False
         # gone before its key could expire: Redis lost its data; the worker re-registers soon
-        return time.time() - seen.heartbeat_at < self._heartbeat_ttl_s
+        return time.time() - seen.heartbeat_at < seen.ttl_s
 
     async def send_abort(self, worker_id: str, wire_id: str, reason: str) -> None:
         """The abort itself, retried for up to ABORT_RETRY_S: until the worker reads it, it

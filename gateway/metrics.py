@@ -69,13 +69,17 @@ class _WorkerLoadCollector:
         }
         preemptions = CounterMetricFamily("tandem_preemptions", "Requests a decode worker paused to free KV blocks",
                                           labels=["worker"])
+        restarts = CounterMetricFamily("tandem_worker_restarts", "Times tandem serve's supervisor restarted a worker",
+                                       labels=["worker", "role"])
         for role, workers in self._snapshot().items():
             for worker in workers:
                 for name, family in families.items():
                     family.add_metric([worker.worker_id, role], float(getattr(worker, name)))
                 if role == "decode":
                     preemptions.add_metric([worker.worker_id], float(worker.num_preemptions))
+                restarts.add_metric([worker.worker_id, role], float(worker.num_restarts))
         yield from families.values()
+        yield restarts
         yield preemptions
 
 

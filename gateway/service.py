@@ -28,6 +28,7 @@ from tandem.gateway.admission import AdmissionQueue
 from tandem.gateway.background import BackgroundTasks
 from tandem.gateway.choices import Choices
 from tandem.gateway.dispatch import Dispatcher
+from tandem.gateway.drain import Drain
 from tandem.gateway.errors import ClientDisconnected
 from tandem.gateway.generation import Generation
 from tandem.gateway.metrics import GatewayMetrics
@@ -77,7 +78,10 @@ class GatewayService:
         # one thread: tokenizers are not safe to share across threads, and the loop must not block
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.background = BackgroundTasks()
-        self.dispatcher = Dispatcher(self.router, self.admission, self.mux.stream, self.background)
+        self.drain = Drain()
+        self.dispatcher = Dispatcher(self.router, self.admission, self.mux.stream, self.background,
+                                     heartbeat_ttl_s=settings.heartbeat_ttl_s,
+                                     failover_wait_s=settings.failover_wait_s)
         # a token id's own text, for logprobs (decoded alone, special tokens included; on the loop,
         # as the detokenizer runs)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
@@ -188,7 +192,10 @@ class GatewayService:
 
     # ---- cluster state --------------------------------------------------------------
     async def health(self) -> tuple[bool, dict]:
-        """(healthy, report): Redis answers and at least one decode and one prefill worker is alive."""
+        """(healthy, report): not draining, Redis answers and at least one decode and one prefill
+        worker is alive."""
+        if self.drain.draining:
+            return False, {"status": "draining", "reason": "the gateway is shutting down"}
         try:
             await self.redis.ping()
             counts = {role: len(await self.router.workers(role, max_age_s=0.0)) for role in ROLES}

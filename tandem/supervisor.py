@@ -26,6 +26,7 @@ import enum
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -90,7 +91,9 @@ class Child:
 
     def start(self) -> None:
         env = {**os.environ, **self.spec.env, "TANDEM_RESTARTS": str(self.num_restarts)}
-        self.proc = subprocess.Popen(self.spec.argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        # stdout is the supervisor's own (its ready line): a child's output goes to stderr
+        self.proc = subprocess.Popen(self.spec.argv, env=env, stdout=sys.stderr, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         self.state = State.RUNNING
 
     def running(self) -> bool:

@@ -95,6 +95,10 @@ def rclient(redis_url):
 
 def make_settings(model_dir: str, redis_url: str, **overrides) -> Settings:
     overrides.setdefault("admin_port", 0)  # no admin API unless a test asks for one (on a free port)
+    # the fake workers heartbeat fast (TTL 0.5-1 s) and a lost one's request fails soon
+    overrides.setdefault("heartbeat_interval_s", 0.1)
+    overrides.setdefault("heartbeat_ttl_s", 0.5)
+    overrides.setdefault("failover_wait_s", 1.0)
     settings = Settings(model=model_dir, served_model_name="tiny", redis_url=redis_url, **overrides)
     return settings.resolve()
 
@@ -185,6 +189,10 @@ class FakeDecodeWorker:
     model: str = "tiny"
     requests: list[GenerateRequest] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
+    # the fake plays the prefill pool's part too (it writes token 0 itself): it registers a
+    # prefill worker beside itself, as the gateway admits nothing while no prefill worker lives
+    with_prefill: bool = True
+    beating: bool = True  # False: heartbeats pause while the worker goes on (a Redis wipe's view)
 
     def __post_init__(self):
         # one thread per request writes events: wait for a pooled connection instead of failing
@@ -206,8 +214,10 @@ class FakeDecodeWorker:
         )
 
     def beat(self) -> None:
-        if self._alive:
+        if self._alive and self.beating:
             self.client.set(keys.worker("decode", self.worker_id), encode(self.info()), px=int(self.ttl_s * 1000))
+            if self.with_prefill:
+                register_prefill(self.client, "prefill-fake", ttl_s=max(self.ttl_s, 30.0), model=self.model)
 
     def start(self) -> "FakeDecodeWorker":
         self.beat()
@@ -271,8 +281,9 @@ class FakeDecodeWorker:
             pass  # Redis restarted: the reservations went with it
 
 
-def register_prefill(client: redis.Redis, worker_id: str = "prefill-fake-0", ttl_s: float = 30.0) -> None:
-    info = WorkerInfo(worker_id=worker_id, role="prefill", model="tiny", inbox=keys.inbox("prefill", worker_id),
+def register_prefill(client: redis.Redis, worker_id: str = "prefill-fake-0", ttl_s: float = 30.0,
+                     model: str = "tiny") -> None:
+    info = WorkerInfo(worker_id=worker_id, role="prefill", model=model, inbox=keys.inbox("prefill", worker_id),
                       pid=0, host="test", started_at=0.0, heartbeat_at=time.time(), num_total_blocks=64,
                       num_free_blocks=64)
     client.set(keys.worker("prefill", worker_id), encode(info), px=int(ttl_s * 1000))
