@@ -47,7 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def call(args: argparse.Namespace):
     """The reply message of the call ``args`` names (raises grpc.RpcError)."""
-    import grpc
 
     from tandem.gateway.admin import pb, pb_grpc
 

@@ -16,7 +16,6 @@ import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 import structlog
@@ -40,7 +39,8 @@ from tandem.gateway.stream_log import RetainedRequest, StreamLog
 from tandem.gateway.streams import POLL_S
 from tandem.gateway.text_stream import TextStream
 from tandem.gateway.tokenizer import load_tokenizer
-from tandem.gateway.validation import GenerationInput, Validator, choice_input
+from tandem.gateway.tokenize_lanes import TokenizeLanes
+from tandem.gateway.validation import GenerationInput, choice_input
 
 log = structlog.get_logger(__name__)
 
@@ -67,7 +67,7 @@ class GatewayService:
     def __init__(self, settings: Settings, tokenizer=None, redis: aioredis.Redis | None = None):
         self.settings = settings
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
-        self.validator = Validator(settings, self.tokenizer)
+        self.lanes = TokenizeLanes(settings, self.tokenizer)  # validation and tokenization, off the loop
         self.redis = redis if redis is not None else make_redis(settings.redis_url)
         self.router = Router(self.redis, model=settings.model_name)
         self.admission = AdmissionQueue(self.router, max_queue_len=settings.max_queue_len,
@@ -75,8 +75,6 @@ class GatewayService:
         self.mux = OutputMux(self.redis)
         self.metrics = GatewayMetrics(lambda: {role: self.router.cached(role) for role in ROLES},
                                       num_queued=lambda: self.admission.num_queued)
-        # one thread: tokenizers are not safe to share across threads, and the loop must not block
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.background = BackgroundTasks()
         self.drain = Drain()
         self.dispatcher = Dispatcher(self.router, self.admission, self.mux.stream, self.background,
@@ -89,10 +87,10 @@ class GatewayService:
 
     # ---- requests -------------------------------------------------------------------
     async def prepare_completion(self, body: CompletionRequest) -> GenerationInput:
-        return await self._off_loop(self.validator.completion, body)
+        return await self.lanes.completion(body)
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> GenerationInput:
-        return await self._off_loop(self.validator.chat, body)
+        return await self.lanes.chat(body)
 
     async def start(self, inp: GenerationInput, prefix: str = "cmpl",
                     client_gone: Callable[[], Awaitable[bool]] | None = None) -> Choices:
@@ -226,11 +224,8 @@ class GatewayService:
         }
 
     # ---- plumbing -------------------------------------------------------------------
-    async def _off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
-
     async def close(self) -> None:
         await self.mux.stop()
         await self.background.wait(5.0)
         await self.redis.aclose()
-        self._tokenize_pool.shutdown(wait=False)
+        self.lanes.shutdown()

@@ -142,6 +142,18 @@ def _is_set(stop) -> bool:
     return stop.is_set() if callable(stop.is_set) else stop.is_set
 
 
+def masked_url(url: str) -> str:
+    """A URL fit to print: its password (user info or ``password=``) as ***."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
+    query = urlencode([(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query)], safe="*/")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
 def _check_free(settings: Settings) -> str | None:
     """Before starting anything: a server already there would answer our readiness check."""
     for host, port in ((settings.host, settings.port), (settings.admin_host, settings.admin_port)):
@@ -235,7 +247,7 @@ def serve(args: argparse.Namespace) -> int:
             return 1
         admin = f", admin API {settings.admin_host}:{settings.admin_port}" if settings.admin_port else ""
         print(f"tandem: serving {settings.model_name} at http://{settings.host}:{settings.port}/v1 "
-              f"(redis {settings.redis_url}{admin})", flush=True)
+              f"(redis {masked_url(settings.redis_url)}{admin})", flush=True)
         while not signals.is_set:
             lines, failed = supervisor.check()
             for line in lines:

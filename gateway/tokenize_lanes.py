@@ -1,0 +1,69 @@
+"""Validation and tokenization off the event loop, where large prompts cannot hold small ones back.
+
+Two lanes, each one thread with its own copy of the tokenizer (a tokenizer is not
+shared across threads): prompts of up to ``SMALL_PROMPT_CHARS`` characters go to
+one, larger ones to the other, so a 2-token request never waits behind a
+megabyte of text. Before either, a prompt whose characters alone exceed what
+``--max-input-len`` tokens can spell (the vocabulary's longest token times the
+limit) is refused at once, without tokenizing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+from tandem.cluster.settings import Settings
+from tandem.gateway.errors import InvalidRequest
+from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.validation import GenerationInput, Validator
+
+SMALL_PROMPT_CHARS = 16384
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token spells: no text of C characters takes fewer than
+    C / this many tokens (byte-level vocabularies spell a byte per character of a token's
+    string; sentencepiece ones a character or a byte-fallback token of six)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a readable vocabulary: no bound, tokenizing decides
+        return 0
+    return max((len(piece) for piece in vocab), default=0)
+
+
+def prompt_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(m.text) for m in body.messages)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, str) else 0  # token ids: counted as tokens by the validator
+
+
+class TokenizeLanes:
+    def __init__(self, settings: Settings, tokenizer):
+        self.max_chars = settings.max_input_len * longest_token_chars(tokenizer)
+        self._small = (ThreadPoolExecutor(1, thread_name_prefix="tokenize-small"), Validator(settings, tokenizer))
+        self._large = (ThreadPoolExecutor(1, thread_name_prefix="tokenize-large"),
+                       Validator(settings, copy.deepcopy(tokenizer)))
+
+    async def completion(self, body: CompletionRequest) -> GenerationInput:
+        pool, validator = self._lane(body, "prompt")
+        return await asyncio.get_running_loop().run_in_executor(pool, validator.completion, body)
+
+    async def chat(self, body: ChatCompletionRequest) -> GenerationInput:
+        pool, validator = self._lane(body, "messages")
+        return await asyncio.get_running_loop().run_in_executor(pool, validator.chat, body)
+
+    def _lane(self, body, param: str):
+        chars = prompt_chars(body)
+        if self.max_chars and chars > self.max_chars:
+            raise InvalidRequest(f"{param} has {chars} characters, more than {self.max_chars}: no tokenization "
+                                 f"of it fits the maximum input length", param=param, code="context_length_exceeded")
+        return self._small if chars <= SMALL_PROMPT_CHARS else self._large
+
+    def shutdown(self) -> None:
+        for pool, _ in (self._small, self._large):
+            pool.shutdown(wait=False)
