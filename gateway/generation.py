@@ -54,6 +54,7 @@ from tandem.gateway.validation import GenerationInput
 log = structlog.get_logger(__name__)
 
 MAX_FAILOVERS = 3
+GAP_TIMEOUT_S = 2.0  # later tokens waiting this long for an earlier one: it was lost
 
 
 class Backend(Protocol):
@@ -168,7 +169,10 @@ class Generation:
 
     async def _deltas_from_worker(self, assembler: TokenAssembler) -> AsyncIterator[Delta]:
         """Deltas from the current worker's events until the request ends; raises WorkerLost."""
-        events = read_queued_events(self._queue, deadline=self._deadline, worker_alive=self._worker_alive)
+        async def worker_alive() -> bool:  # a gap that lasts is a loss too, even from a live worker
+            return assembler.gap_s() <= GAP_TIMEOUT_S and await self._worker_alive()
+
+        events = read_queued_events(self._queue, deadline=self._deadline, worker_alive=worker_alive)
         try:
             async for event in events:
                 if self._first_token_at is None:
@@ -178,6 +182,8 @@ class Generation:
                     self.num_cached_tokens = event.num_cached_tokens
                     self._metrics.cached_tokens.inc(event.num_cached_tokens)
                 new_token_ids = assembler.add(event)
+                if assembler.gap_s() > GAP_TIMEOUT_S:
+                    raise WorkerLost(f"tokens of this request were lost in transit (a gap of {assembler.gap_s():.1f} s)")
                 if assembler.finish_reason == "error":
                     self._worker_done = True
                     raise WorkerFailed(f"the request failed on a worker: {assembler.error or 'unknown error'}")

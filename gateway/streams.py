@@ -66,6 +66,13 @@ class TokenAssembler:
     error: str | None = None
     new_logprobs: list = field(default_factory=list)  # the logprobs entries of add's last tokens (None: none)
     _pending: dict[int, TokenEvent] = field(default_factory=dict)
+    _gap_since: float | None = None  # monotonic: since when later tokens wait for a missing one
+
+    def gap_s(self) -> float:
+        """How long later tokens have waited for an earlier one that has not come (0: no gap).
+        Events lost in transit (a Redis that lost its data before the gateway read them) leave
+        such a gap for good: the request is then failed over and its tokens recomputed."""
+        return 0.0 if self._gap_since is None else time.monotonic() - self._gap_since
 
     def add(self, event: TokenEvent) -> list[int]:
         """Tokens that became contiguous with this event; sets ``finish_reason`` when the end arrives.
@@ -89,12 +96,18 @@ class TokenAssembler:
                 if item.finish_reason is not None:  # the last event (it may repeat known tokens)
                     self.finish_reason, self.error = item.finish_reason, item.error
                     self._pending.clear()
+                    self._gap_since = None
                     return new_token_ids
+        if not self._pending:
+            self._gap_since = None
+        elif self._gap_since is None or new_token_ids:
+            self._gap_since = time.monotonic()  # a (new) gap opens
         return new_token_ids
 
     def forget_pending(self) -> None:
         """Drop events past the released tokens (a lost worker's; they are generated again)."""
         self._pending.clear()
+        self._gap_since = None
 
 
 def _merge(old: TokenEvent | None, new: TokenEvent) -> TokenEvent:

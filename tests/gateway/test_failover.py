@@ -189,3 +189,21 @@ def test_no_prefill_worker_is_503_with_retry_after_at_once(serve, fake_worker, t
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     error = response.json()["error"]
     assert error["code"] == "no_worker_available" and "prefill" in error["message"]
+
+
+def test_a_token_lost_in_transit_is_recomputed_elsewhere(serve, fake_worker, text_ids):
+    """An event the gateway never reads (Redis lost it) leaves a gap later tokens wait behind:
+    after GAP_TIMEOUT_S the request is failed over and its tokens recomputed."""
+    def lossy(req):
+        events = _resuming(text_ids, 12, 0.05)(req)
+        return [e for e in events if e[1].index != 4] if not req.output_token_ids else events
+
+    first = fake_worker(lossy, worker_id="decode-fake-0", num_free_blocks=64)
+    server = serve()
+    time.sleep(0.05)
+    second = fake_worker(_resuming(text_ids, 12, 0.0), worker_id="decode-fake-1", num_free_blocks=8)
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 12, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == text_ids[:12]
+    resumed = (first.requests + second.requests)[-1]
+    assert resumed.output_token_ids == text_ids[:4]  # what the client had before the gap
