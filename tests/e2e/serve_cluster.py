@@ -74,11 +74,12 @@ class Serve:
         return json.loads(done.stdout)["workers"] if done.returncode == 0 else []
 
     def wait_blocks_free(self, timeout_s: float = 30.0) -> list[dict]:
-        """Every decode worker's free blocks back to its total (what the registry reports)."""
+        """Every pool's free blocks back to its total (what the registry reports), both roles there."""
         deadline = time.monotonic() + timeout_s
         while True:
-            decode = [w for w in self.workers() if w["role"] == "decode"]
-            if decode and all(w["num_free_blocks"] == w["num_total_blocks"] for w in decode):
+            decode = self.workers()
+            if {w["role"] for w in decode} == {"decode", "prefill"} and \
+                    all(w["num_free_blocks"] == w["num_total_blocks"] for w in decode):
                 return decode
             if time.monotonic() > deadline:
                 raise AssertionError(f"blocks not given back: {decode}")
@@ -114,6 +115,7 @@ class Stream(threading.Thread):
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "return_token_ids": True}  # EOS ends it, as it ends HF generate()
         self.token_ids: list[int] = []
+        self.arrivals: list[float] = []  # monotonic time of each chunk that carried tokens
         self.finish: str | None = None
         self.error: str | None = None
         self.done = False
@@ -135,6 +137,8 @@ class Stream(threading.Thread):
                         self.error = event["error"]["message"]
                         continue
                     choice = event["choices"][0]
+                    if choice.get("token_ids"):
+                        self.arrivals.append(time.monotonic())
                     self.token_ids += choice.get("token_ids") or []
                     self.finish = choice.get("finish_reason") or self.finish
         except Exception as exc:  # reported by the test's assertions
@@ -155,3 +159,27 @@ def wait_tokens(streams: list[Stream], num_tokens: int, timeout_s: float = 60.0)
         if time.monotonic() > deadline or any(s.error for s in streams):
             raise AssertionError([(len(s.token_ids), s.error) for s in streams])
         time.sleep(0.02)
+
+
+def record_fault(fault: str, streams: list[Stream], expected: list[list[int]], fault_at: float,
+                 leaked_blocks: int) -> dict:
+    """One row of docs/reliability.md: appended to $TANDEM_RELIABILITY_OUT (JSON lines) when set."""
+    lost = repeated = 0
+    for stream, want in zip(streams, expected):
+        got = stream.token_ids
+        common = 0
+        while common < min(len(got), len(want)) and got[common] == want[common]:
+            common += 1
+        lost += len(want) - common
+        repeated += len(got) - common
+    # the longest wait for tokens after the fault (from the fault itself, for a stream that had none)
+    pauses = [max((b - a for a, b in zip([fault_at, *s.arrivals], s.arrivals) if b >= fault_at), default=0.0)
+              for s in streams]
+    row = {"fault": fault, "requests": len(streams), "completed": sum(s.done and s.error is None for s in streams),
+           "tokens_lost": lost, "tokens_repeated": repeated, "blocks_leaked": leaked_blocks,
+           "longest_pause_s": round(max(pauses, default=0.0), 2)}
+    out = os.environ.get("TANDEM_RELIABILITY_OUT")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row

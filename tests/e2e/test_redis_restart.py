@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from tandem.redis_server import RedisServer
 from tests.e2e.cluster import LocalCluster
-from tests.e2e.serve_cluster import Stream, wait_tokens
+from tests.e2e.serve_cluster import Stream, record_fault, wait_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +31,16 @@ def test_streams_survive_redis_restarted_empty(tiny_llama, tmp_path, hf_greedy):
             stream.start()
         wait_tokens(streams, 6)
         port = cluster.redis_server.port
+        fault_at = time.monotonic()
         cluster.redis_server.stop()  # its data goes with it
         time.sleep(0.5)
         cluster.redis_server = RedisServer(port)  # back, empty
         tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+        expected_all = [hf_greedy(tokenizer(s.body["prompt"]).input_ids, MAX_TOKENS) for s in streams]
         for stream in streams:
             stream.join(120)
-            expected = hf_greedy(tokenizer(stream.body["prompt"]).input_ids, MAX_TOKENS)
+        record_fault("Redis (--redis-url) restarted without its data", streams, expected_all, fault_at, 0)
+        for stream, expected in zip(streams, expected_all):
             assert stream.status == 200 and stream.done and stream.error is None, (stream.error, len(stream.token_ids))
             assert stream.token_ids == expected
         assert all(proc.poll() is None for proc in cluster.procs.values()), "a process died"

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.serve_cluster import Serve, pool_files, running, start_streams, wait_tokens
+from tests.e2e.serve_cluster import Serve, pool_files, record_fault, running, start_streams, wait_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,11 @@ def reference(tiny_llama, hf_greedy):
     return expected
 
 
-def _assert_all_equal_hf(streams, reference):
+def _assert_all_equal_hf(streams, reference, fault: str | None = None, fault_at: float = 0.0):
+    if fault is not None:
+        for stream in streams:
+            stream.join(180)
+        record_fault(fault, streams, [reference(s.body["prompt"]) for s in streams], fault_at, leaked_blocks=0)
     for stream in streams:
         stream.join(180)
         assert not stream.is_alive()
@@ -69,8 +73,10 @@ def test_a_killed_decode_worker_loses_no_stream(tiny_llama, tmp_path, reference,
     try:
         streams = start_streams(serve, PROMPTS, MAX_TOKENS)
         wait_tokens(streams, 8)
+        fault_at = time.monotonic()
         killed = _kill(serve, "decode-0")
-        _assert_all_equal_hf(streams, reference)
+        _assert_all_equal_hf(streams, reference, f"kill -9 of a decode worker ({num_decode} decode workers)",
+                             fault_at)
         assert not running(killed)
         if num_decode == 1:
             assert "decode-0 restarted" in serve.log()
@@ -97,9 +103,10 @@ def test_a_killed_prefill_worker_is_restarted_and_its_jobs_are_sent_again(tiny_l
         deadline = time.monotonic() + 30
         while any(s.status is None for s in streams) and time.monotonic() < deadline:
             time.sleep(0.005)  # every request admitted and submitted
+        fault_at = time.monotonic()
         _kill(serve, "prefill-0")
         assert any(not s.token_ids for s in streams), "every prompt was computed already: nothing proven"
-        _assert_all_equal_hf(streams, reference)
+        _assert_all_equal_hf(streams, reference, "kill -9 of the lone prefill worker mid-prefill", fault_at)
         assert "prefill-0 restarted" in serve.log()
         _finish(serve, files_before)
     finally:
@@ -113,8 +120,9 @@ def test_a_killed_redis_server_is_restarted_and_the_streams_complete(tiny_llama,
     try:
         streams = start_streams(serve, PROMPTS, MAX_TOKENS)
         wait_tokens(streams, 8)
+        fault_at = time.monotonic()
         _kill(serve, "redis")
-        _assert_all_equal_hf(streams, reference)
+        _assert_all_equal_hf(streams, reference, "kill -9 of tandem serve's redis-server", fault_at)
         assert "redis restarted" in serve.log()
         _finish(serve, files_before)
     finally:
@@ -128,13 +136,14 @@ def test_sigterm_lets_the_open_streams_finish_then_stops_everything(tiny_llama, 
     pids = dict(serve.pids)
     streams = start_streams(serve, PROMPTS, MAX_TOKENS)
     wait_tokens(streams, 8)
+    fault_at = time.monotonic()
     serve.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     refused = httpx.post(f"{serve.base_url}/v1/completions", json={"model": serve.model, "prompt": "late",
                                                                     "max_tokens": 2}, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     assert refused.headers["retry-after"] == "1"
-    _assert_all_equal_hf(streams, reference)
+    _assert_all_equal_hf(streams, reference, "SIGTERM to tandem serve (drain)", fault_at)
     assert serve.proc.wait(60) == 0
     assert not [name for name, pid in pids.items() if running(pid)]
     assert pool_files() - files_before == set()
