@@ -12,14 +12,19 @@ import time
 import structlog
 
 
-def configure_logging(level: str, service: str) -> None:
+def configure_logging(level: str, service: str, fmt: str = "auto") -> None:
+    """structlog on stderr: one readable line per event in a terminal (``console``), JSON lines
+    when it is not one or when asked (``json``)."""
     logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
+    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    renderer = (structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if console
+                else structlog.processors.JSONRenderer())
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.JSONRenderer(),
+            structlog.processors.TimeStamper(fmt="iso" if not console else "%H:%M:%S"),
+            renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),

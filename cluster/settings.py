@@ -20,6 +20,7 @@ from tandem.cluster.policies import (
 )
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("auto", "console", "json")
 RUN_AHEAD_MODES = ("auto", "on", "off")
 CPU_DEFAULT_KV_TOKENS = 16384
 
@@ -70,6 +71,8 @@ class Settings:
     shutdown_timeout_s: float = 30.0  # gateway: on SIGTERM, how long in-flight streams may run on
     failover_wait_s: float = 60.0  # gateway: how long a request whose decode worker died waits for another
     log_level: str = "info"
+    log_format: str = "auto"  # auto: readable lines in a terminal, JSON lines otherwise; console; json
+    cpu_threads: int = 0  # a worker's torch threads on the CPU (0: tandem serve divides the cores)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Settings":
@@ -132,6 +135,8 @@ class Settings:
         _check(0 < self.heartbeat_interval_s < self.heartbeat_ttl_s,
                f"--heartbeat-interval-s ({self.heartbeat_interval_s}) must be > 0 and below --heartbeat-ttl-s "
                f"({self.heartbeat_ttl_s}): a worker would otherwise expire between its beats")
+        _check(self.log_format in LOG_FORMATS, f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        _check(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         _check(self.log_level.upper() in LOG_LEVELS, f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         return self
 
@@ -205,6 +210,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
       help="launch each decode step before the previous step's tokens reach the host, feeding them on "
            "the device (auto: on CUDA; never with a sliding-window model)")
     a("--log-level", default=d.log_level)
+    a("--log-format", default=d.log_format, choices=LOG_FORMATS,
+      help="auto: readable one-line logs in a terminal, JSON lines otherwise")
+    a("--cpu-threads", type=int, default=d.cpu_threads,
+      help="torch threads of each worker on the CPU (0: tandem serve divides the machine's cores "
+           "among its workers; a worker started alone keeps torch's default)")
     if serving:
         a("--host", default=d.host)
         a("--port", type=int, default=d.port)

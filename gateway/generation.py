@@ -220,7 +220,7 @@ class Generation:
         metrics.finished.labels(finish_reason=_FINISH_LABELS.get(self.status, self.finish_reason)).inc()
         if self.status is Status.FINISHED:
             metrics.e2e.observe(time.monotonic() - self._started_at)
-        log.info("request done", status=self.status.value, finish_reason=self.finish_reason,
+        log.debug("request done", status=self.status.value, finish_reason=self.finish_reason,
                  num_output_tokens=len(self.output_token_ids), worker_id=self.worker_id)
 
     # ---- helpers --------------------------------------------------------------------

@@ -72,7 +72,7 @@ class DrainingServer(uvicorn.Server):
 
 def main(settings: Settings) -> None:
     """Serve until told to stop (see the module's docstring)."""
-    configure_logging(settings.log_level, "gateway")
+    configure_logging(settings.log_level, "gateway", settings.log_format)
     app = create_app(settings)
     log.info("gateway starting", host=settings.host, port=settings.port, model=settings.model_name,
              max_seq_len=settings.max_seq_len, max_input_len=settings.max_input_len)
@@ -80,7 +80,8 @@ def main(settings: Settings) -> None:
         app,
         host=settings.host,
         port=settings.port,
-        log_level=settings.log_level.lower(),
+        # uvicorn's own lines (its "Press CTRL+C" comes before the workers are ready) only when debugging
+        log_level="debug" if settings.log_level.lower() == "debug" else "warning",
         access_log=False,  # one structured line per request comes from the gateway itself
         timeout_graceful_shutdown=5,
         backlog=4096,

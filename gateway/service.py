@@ -130,7 +130,7 @@ class GatewayService:
             raise
         self.metrics.running.inc()
         self.metrics.prompt_tokens.inc(len(inp.prompt_token_ids))
-        log.info("request submitted", worker_id=worker.worker_id, num_prompt_tokens=len(inp.prompt_token_ids),
+        log.debug("request submitted", worker_id=worker.worker_id, num_prompt_tokens=len(inp.prompt_token_ids),
                  max_tokens=inp.max_tokens, choice=request_id)
         return generation
 

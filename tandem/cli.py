@@ -7,6 +7,7 @@
     tandem decode    one decode worker
     tandem demo-model PATH   write the tiny random Llama that --model demo serves
     tandem admin ...         the gRPC admin API: workers, policies, drain, cancel
+    tandem status            the cluster's workers, load and restarts at a glance
     tandem bench serve ...   streaming load client against an OpenAI-compatible URL
     tandem bench engine ...  engine workloads vs ceilings and HF anchors (GPU)
 """
@@ -26,12 +27,16 @@ def _service(role: str, args: argparse.Namespace) -> int:
     settings = settings_mod.Settings.from_args(args)
     settings.model = resolve_model(settings.model)
     settings.resolve()
-    configure_logging(settings.log_level, role)
+    configure_logging(settings.log_level, role, settings.log_format)
     if role == "gateway":
         from tandem.gateway.server import main as run_gateway
 
         run_gateway(settings)
         return 0
+    if settings.cpu_threads:
+        import torch  # a worker's own threads: tandem serve's workers share the machine's cores
+
+        torch.set_num_threads(settings.cpu_threads)
     stop = stop_on_signals()
     if role == "prefill":
         from tandem.prefill.worker import main as run
@@ -62,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.gateway import admin_client
 
     admin_client.add_arguments(sub.add_parser("admin", help="manage a running cluster (gRPC admin API)"))
+    from tandem.gateway import status
+
+    status.add_arguments(sub.add_parser("status", help="the cluster's workers, load and restarts (admin API)"))
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from tandem.bench import serve as bench_serve
@@ -87,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(make_tiny_checkpoint(args.path))
             return 0
+        if args.command == "status":
+            from tandem.gateway import status
+
+            return status.main(args)
         if args.command == "admin":
             from tandem.gateway import admin_client
 

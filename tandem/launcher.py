@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import signal
 import socket
@@ -169,19 +170,37 @@ def _check_free(settings: Settings) -> str | None:
 def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace, signals: Signals) -> bool:
     """Start the workers (prefill first: on a shared GPU the decode workers then size their pools
     from the memory the prefill workers left free) and the gateway; False if told to stop meanwhile."""
-    placements = plan(count_gpus(), settings.device, settings.kv_transport,
+    num_gpus = count_gpus()
+    placements = plan(num_gpus, settings.device, settings.kv_transport,
                       args.num_prefill_workers, args.num_decode_workers)
+    threads = cpu_threads_per_worker(settings, num_gpus, len(placements))
     for role in ("prefill", "decode"):
         for place in (p for p in placements if p.role == role):
-            worker_settings = dataclasses.replace(settings, kv_transport=place.kv_transport or settings.kv_transport)
+            worker_settings = dataclasses.replace(settings, kv_transport=place.kv_transport or settings.kv_transport,
+                                                  cpu_threads=threads)
+            env = {**place.env, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
             name = f"{role}-{place.index}"
-            supervisor.add(ChildSpec(name, service_argv(role, worker_settings, name), WORKERS, place.env))
+            supervisor.add(ChildSpec(name, service_argv(role, worker_settings, name), WORKERS, env))
+            print(f"tandem: starting {name}" + (f" ({threads} CPU threads)" if threads else ""),
+                  file=sys.stderr, flush=True)
         if role == "prefill" and not _wait(lambda: wait_registered(
                 settings.redis_url, "prefill", args.num_prefill_workers, 2.0, signals), supervisor, signals):
             return False
     supervisor.add(ChildSpec("gateway", service_argv("gateway", settings), GATEWAY))
     base = f"http://{settings.host}:{settings.port}"
     return _wait(lambda: wait_healthy(f"{base}/health", [], 2.0, signals), supervisor, signals)
+
+
+def cpu_threads_per_worker(settings: Settings, num_gpus: int, num_workers: int) -> int:
+    """Torch threads for each worker on the CPU: the machine's cores divided among the workers
+    (each with all of them, they starve each other: measured in README), unless --cpu-threads
+    sets it. 0 (torch's default) for workers on GPUs."""
+    if settings.cpu_threads:
+        return settings.cpu_threads
+    if settings.device != "cpu" and (num_gpus > 0 or settings.device.startswith("cuda")):
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores // max(num_workers, 1), 1)
 
 
 def _wait(ready, supervisor: Supervisor, signals: Signals) -> bool:
@@ -235,7 +254,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         if not args.redis_url:
             port, redis_dir = free_port(), private_dir("tandem-redis-")
-            supervisor.add(ChildSpec("redis", redis_argv(port, redis_dir), REDIS))
+            supervisor.add(ChildSpec("redis", redis_argv(port, redis_dir), REDIS, quiet=True))
             if not wait_redis(port):
                 print("tandem: redis-server did not start", file=sys.stderr)
                 return 1
@@ -246,8 +265,12 @@ def serve(args: argparse.Namespace) -> int:
             print("tandem: the cluster did not start; stopping", file=sys.stderr)
             return 1
         admin = f", admin API {settings.admin_host}:{settings.admin_port}" if settings.admin_port else ""
-        print(f"tandem: serving {settings.model_name} at http://{settings.host}:{settings.port}/v1 "
+        base = f"http://{settings.host}:{settings.port}"
+        print(f"tandem: serving {settings.model_name} at {base}/v1 "
               f"(redis {masked_url(settings.redis_url)}{admin})", flush=True)
+        print(f"  try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d "
+              f"'{{\"model\": \"{settings.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+              f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
         while not signals.is_set:
             lines, failed = supervisor.check()
             for line in lines:

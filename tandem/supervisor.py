@@ -48,6 +48,7 @@ class ChildSpec:
     argv: list[str]
     stop_order: int  # lower stops first: gateways 0, workers 1, redis 2
     env: dict[str, str] = field(default_factory=dict)
+    quiet: bool = False  # its output is dropped (redis-server's banner)
 
 
 class RestartBudget:
@@ -92,7 +93,8 @@ class Child:
     def start(self) -> None:
         env = {**os.environ, **self.spec.env, "TANDEM_RESTARTS": str(self.num_restarts)}
         # stdout is the supervisor's own (its ready line): a child's output goes to stderr
-        self.proc = subprocess.Popen(self.spec.argv, env=env, stdout=sys.stderr, start_new_session=True,
+        out = subprocess.DEVNULL if self.spec.quiet else sys.stderr
+        self.proc = subprocess.Popen(self.spec.argv, env=env, stdout=out, start_new_session=True,
                                      preexec_fn=_die_with_parent)
         self.state = State.RUNNING
 

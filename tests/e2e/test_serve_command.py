@@ -60,6 +60,12 @@ def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_p
                                 "workers"], capture_output=True, text=True, timeout=60)
         assert admin.returncode == 0, admin.stderr
         assert sorted(w["worker_id"] for w in json.loads(admin.stdout)["workers"]) == ["decode-0", "prefill-0"]
+        status = subprocess.run([sys.executable, "-m", "tandem", "status", "--address", f"127.0.0.1:{admin_port}"],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        lines = status.stdout.splitlines()
+        assert lines[0].split()[0] == "worker" and [ln.split()[0] for ln in lines[1:3]] == ["decode-0", "prefill-0"]
+        assert "policies: capacity GUARANTEED_NO_EVICT" in status.stdout
         proc.send_signal(signal.SIGTERM)
         _assert_stopped(proc, children, returncode=0)
     finally:
