@@ -29,11 +29,11 @@ def reference(tiny_llama, hf_greedy):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     cache = {}
 
-    def expected(prompt: str | list[int]) -> list[int]:
+    def expected(prompt: str | list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
         ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
-        if tuple(ids) not in cache:
-            cache[tuple(ids)] = hf_greedy(ids, MAX_TOKENS)
-        return cache[tuple(ids)]
+        if (tuple(ids), max_tokens) not in cache:
+            cache[tuple(ids), max_tokens] = hf_greedy(ids, max_tokens)
+        return cache[tuple(ids), max_tokens]
 
     return expected
 
@@ -42,13 +42,14 @@ def _assert_all_equal_hf(streams, reference, fault: str | None = None, fault_at:
     if fault is not None:
         for stream in streams:
             stream.join(180)
-        record_fault(fault, streams, [reference(s.body["prompt"]) for s in streams], fault_at, leaked_blocks=0)
+        record_fault(fault, streams, [reference(s.body["prompt"], s.body["max_tokens"]) for s in streams], fault_at,
+                     leaked_blocks=0)
     for stream in streams:
         stream.join(180)
         assert not stream.is_alive()
         assert stream.status == 200 and stream.done and stream.error is None, (stream.error, len(stream.token_ids))
-        expected = reference(stream.body["prompt"])
-        assert stream.finish == ("length" if len(expected) == MAX_TOKENS else "stop")
+        expected = reference(stream.body["prompt"], stream.body["max_tokens"])
+        assert stream.finish == ("length" if len(expected) == stream.body["max_tokens"] else "stop")
         assert stream.token_ids == expected
 
 
@@ -134,11 +135,11 @@ def test_sigterm_lets_the_open_streams_finish_then_stops_everything(tiny_llama, 
     files_before = pool_files()
     serve = Serve(tiny_llama, tmp_path)
     pids = dict(serve.pids)
-    streams = start_streams(serve, PROMPTS, MAX_TOKENS)
+    streams = start_streams(serve, PROMPTS, 200)  # still open when the late request comes
     wait_tokens(streams, 8)
     fault_at = time.monotonic()
     serve.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    time.sleep(0.1)
     refused = httpx.post(f"{serve.base_url}/v1/completions", json={"model": serve.model, "prompt": "late",
                                                                     "max_tokens": 2}, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
