@@ -36,7 +36,6 @@ MAX_FRAME_BYTES = 1 << 20
 HANDSHAKE_FRAME_BYTES = 1024  # before a peer has proved itself, only the small auth frame is read
 NONCE_BYTES = 32
 PROOF_BYTES = 32  # HMAC-SHA256
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 LIVE = weakref.WeakSet()  # servers and pairs whose threads must stop before the process exits
 
 
@@ -158,9 +157,26 @@ def make_group(store_port: int, pair_id: str, rank: int, backend: str, host: str
         return dist.ProcessGroupNCCL(store, rank, 2, timeout)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host in LOOPBACK
-                        else dist.ProcessGroupGloo.create_default_device()]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_address(rank, host))]
     return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def gloo_address(rank: int, host: str) -> str:
+    """Where a side's gloo device listens, which it advertises to its peer through the store.
+    ``host`` is the decode side's endpoint address (TANDEM_KV_HOST), which the decode side
+    listens on already; the prefill side takes its own address on the route to it. Not gloo's
+    default device: that is the machine's hostname resolved, often a loopback address (an
+    /etc/hosts line) the peer on another host then dials at home, or another interface's."""
+    return host if rank == DECODE_RANK else local_address(host)
+
+
+def local_address(peer: str) -> str:
+    """This host's address on the route to ``peer`` (a UDP connect picks the source address and
+    sends nothing); loopback for a loopback peer."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect(sockaddr)
+        return sock.getsockname()[0]
 
 
 def warm_up(group, rank: int, device: torch.device, timeout_s: float, group_proof: bytes) -> None:
