@@ -12,8 +12,8 @@ A GGUF checkpoint carries its tokenizer in its metadata. transformers builds it
 (``AutoTokenizer.from_pretrained(dir, gguf_file=name)``) through its GGUF loader,
 which imports torch, so a child process builds it once and saves it, as
 tokenizer.json and friends, under $TANDEM_CACHE/gguf-tokenizers/ (keyed by the
-file's path, size and mtime); the gateway loads the saved copy as it loads any
-checkpoint's.
+file's path, size and mtime and transformers' version); the gateway loads the
+saved copy as it loads any checkpoint's.
 """
 
 from __future__ import annotations
@@ -53,9 +53,13 @@ def load_tokenizer(model: str):
 
 def gguf_tokenizer_dir(gguf_path: str) -> str:
     """The directory holding the GGUF file's tokenizer as transformers builds it, built on first use."""
+    import transformers
+
     real = os.path.realpath(gguf_path)
     stat = os.stat(real)
-    key = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    # transformers' version too: its conversion of a GGUF vocabulary is what the copy must equal
+    key = f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem")
     out = cache / "gguf-tokenizers" / f"{Path(real).stem}-{key}"
     if not (out / "tokenizer.json").is_file():
