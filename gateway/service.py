@@ -66,7 +66,7 @@ def make_redis(url: str) -> aioredis.Redis:
 class GatewayService:
     def __init__(self, settings: Settings, tokenizer=None, redis: aioredis.Redis | None = None):
         self.settings = settings
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.model)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer or settings.model)
         self.lanes = TokenizeLanes(settings, self.tokenizer)  # validation and tokenization, off the loop
         self.redis = redis if redis is not None else make_redis(settings.redis_url)
         self.router = Router(self.redis, model=settings.model_name)

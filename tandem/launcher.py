@@ -244,9 +244,9 @@ def serve(args: argparse.Namespace) -> int:
     try:  # before the workers load the weights: the gateway needs it
         from tandem.gateway.tokenizer import load_tokenizer
 
-        load_tokenizer(settings.model)
+        load_tokenizer(settings.tokenizer or settings.model)
     except Exception as exc:  # transformers raises several types for a missing or broken tokenizer
-        print(f"tandem: cannot load the tokenizer of {settings.model}: {exc}", file=sys.stderr)
+        print(f"tandem: cannot load the tokenizer of {settings.tokenizer or settings.model}: {exc}", file=sys.stderr)
         return 1
     signals = Signals()
     supervisor = Supervisor()
