@@ -37,7 +37,7 @@ __all__ = ["RedisServer", "free_port", "serve", "service_argv", "stop_all", "wai
 
 GRACE_S = 10.0
 READY_TIMEOUT_S = 600.0
-TICK_S = 0.2
+TICK_S = 0.05  # how soon a signal or an exit is acted on
 GATEWAY, WORKERS, REDIS = 0, 1, 2  # stop order
 
 

@@ -8,6 +8,7 @@ no pool file and no process left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -59,19 +60,27 @@ def _kill(serve: Serve, name: str) -> int:
     return pid
 
 
-def _finish(serve: Serve, files_before: set[str]) -> None:
-    serve.wait_blocks_free()
-    assert serve.stop() == 0
-    assert pool_files() - files_before == set()
+@contextlib.contextmanager
+def _serving(model: str, tmp_path, **kwargs):
+    """tandem serve for one test; at its end every pool's blocks are free, and no pool file
+    and no process is left."""
+    files_before = pool_files()
+    serve = Serve(model, tmp_path, **kwargs)
+    try:
+        yield serve
+        serve.wait_blocks_free()
+        assert serve.stop() == 0
+        assert pool_files() - files_before == set()
+    finally:
+        if serve.proc.poll() is None:
+            serve.stop()
 
 
 @pytest.mark.parametrize("num_decode", [2, 1])
 def test_a_killed_decode_worker_loses_no_stream(tiny_llama, tmp_path, reference, num_decode):
     """Two decode workers: the streams of the killed one go on on the other. One: it is
     restarted, and its streams pause, then go on on its new run."""
-    files_before = pool_files()
-    serve = Serve(tiny_llama, tmp_path, num_decode=num_decode)
-    try:
+    with _serving(tiny_llama, tmp_path, num_decode=num_decode) as serve:
         streams = start_streams(serve, PROMPTS, MAX_TOKENS)
         wait_tokens(streams, 8)
         fault_at = time.monotonic()
@@ -87,19 +96,13 @@ def test_a_killed_decode_worker_loses_no_stream(tiny_llama, tmp_path, reference,
                 httpx.get(f"{serve.base_url}/metrics").text
         metrics = httpx.get(f"{serve.base_url}/metrics").text
         assert "tandem_gateway_failovers_total" in metrics
-        _finish(serve, files_before)
-    finally:
-        if serve.proc.poll() is None:
-            serve.stop()
 
 
 def test_a_killed_prefill_worker_is_restarted_and_its_jobs_are_sent_again(tiny_llama, tmp_path, reference):
     """Long prompts in chunks of 32 tokens: the lone prefill worker dies while it computes them.
     The decode worker sends its jobs again once the restarted one registers."""
-    files_before = pool_files()
-    serve = Serve(tiny_llama, tmp_path)
     prompts = [[3 + (7 * i + j) % 400 for j in range(160)] for i in range(8)]
-    try:
+    with _serving(tiny_llama, tmp_path) as serve:
         streams = start_streams(serve, prompts, MAX_TOKENS)
         deadline = time.monotonic() + 30
         while any(s.status is None for s in streams) and time.monotonic() < deadline:
@@ -109,26 +112,16 @@ def test_a_killed_prefill_worker_is_restarted_and_its_jobs_are_sent_again(tiny_l
         assert any(not s.token_ids for s in streams), "every prompt was computed already: nothing proven"
         _assert_all_equal_hf(streams, reference, "kill -9 of the lone prefill worker mid-prefill", fault_at)
         assert "prefill-0 restarted" in serve.log()
-        _finish(serve, files_before)
-    finally:
-        if serve.proc.poll() is None:
-            serve.stop()
 
 
 def test_a_killed_redis_server_is_restarted_and_the_streams_complete(tiny_llama, tmp_path, reference):
-    files_before = pool_files()
-    serve = Serve(tiny_llama, tmp_path)
-    try:
+    with _serving(tiny_llama, tmp_path) as serve:
         streams = start_streams(serve, PROMPTS, MAX_TOKENS)
         wait_tokens(streams, 8)
         fault_at = time.monotonic()
         _kill(serve, "redis")
         _assert_all_equal_hf(streams, reference, "kill -9 of tandem serve's redis-server", fault_at)
         assert "redis restarted" in serve.log()
-        _finish(serve, files_before)
-    finally:
-        if serve.proc.poll() is None:
-            serve.stop()
 
 
 def test_sigterm_lets_the_open_streams_finish_then_stops_everything(tiny_llama, tmp_path, reference):
@@ -152,12 +145,12 @@ def test_sigterm_lets_the_open_streams_finish_then_stops_everything(tiny_llama, 
 
 def test_a_second_signal_ends_every_stream_with_an_error_event_and_done(tiny_llama, tmp_path):
     files_before = pool_files()
-    serve = Serve(tiny_llama, tmp_path, "--shutdown-timeout-s", "60")
+    serve = Serve(tiny_llama, tmp_path, "--shutdown-timeout-s", "60", "--max-seq-len", "512")
     pids = dict(serve.pids)
-    streams = start_streams(serve, PROMPTS, 240 - 20)  # long enough to be open at the second signal
+    streams = start_streams(serve, PROMPTS, 480)  # long enough to be open at the second signal
     wait_tokens(streams, 4)
     serve.proc.send_signal(signal.SIGINT)  # Ctrl-C
-    time.sleep(0.5)
+    time.sleep(0.3)
     serve.proc.send_signal(signal.SIGINT)  # and again
     for stream in streams:
         stream.join(60)

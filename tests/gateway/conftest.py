@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
 import httpx
 import pytest
 import redis
@@ -331,3 +332,18 @@ def wait_for(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> boo
     return predicate()
 
 
+@pytest.fixture
+def admin_channel(serve):
+    """admin_channel(**settings) -> (gateway server, channel to its admin port)."""
+    channels = []
+
+    def start(**overrides):
+        port = free_port()
+        server = serve(admin_port=port, **overrides)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        channels.append(channel)
+        return server, channel
+
+    yield start
+    for channel in channels:
+        channel.close()

@@ -11,24 +11,17 @@ import pytest
 
 from tandem.cluster import keys
 from tandem.gateway.admin import CANCEL_REASON, pb, pb_grpc
-from tests.gateway.conftest import free_port, parse_sse, post, register_prefill, token_script, wait_for
+from tests.gateway.conftest import parse_sse, post, register_prefill, token_script, wait_for
 
 
 @pytest.fixture
-def admin(serve):
+def admin(admin_channel):
     """admin(**settings) -> (gateway server, AdminStub on its admin port)."""
-    channels = []
-
     def start(**overrides):
-        port = free_port()
-        server = serve(admin_port=port, **overrides)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        channels.append(channel)
+        server, channel = admin_channel(**overrides)
         return server, pb_grpc.AdminStub(channel)
 
-    yield start
-    for channel in channels:
-        channel.close()
+    return start
 
 
 def _status(call) -> grpc.StatusCode:

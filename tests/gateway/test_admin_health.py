@@ -19,23 +19,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICES = ("", "tandem.admin.v1.Admin", "prefill", "decode")
 
 
-@pytest.fixture
-def admin_channel(serve):
-    """admin_channel(**settings) -> (gateway server, channel to its admin port)."""
-    channels = []
-
-    def start(**overrides):
-        port = free_port()
-        server = serve(admin_port=port, **overrides)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        channels.append(channel)
-        return server, channel
-
-    yield start
-    for channel in channels:
-        channel.close()
-
-
 def _statuses(stub) -> dict[str, int]:
     return {name: stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status for name in SERVICES}
 
