@@ -53,8 +53,7 @@ class Signals:
     def _handle(self, _signum, _frame) -> None:
         self.count += 1
 
-    @property
-    def is_set(self) -> bool:  # as a stop event, for wait_healthy and wait_registered
+    def is_set(self) -> bool:  # read as a threading.Event is, by wait_healthy and wait_registered
         return self.count > 0
 
 
@@ -93,7 +92,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float,
                  stop: threading.Event | None = None) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs) or (stop is not None and _is_set(stop)):
+        if any(p.poll() is not None for p in procs) or (stop is not None and stop.is_set()):
             return False
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
@@ -114,7 +113,7 @@ def wait_registered(redis_url: str, role: str, count: int, timeout_s: float, sto
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if stop is not None and _is_set(stop):
+        if stop is not None and stop.is_set():
             return False
         try:
             if len(live_workers(client, role)) >= count:
@@ -136,11 +135,6 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def _is_set(stop) -> bool:
-    """A threading.Event or a Signals."""
-    return stop.is_set() if callable(stop.is_set) else stop.is_set
 
 
 def masked_url(url: str) -> str:
@@ -206,7 +200,7 @@ def cpu_threads_per_worker(settings: Settings, num_gpus: int, num_workers: int) 
 def _wait(ready, supervisor: Supervisor, signals: Signals) -> bool:
     """Poll ``ready`` (a short bounded wait) while supervising, up to READY_TIMEOUT_S."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline and not signals.is_set:
+    while time.monotonic() < deadline and not signals.is_set():
         if ready():
             return True
         lines, failed = supervisor.check()
@@ -260,7 +254,7 @@ def serve(args: argparse.Namespace) -> int:
                 return 1
             settings.redis_url = f"redis://127.0.0.1:{port}/0"
         if not _start(supervisor, settings, args, signals):
-            if signals.is_set:
+            if signals.is_set():
                 return 0  # told to stop while starting
             print("tandem: the cluster did not start; stopping", file=sys.stderr)
             return 1
@@ -271,7 +265,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"  try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d "
               f"'{{\"model\": \"{settings.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"What is the capital of France?\"}}], \"max_tokens\": 32}}'", flush=True)
-        while not signals.is_set:
+        while not signals.is_set():
             lines, failed = supervisor.check()
             for line in lines:
                 print(f"tandem: {line}", file=sys.stderr, flush=True)

@@ -109,11 +109,11 @@ def pool_files() -> set[str]:
 class Stream(threading.Thread):
     """One greedy completion stream; keeps the token ids and how it ended."""
 
-    def __init__(self, base_url: str, model: str, prompt: str, max_tokens: int):
+    def __init__(self, base_url: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool = False):
         super().__init__(daemon=True)
         self.url, self.body = f"{base_url}/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "return_token_ids": True}  # EOS ends it, as it ends HF generate()
+            "return_token_ids": True, "ignore_eos": ignore_eos}  # without it, EOS ends it as it ends HF generate()
         self.token_ids: list[int] = []
         self.arrivals: list[float] = []  # monotonic time of each chunk that carried tokens
         self.finish: str | None = None
