@@ -23,7 +23,7 @@ from typing import Any, Callable, ClassVar
 
 import msgpack
 
-from tandem.cluster.sampling import MAX_LOGPROBS, SamplingParams
+from tandem.cluster.sampling import BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, PENALTY_RANGE, SamplingParams
 
 VERSION = 1
 FIELD = b"m"  # the stream-entry field holding a packed message
@@ -136,6 +136,16 @@ LOGPROBS = Rule(lambda v: isinstance(v, list) and all(_is_logprob_entry(e) for e
 INT64 = integer(INT64_MIN, INT64_MAX)
 ID = text(nonempty=True)  # request and worker ids: every table of requests is keyed by them
 
+def _is_bias_entry(entry: Any) -> bool:
+    return (isinstance(entry, (list, tuple)) and len(entry) == 2 and TOKEN.test(entry[0])
+            and _is_float(entry[1]) and math.isfinite(entry[1]) and -BIAS_RANGE <= entry[1] <= BIAS_RANGE)
+
+
+# logit_bias: [[token id, bias], ...], read back as the tuple of pairs SamplingParams holds
+LOGIT_BIAS = Rule(lambda v: isinstance(v, (list, tuple)) and len(v) <= MAX_LOGIT_BIAS and all(map(_is_bias_entry, v)),
+                  f"at most {MAX_LOGIT_BIAS} [token id, bias in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}]] pairs",
+                  lambda v, _where: tuple((int(t), float(b)) for t, b in v))
+
 # SamplingParams as the gateway makes them (gateway.protocol, gateway.validation): top_k -1 is
 # sent as 0 (off), temperature 0 is greedy
 SAMPLING_RULES: dict[str, Rule] = {
@@ -145,6 +155,13 @@ SAMPLING_RULES: dict[str, Rule] = {
     "seed": optional(INT64),
     "logprobs": optional(integer(0, MAX_LOGPROBS)),
     "min_tokens": integer(),
+    "presence_penalty": number(lo=-PENALTY_RANGE, hi=PENALTY_RANGE),
+    "frequency_penalty": number(lo=-PENALTY_RANGE, hi=PENALTY_RANGE),
+    "repetition_penalty": number(lo=0.0, lo_open=True),
+    "logit_bias": LOGIT_BIAS,
+    "min_p": number(lo=0.0, hi=1.0),
+    "grammar": optional(text(nonempty=True)),
+    "prompt_logprobs": optional(integer(0, MAX_LOGPROBS)),
 }
 
 

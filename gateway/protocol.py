@@ -1,27 +1,30 @@
 """OpenAI request bodies, validated strictly (a wrong type is a 400, never coerced).
 
-Only the shape and per-field ranges are checked here; what needs the tokenizer
-or the length limits (prompt length, vocabulary, max_tokens against
-max_seq_len) is checked in ``tandem.gateway.validation``. Unknown fields are ignored
-like OpenAI does; fields we cannot honour (best_of > 1, echo, tools and
-function calls, a JSON response format, tool calls in the messages) are
-accepted only at their neutral value, so a request that relies on them gets
-a 400 instead of an answer that silently ignored them. As in OpenAI and vLLM,
+Only the shape and per-field ranges are checked here; what needs the tokenizer,
+the grammar engine or the length limits (prompt length, vocabulary, a schema
+the grammar engine refuses, max_tokens against max_seq_len) is checked in
+``tandem.gateway.validation``. Unknown fields are ignored like OpenAI does;
+fields we cannot honour (``suffix``, the deprecated ``functions``) are accepted
+only at their neutral value, so a request that relies on them gets a 400
+instead of an answer that silently ignored them. As in OpenAI and vLLM,
 /v1/completions generates 16 tokens when max_tokens is not given; chat (and an
 explicit null) generates up to the end of the context.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from tandem.cluster.sampling import MAX_LOGPROBS
+from tandem.cluster.sampling import BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, PENALTY_RANGE
 
 MAX_STOP_STRINGS = 16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack carries to the workers
-MAX_CHOICES = 64  # n: each choice is a sequence of its own on a decode worker
+MAX_CHOICES = 64  # n and best_of: each choice is a sequence of its own on a decode worker
+MAX_CHOICE_STRINGS = 1024  # structured_outputs.choice
 
 
 class _Strict(BaseModel):
@@ -33,6 +36,60 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False
     # tandem's: the request outlives its connection and its events are kept, for GET /v1/streams/<id>
     resumable: bool | None = False
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema is under "schema" (a pydantic name, hence the alias)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs its json_schema")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect), or GBNF
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None  # JSON: the whitespace allowed between tokens (a regex)
+
+    @field_validator("choice")
+    @classmethod
+    def _choice(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not 1 <= len(value) <= MAX_CHOICE_STRINGS:
+            raise ValueError(f"must hold between 1 and {MAX_CHOICE_STRINGS} strings, got {len(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [name for name, value in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                          ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of json, regex, choice, grammar, json_object must be given, got {given}")
+        return self
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
 
 
 class SamplingFields(_Strict):
@@ -53,7 +110,17 @@ class SamplingFields(_Strict):
     best_of: int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None  # vLLM's (HF's rule, over prompt and output)
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for structured_outputs' fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     priority: int = 0
     user: str | None = None
     return_token_ids: bool | None = False
@@ -113,8 +180,8 @@ class SamplingFields(_Strict):
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported, got {value}")
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"must be between 1 and {MAX_CHOICES}, got {value}")
         if value is not None and value < (info.data.get("n") or 1):
             raise ValueError(f"best_of must not be less than n ({info.data.get('n')}), got {value}")
         return value
@@ -122,8 +189,29 @@ class SamplingFields(_Strict):
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0.0):
-            raise ValueError("penalties are not supported: only 0 is accepted")
+        if value is not None and not -PENALTY_RANGE <= value <= PENALTY_RANGE:  # also rejects NaN
+            raise ValueError(f"must be between -{PENALTY_RANGE:g} and {PENALTY_RANGE:g}, got {value}")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, value: float | None) -> float | None:
+        if value is not None and not (value > 0.0 and math.isfinite(value)):
+            raise ValueError(f"must be a finite number > 0, got {value}")
+        return value
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"must be in [0, 1], got {value}")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"must be between 0 and {MAX_LOGPROBS}, got {value}")
         return value
 
     @field_validator("min_tokens")
@@ -136,9 +224,55 @@ class SamplingFields(_Strict):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()) or int(key) > INT64_MAX:
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -BIAS_RANGE <= bias <= BIAS_RANGE:
+                raise ValueError(f"biases must be between -{BIAS_RANGE:g} and {BIAS_RANGE:g}, got {bias} for {key}")
         return value
+
+    @model_validator(mode="after")
+    def _best_of_not_streamed(self) -> "SamplingFields":
+        if (self.best_of or 1) > (self.n or 1) and self.stream:
+            raise ValueError("best_of greater than n cannot be streamed (the best are known only at the end)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> "SamplingFields":
+        if len(self.structured_output_fields) > 1:
+            raise ValueError(f"at most one structured output may be asked for, got {self.structured_output_fields}")
+        return self
+
+    @property
+    def structured_output_fields(self) -> list[str]:
+        """The fields that ask for structured output (a text response_format does not)."""
+        names = [name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                   "guided_grammar") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            names.append("response_format")
+        return names
+
+    @property
+    def structured(self) -> StructuredOutputs | None:
+        """The structured output asked for, in vLLM's one shape; None: free text."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.json_schema
+            return StructuredOutputs(json=schema if schema is not None else {})
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                return StructuredOutputs(**{key: value})
+        return None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
@@ -181,12 +315,18 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
 
-    @field_validator("echo")
+    @field_validator("max_tokens")
     @classmethod
-    def _echo(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("echo is not supported")
+    def _max_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:  # 0: score the prompt (echo or prompt_logprobs), generate nothing
+            raise ValueError(f"must be at least 0, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _nothing_to_generate(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise ValueError("max_tokens 0 needs echo or prompt_logprobs (a prompt to score)")
+        return self
 
     @field_validator("logprobs")
     @classmethod
@@ -215,23 +355,53 @@ class CompletionRequest(SamplingFields):
         return value
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (none: no arguments)
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ToolName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolName
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     @field_validator("tool_calls")
     @classmethod
-    def _no_tool_calls(cls, value: list | None) -> list | None:
-        if value:
-            raise ValueError("tool calls are not supported (no function calling)")
+    def _calls_arguments(cls, value: list[ToolCall] | None) -> list[ToolCall] | None:
+        for call in value or []:
+            try:
+                json.loads(call.function.arguments)
+            except ValueError as exc:
+                raise ValueError(f"tool call {call.function.name!r}: arguments are not JSON: {exc}") from None
         return value
 
     @property
@@ -268,32 +438,37 @@ class ChatCompletionRequest(SamplingFields):
         """How many top logprobs per token (0: the sampled token's only); None: no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, value: list | None) -> list | None:
+    def _no_functions(cls, value: Any) -> Any:
         if value:
-            raise ValueError("tools and functions (function calling) are not supported")
+            raise ValueError("the deprecated functions and function_call are not supported: use tools and tool_choice")
         return value
 
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, value: str | dict | None) -> str | dict | None:
-        if value not in (None, "none", "auto"):
-            raise ValueError("only 'none' or 'auto' is supported (no function calling)")
-        return value
+    @model_validator(mode="after")
+    def _tool_choice_has_tools(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
+        if self.calls_tools and self.structured is not None:
+            raise ValueError("tool calls and a structured output cannot be asked for together")
+        return self
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value: dict | None) -> dict | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError(f"only the 'text' response format is supported, got {value.get('type')!r}")
-        return value
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model may or must call a tool (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @model_validator(mode="after")
     def _one_max(self) -> "ChatCompletionRequest":

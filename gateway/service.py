@@ -38,7 +38,7 @@ from tandem.gateway.router import ROLES, Router
 from tandem.gateway.stream_log import RetainedRequest, StreamLog
 from tandem.gateway.streams import POLL_S
 from tandem.gateway.text_stream import TextStream
-from tandem.gateway.tokenizer import load_tokenizer
+from tandem.cluster.tokenizer import load_tokenizer
 from tandem.gateway.tokenize_lanes import TokenizeLanes
 from tandem.gateway.validation import GenerationInput, choice_input
 

@@ -45,9 +45,11 @@ def prompt_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
 class TokenizeLanes:
     def __init__(self, settings: Settings, tokenizer):
         self.max_chars = settings.max_input_len * longest_token_chars(tokenizer)
-        self._small = (ThreadPoolExecutor(1, thread_name_prefix="tokenize-small"), Validator(settings, tokenizer))
+        small = Validator(settings, tokenizer)
+        self._small = (ThreadPoolExecutor(1, thread_name_prefix="tokenize-small"), small)
+        # one grammar checker for both lanes: its tokenizer copy is built once, on first use
         self._large = (ThreadPoolExecutor(1, thread_name_prefix="tokenize-large"),
-                       Validator(settings, copy.deepcopy(tokenizer)))
+                       Validator(settings, copy.deepcopy(tokenizer), small.grammars))
 
     async def completion(self, body: CompletionRequest) -> GenerationInput:
         pool, validator = self._lane(body, "prompt")

@@ -9,14 +9,18 @@ messages' rules in ``tandem.cluster.messages`` accept).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 
+from tandem.cluster import grammars
+from tandem.cluster.grammars import GrammarError, Grammars
 from tandem.cluster.sampling import SamplingParams
 from tandem.cluster.settings import Settings
+from tandem.cluster.tokenizer import vocab_size
 from tandem.gateway.errors import InvalidRequest, ModelNotFound
-from tandem.gateway.protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest, SamplingFields
-from tandem.gateway.tokenizer import vocab_size
+from tandem.gateway.protocol import (INT64_MAX, ChatCompletionRequest, CompletionRequest, SamplingFields,
+                                     StructuredOutputs)
 
 
 @dataclass
@@ -33,6 +37,8 @@ class GenerationInput:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1  # choices: each its own generation (gateway.choices)
+    best_of: int = 1  # sequences sampled; the n with the highest cumulative logprob are returned
+    echo: bool = False  # completions: the prompt (with its logprobs, when asked) leads the choice
 
 
 def choice_input(inp: GenerationInput, index: int) -> GenerationInput:
@@ -47,11 +53,12 @@ def choice_input(inp: GenerationInput, index: int) -> GenerationInput:
 
 
 class Validator:
-    def __init__(self, settings: Settings, tokenizer):
+    def __init__(self, settings: Settings, tokenizer, grammar_checker: Grammars | None = None):
         self.settings = settings
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size(tokenizer)
         self.model_names = {settings.model_name, settings.model}
+        self.grammars = grammar_checker or Grammars(tokenizer, self.vocab_size)
 
     def completion(self, body: CompletionRequest) -> GenerationInput:
         self._check_model(body.model)
@@ -65,7 +72,7 @@ class Validator:
         else:
             token_ids = list(prompt)
             self._check_vocab(token_ids, "prompt")
-        return self._build(body, token_ids)
+        return self._build(body, token_ids, self._grammar(body.structured))
 
     def chat(self, body: ChatCompletionRequest) -> GenerationInput:
         self._check_model(body.model)
@@ -75,7 +82,32 @@ class Validator:
         except Exception as exc:  # jinja raises its own types (e.g. a template that rejects a role order)
             raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
         token_ids = self._encode(text, "messages", add_special_tokens=False)
-        return self._build(body, token_ids)
+        return self._build(body, token_ids, self._grammar(body.structured))
+
+    def _grammar(self, spec: StructuredOutputs | None, param: str = "response_format") -> str | None:
+        """The llguidance grammar of a structured output, checked against the tokenizer (400 if refused)."""
+        if spec is None:
+            return None
+        try:
+            if spec.json_object:
+                grammar = grammars.json_schema_grammar({"type": "object"}, spec.whitespace_pattern)
+            elif spec.json_ is not None:
+                schema = spec.json_
+                if isinstance(schema, str):
+                    try:
+                        schema = json.loads(schema)
+                    except ValueError as exc:
+                        raise GrammarError(f"the JSON schema is not JSON: {exc}") from None
+                grammar = grammars.json_schema_grammar(schema, spec.whitespace_pattern)
+            elif spec.regex is not None:
+                grammar = grammars.regex_grammar(spec.regex)
+            elif spec.choice is not None:
+                grammar = grammars.choice_grammar(spec.choice)
+            else:
+                grammar = grammars.lark_grammar(spec.grammar)
+            return self.grammars.check(grammar)
+        except GrammarError as exc:
+            raise InvalidRequest(f"invalid structured output: {exc}", param=param) from exc
 
     def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -84,7 +116,7 @@ class Validator:
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"{param} cannot be tokenized: {exc}", param=param) from exc
 
-    def _build(self, body: SamplingFields, prompt_token_ids: list[int]) -> GenerationInput:
+    def _build(self, body: SamplingFields, prompt_token_ids: list[int], grammar: str | None = None) -> GenerationInput:
         num_prompt = len(prompt_token_ids)
         max_seq_len, max_input_len = self.settings.max_seq_len, self.settings.max_input_len
         if num_prompt == 0:
@@ -96,7 +128,7 @@ class Validator:
             )
         max_tokens = body.max_tokens if body.max_tokens is not None else max_seq_len - num_prompt
         name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
-        if max_tokens < 1:
+        if max_tokens < 1 and not (max_tokens == 0 and body.max_tokens == 0):  # 0 asked for: score the prompt
             raise InvalidRequest(f"{name} must be at least 1, got {max_tokens}", param=name)
         if num_prompt + max_tokens > max_seq_len:
             raise InvalidRequest(
@@ -113,6 +145,12 @@ class Validator:
             # the workers refuse it (tandem.cluster.messages): an infinite temperature poisons sampling
             raise InvalidRequest(f"temperature must be finite, got {body.temperature}", param="temperature")
         top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+        logit_bias = tuple((int(token), float(bias)) for token, bias in (body.logit_bias or {}).items())
+        self._check_vocab([token for token, _ in logit_bias], "logit_bias")
+        echo = bool(getattr(body, "echo", False))
+        prompt_logprobs = body.prompt_logprobs
+        if echo and prompt_logprobs is None and getattr(body, "requested_logprobs", None) is not None:
+            prompt_logprobs = body.requested_logprobs  # echo with logprobs: the prompt's come with the completion's
         sampling = SamplingParams(
             temperature=1.0 if body.temperature is None else float(body.temperature),
             top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -120,6 +158,13 @@ class Validator:
             seed=body.seed,
             logprobs=getattr(body, "requested_logprobs", None),
             min_tokens=body.min_tokens,
+            presence_penalty=float(body.presence_penalty or 0.0),
+            frequency_penalty=float(body.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+            logit_bias=logit_bias,
+            min_p=float(body.min_p or 0.0),
+            grammar=grammar,
+            prompt_logprobs=prompt_logprobs,
         )
         return GenerationInput(
             prompt_token_ids=prompt_token_ids,
@@ -132,6 +177,8 @@ class Validator:
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             n=body.n or 1,
+            best_of=max(body.best_of or 1, body.n or 1),
+            echo=echo,
         )
 
     def _check_model(self, model: str | None) -> None:

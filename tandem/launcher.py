@@ -236,7 +236,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tandem: {problem}", file=sys.stderr)
         return 1
     try:  # before the workers load the weights: the gateway needs it
-        from tandem.gateway.tokenizer import load_tokenizer
+        from tandem.cluster.tokenizer import load_tokenizer
 
         load_tokenizer(settings.tokenizer or settings.model)
     except Exception as exc:  # transformers raises several types for a missing or broken tokenizer

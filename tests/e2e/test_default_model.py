@@ -79,11 +79,11 @@ def test_gateway_tokenizer_is_transformers_gguf_tokenizer_without_torch(tmp_path
     and decodes exactly as AutoTokenizer.from_pretrained(dir, gguf_file=name)."""
     from transformers import AutoTokenizer
 
-    from tandem.gateway.tokenizer import load_tokenizer
+    from tandem.cluster.tokenizer import load_tokenizer
 
     folder, name = _hf_dir_and_file()
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
-    code = "import sys; from tandem.gateway.tokenizer import load_tokenizer; load_tokenizer(sys.argv[1]); " \
+    code = "import sys; from tandem.cluster.tokenizer import load_tokenizer; load_tokenizer(sys.argv[1]); " \
            "print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code, os.path.join(folder, name)],
                           capture_output=True, text=True, timeout=300)

@@ -53,7 +53,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from tandem.gateway.tokenizer import load_tokenizer
+    from tandem.cluster.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir)
 

@@ -294,7 +294,7 @@ def test_many_concurrent_streams(serve, fake_worker, text_ids):
 
 def test_gateway_imports_no_torch(model_dir):
     code = (
-        "import sys; import tandem.gateway.app, tandem.gateway.server; from tandem.gateway.tokenizer import load_tokenizer; "
+        "import sys; import tandem.gateway.app, tandem.gateway.server; from tandem.cluster.tokenizer import load_tokenizer; "
         f"t = load_tokenizer({model_dir!r}); t.apply_chat_template([{{'role': 'user', 'content': 'x'}}], "
         "add_generation_prompt=True, tokenize=False); "
         "bad = [m for m in ('torch', 'tandem.engine', 'tandem.kernels') if m in sys.modules]; assert not bad, bad"

@@ -19,7 +19,7 @@ TEXTS = ["Hello world", "  leading and   inner   spaces\tand tabs", "lines\n\nan
 def test_the_gateways_tokenizer_equals_auto_tokenizer(arch, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from tandem.gateway.tokenizer import load_tokenizer
+    from tandem.cluster.tokenizer import load_tokenizer
 
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
     model = make_tiny_checkpoint(tmp_path / arch, arch)
@@ -33,7 +33,7 @@ def test_the_gateways_tokenizer_equals_auto_tokenizer(arch, tmp_path, monkeypatc
 def test_the_class_is_named_by_auto_tokenizer_even_where_the_checkpoint_names_a_generic_one(tmp_path, monkeypatch):
     import json
 
-    from tandem.gateway.tokenizer import auto_tokenizer_class
+    from tandem.cluster.tokenizer import auto_tokenizer_class
 
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
     model = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
@@ -47,7 +47,7 @@ def test_the_class_is_named_by_auto_tokenizer_even_where_the_checkpoint_names_a_
 
 def test_the_gateway_resolves_it_without_importing_torch(tmp_path):
     model = make_tiny_checkpoint(tmp_path / "m", "qwen2")
-    code = ("import sys; from tandem.gateway.tokenizer import load_tokenizer; "
+    code = ("import sys; from tandem.cluster.tokenizer import load_tokenizer; "
             f"t = load_tokenizer({model!r}); assert 'torch' not in sys.modules; print(type(t).__name__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={"TANDEM_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"})
@@ -58,7 +58,7 @@ def test_the_gateway_resolves_it_without_importing_torch(tmp_path):
 def test_tokenizer_dir_serves_a_checkpoint_without_tokenizer_files(tmp_path, monkeypatch):
     """--tokenizer DIR: the tokenizer and chat template come from another directory."""
     from tandem.cluster.settings import Settings
-    from tandem.gateway.tokenizer import load_tokenizer
+    from tandem.cluster.tokenizer import load_tokenizer
 
     monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))
     full = make_tiny_checkpoint(tmp_path / "full", "llama")
