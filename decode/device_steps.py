@@ -20,6 +20,7 @@ from tandem.decode.request import DecodeRequest
 from tandem.engine.attention import SeqChunk
 from tandem.engine import logprobs
 from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.guide import Guides, apply_bitmask
 from tandem.engine.sampler import sample_async
 from tandem.engine.step_tokens import StepTokens, TokenFeed
 
@@ -37,9 +38,11 @@ class DeviceStep(NamedTuple):
 
 
 class DeviceSteps:
-    def __init__(self, runner, allocator: BlockAllocator, stats: StepStats, eos_token_ids=()):
+    def __init__(self, runner, allocator: BlockAllocator, stats: StepStats, eos_token_ids=(),
+                 guides: Guides | None = None):
         self.runner, self.allocator, self.stats = runner, allocator, stats
         self.eos_token_ids = list(eos_token_ids)  # banned with the stop tokens before min_tokens
+        self.guides = guides  # structured outputs (None: a worker that serves none)
         self.in_flight: DeviceStep | None = None  # the newest step launched and not read
         self._step_seq = 0
         self._read_at = time.perf_counter()
@@ -67,6 +70,9 @@ class DeviceSteps:
             if previous is not None and any(src >= 0 for src in feed_rows):
                 feed = TokenFeed(previous.tokens.device_tokens, feed_rows)
             logits = self.runner.forward(chunks, feed)
+            bitmask = self._guide_masks(batch, previous, rows)  # filled while the forward runs
+            if bitmask is not None:
+                logits = apply_bitmask(logits, bitmask)
             params = [r.spec.sampling for r in batch]
             banned = None
             if any(p.min_tokens > i for p, i in zip(params, indices)):
@@ -83,6 +89,31 @@ class DeviceSteps:
             r.num_pending += 1
         self.in_flight = DeviceStep(self._step_seq, batch, indices, tokens, launched)
         return None
+
+    def _guide_masks(self, batch: list[DecodeRequest], previous: DeviceStep | None,
+                     rows: dict[int, int]) -> "torch.Tensor | None":
+        """The step's structured-output bitmask (None: no row is guided). A guided row's guide first
+        consumes every token before this step's: its output so far and, when the previous step's
+        token is still pending, that token (its step has finished before this one's forward, so the
+        wait is for it alone)."""
+        if self.guides is None or not any(r.spec.sampling.grammar for r in batch):
+            return None
+        previous_tokens = None
+        guides = []
+        for r in batch:
+            if not r.spec.sampling.grammar:
+                guides.append(None)
+                continue
+            if r.guide is None:  # new here (handed off, resumed or failed over): replays its output
+                r.guide = self.guides.new(r.spec.sampling.grammar, r.output_token_ids)
+            known = r.output_token_ids
+            if r.num_pending:
+                if previous_tokens is None:
+                    previous_tokens = previous.tokens.wait()
+                known = known + [previous_tokens[rows[id(r)]]]
+            r.guide.sync(known)
+            guides.append(r.guide)
+        return self.guides.bitmask(guides)
 
     def read(self, step: DeviceStep) -> list[int]:
         """The tokens of ``step`` (waits for it; raises the engine's error)."""

@@ -30,6 +30,7 @@ class DecodeRequest:
     admitted_seq: int | None = None  # order of first admission (later = preempted first)
     reserved_to_end: bool = False  # its last admission reserved every block it will need
     num_preemptions: int = 0
+    guide: object | None = None  # engine.guide.Guide of a structured output, once in a decode step
 
     @property
     def request_id(self) -> str:

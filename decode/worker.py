@@ -35,6 +35,7 @@ from tandem.decode.handoffs import PrefillHandoffs
 from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.guide import Guides
 from tandem.engine.placement import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.kvtransfer import get_transport
 
@@ -108,7 +109,9 @@ class DecodeWorker:
                                         scheduler=self.scheduler, transport=self.transport,
                                         kv_endpoint=self.kv_endpoint, mailer=self.mailer, publish=self._publish)
         self.stats = StepStats(self.role)
-        self.steps = DeviceSteps(self.runner, self.allocator, self.stats, self.runner.config.eos_token_ids)
+        guides = Guides(settings.tokenizer or settings.model, self.runner.config.vocab_size,
+                        self.runner.config.eos_token_ids)
+        self.steps = DeviceSteps(self.runner, self.allocator, self.stats, self.runner.config.eos_token_ids, guides)
         self.run_ahead = run_ahead(settings.decode_run_ahead, self.runner.device, self.scheduler)
 
     # ---- the loop -------------------------------------------------------------------

@@ -72,7 +72,7 @@ class Validator:
         else:
             token_ids = list(prompt)
             self._check_vocab(token_ids, "prompt")
-        return self._build(body, token_ids, self._grammar(body.structured))
+        return self._build(body, token_ids, self._grammar(body.structured, self._structured_param(body)))
 
     def chat(self, body: ChatCompletionRequest) -> GenerationInput:
         self._check_model(body.model)
@@ -82,7 +82,12 @@ class Validator:
         except Exception as exc:  # jinja raises its own types (e.g. a template that rejects a role order)
             raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
         token_ids = self._encode(text, "messages", add_special_tokens=False)
-        return self._build(body, token_ids, self._grammar(body.structured))
+        return self._build(body, token_ids, self._grammar(body.structured, self._structured_param(body)))
+
+    @staticmethod
+    def _structured_param(body: SamplingFields) -> str:
+        fields = body.structured_output_fields
+        return fields[0] if fields else "response_format"
 
     def _grammar(self, spec: StructuredOutputs | None, param: str = "response_format") -> str | None:
         """The llguidance grammar of a structured output, checked against the tokenizer (400 if refused)."""
@@ -138,6 +143,10 @@ class Validator:
             )
         if body.min_tokens > max_tokens:
             raise InvalidRequest(f"min_tokens ({body.min_tokens}) is more than {name} ({max_tokens})",
+                                 param="min_tokens")
+        if grammar is not None and body.min_tokens:
+            # a grammar that has ended allows only EOS, which min_tokens bans: nothing could be sampled
+            raise InvalidRequest("min_tokens cannot be combined with a structured output or forced tool call",
                                  param="min_tokens")
         stop_token_ids = list(body.stop_token_ids or [])
         self._check_vocab(stop_token_ids, "stop_token_ids")

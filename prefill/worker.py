@@ -32,6 +32,7 @@ from tandem.engine.warmup import warm_up_prefill
 from tandem.engine.placement import build_runner, device_identity, resolve_transport
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine import logprobs
+from tandem.engine.guide import Guides, apply_bitmask
 from tandem.engine.sampler import sample_async
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
 from tandem.kvtransfer.sender import pool_num_blocks
@@ -76,6 +77,7 @@ class PrefillWorker:
             self.prefix_index = PrefixIndex(self.redis, self.worker_id, self.prefix_cache,
                                             settings.heartbeat_ttl_s, settings.heartbeat_interval_s)
         self.eos_token_ids = self.runner.config.eos_token_ids
+        self.guides = Guides(settings.tokenizer or settings.model, self.runner.config.vocab_size, self.eos_token_ids)
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
         self.outbox = Outbox(self.redis)
         self.mailer = Mailer(self.redis)  # PrefillDone: a Redis error must not lose it (its job is forgotten)
@@ -296,7 +298,12 @@ class PrefillWorker:
         first_logits = logits[rows]
         banned = [banned_token_ids(s.job.sampling, 0, s.job.stop_token_ids, self.eos_token_ids, s.job.ignore_eos)
                   for s in completed]
-        sampled = sample_async(first_logits, params, [0] * len(completed), banned)
+        guides = [self.guides.new(p.grammar) if p.grammar else None for p in params]
+        sample_logits = first_logits
+        bitmask = self.guides.bitmask(guides)  # structured outputs: the grammar's first tokens only
+        if bitmask is not None:
+            sample_logits = apply_bitmask(sample_logits, bitmask)
+        sampled = sample_async(sample_logits, params, [0] * len(completed), banned)
         token_ids = sampled.tolist()
         entries = (logprobs.entries(tuple(t.cpu() for t in logprobs.compute(first_logits, sampled, params)), params)
                    if logprobs.wanted(params) else [None] * len(completed))
