@@ -16,6 +16,7 @@ import torch
 
 from tandem.cluster.request_state import banned_token_ids
 from tandem.cluster.step_stats import StepStats
+from tandem.decode.penalties import DecodePenalties
 from tandem.decode.request import DecodeRequest
 from tandem.engine.attention import SeqChunk
 from tandem.engine import logprobs
@@ -43,6 +44,7 @@ class DeviceSteps:
         self.runner, self.allocator, self.stats = runner, allocator, stats
         self.eos_token_ids = list(eos_token_ids)  # banned with the stop tokens before min_tokens
         self.guides = guides  # structured outputs (None: a worker that serves none)
+        self.penalties = DecodePenalties()  # logit_bias and penalties, with their slots on the device
         self.in_flight: DeviceStep | None = None  # the newest step launched and not read
         self._step_seq = 0
         self._read_at = time.perf_counter()
@@ -78,7 +80,9 @@ class DeviceSteps:
             if any(p.min_tokens > i for p, i in zip(params, indices)):
                 banned = [banned_token_ids(r.spec.sampling, i, r.spec.stop_token_ids, self.eos_token_ids,
                                            r.spec.ignore_eos) for r, i in zip(batch, indices)]
-            sampled = sample_async(logits, params, indices, banned)
+            sample_logits, counting = self.penalties.process(logits, batch, indices, feed)
+            sampled = sample_async(sample_logits, params, indices, banned)
+            self.penalties.count(counting, sampled)  # on the device: the next step may launch first
             extra = logprobs.compute(logits, sampled, params) if logprobs.wanted(params) else None
             tokens = StepTokens(sampled, extra)
         except Exception as exc:

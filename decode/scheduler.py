@@ -61,6 +61,7 @@ class DecodeScheduler:
         self.num_preemptions = 0
         self._num_admitted = 0
         self._ended_ids: list[str] = []
+        self._left_ids: list[str] = []  # left the running batch for good: ended or paused
 
     def set_policy(self, name: str) -> None:
         if name != self.policy.name:
@@ -192,6 +193,7 @@ class DecodeScheduler:
         self._free_blocks(request)
         request.status = RequestStatus.PAUSED
         request.num_pending = 0  # a token still on the device is dropped: the resume recomputes it
+        self._left_ids.append(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
@@ -303,11 +305,19 @@ class DecodeScheduler:
         self._free_blocks(request)
         self.requests.pop(request.request_id, None)
         self._ended_ids.append(request.request_id)
+        self._left_ids.append(request.request_id)
 
     def pop_ended(self) -> list[str]:
         """Ids of the requests that ended (any status) since the last call."""
         ended, self._ended_ids = self._ended_ids, []
         return ended
+
+    def pop_left_batch(self) -> list[str]:
+        """Ids of the requests that ended or were paused since the last call: what a step kept
+        on the device for them (penalty counts) is dropped; a resumed request starts over from
+        the tokens known on the host."""
+        left, self._left_ids = self._left_ids, []
+        return left
 
     @property
     def num_waiting(self) -> int:

@@ -148,6 +148,7 @@ class DecodeWorker:
         self.handoffs.dispatch()
         self.handoffs.check()
         self._release_admissions()
+        self.steps.penalties.release(self.scheduler.pop_left_batch())  # their slots of token counts
         self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
                              waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free,
                              holds=self.batch_wait.num_holds)

@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, min_p, per-request seeds.
 
 Sampling is inverse-CDF: each non-greedy row draws one uniform number u and
 takes the first token (in descending-probability order) whose cumulative mass
@@ -80,7 +80,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], step_indice
 
 
 def _keep_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """[R, V] bool over descending-sorted probabilities: which ranks survive top-k and top-p."""
+    """[R, V] bool over descending-sorted probabilities: which ranks survive top-k, top-p and min_p."""
     num_rows, vocab = sorted_probs.shape
     device = sorted_probs.device
     top_k = _to_device(torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]), device)
@@ -94,6 +94,11 @@ def _keep_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torc
     mass_before = kept_probs.cumsum(dim=-1) - kept_probs  # mass of strictly better ranks
     # a rank survives while the better ranks hold < top_p: the smallest set with mass >= top_p
     keep &= mass_before < top_p[:, None]
+    if any(p.min_p for p in params):
+        # min_p: at least min_p times the top probability (HF's MinPLogitsWarper; a ratio that
+        # renormalising over the top-k and top-p survivors leaves as it is)
+        min_p = _to_device(torch.tensor([p.min_p for p in params], dtype=sorted_probs.dtype), device)
+        keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
     keep[:, 0] = True  # always at least the most likely token
     return keep
 

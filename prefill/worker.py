@@ -31,7 +31,7 @@ from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.warmup import warm_up_prefill
 from tandem.engine.placement import build_runner, device_identity, resolve_transport
 from tandem.engine.prefix_cache import PrefixCache
-from tandem.engine import logprobs
+from tandem.engine import logits_process, logprobs
 from tandem.engine.guide import Guides, apply_bitmask
 from tandem.engine.sampler import sample_async
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
@@ -303,6 +303,8 @@ class PrefillWorker:
         bitmask = self.guides.bitmask(guides)  # structured outputs: the grammar's first tokens only
         if bitmask is not None:
             sample_logits = apply_bitmask(sample_logits, bitmask)
+        # logit_bias, and the repetition penalty over the prompt (no output token to count yet)
+        sample_logits = logits_process.first_token(sample_logits, params, [s.job.prompt_token_ids for s in completed])
         sampled = sample_async(sample_logits, params, [0] * len(completed), banned)
         token_ids = sampled.tolist()
         entries = (logprobs.entries(tuple(t.cpu() for t in logprobs.compute(first_logits, sampled, params)), params)
