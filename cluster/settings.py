@@ -34,6 +34,7 @@ class Settings:
     model: str = "SmolLM2-135M-Instruct"  # the default model (tandem/models.py); "demo": a tiny random one
     served_model_name: str | None = None
     tokenizer: str | None = None  # gateway: tokenizer and chat template from this directory (default: the model's)
+    tool_call_parser: str | None = None  # gateway: hermes, llama3_json or mistral (default: from the chat template)
     redis_url: str = "redis://127.0.0.1:6379/0"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -282,6 +283,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     a("--tokenizer", help="a directory to take the tokenizer and chat template from (default: the model's own; "
                            "for a checkpoint without tokenizer files)")
     a("--served-model-name", help="model id clients use (default: the directory name)")
+    a("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
+      help="the format the model writes tool calls in (default: the one its chat template renders; hermes)")
     a("--redis-url", default=os.environ.get("TANDEM_REDIS_URL") or None,
       help="Redis to coordinate through, e.g. redis://:password@host:6379/0 or rediss:// for TLS "
            "(default TANDEM_REDIS_URL, better for a URL with a password: a flag shows in ps; "

@@ -25,6 +25,7 @@ from tandem.gateway.metrics import CONTENT_TYPE, StatusMiddleware
 from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tandem.gateway.responses import ResponseFormat, sse_events, with_ids
 from tandem.gateway.service import GatewayService
+from tandem.gateway import tools
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -97,17 +98,23 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
         fmt = ResponseFormat(choices.request_id, choices.created, settings.model_name, chat,
                              bool(body.return_token_ids), choices.generations[0].input.prompt_token_ids,
                              service.token_text)
+        parser = choices.generations[0].input.tool_parser if chat else None
         if body.stream:
             if body.resumable:
                 events = await service.streams.start(choices, fmt, body.include_usage, body.continuous_usage)
                 return followed_stream_response(events, choices.request_id)
-            events = sse_events(fmt, choices.deltas(), lambda: choices.usage, body.include_usage,
+            deltas = choices.deltas()
+            if parser is not None:
+                deltas = tools.read_deltas(parser, deltas)
+            events = sse_events(fmt, deltas, lambda: choices.usage, body.include_usage,
                                 body.continuous_usage, choices.n)
             return GenerationStreamResponse(with_ids(choices.request_id, events), choices)
         try:
             results = await until_disconnected(request, choices.collect())
         finally:
             choices.close()
+        if parser is not None:
+            results = tools.read_results(parser, results)
         return JSONResponse(fmt.completion(results, choices.usage), headers={"X-Request-Id": choices.request_id})
 
     return app

@@ -318,15 +318,10 @@ class CompletionRequest(SamplingFields):
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, value: int | None) -> int | None:
-        if value is not None and value < 0:  # 0: score the prompt (echo or prompt_logprobs), generate nothing
+        # 0: score the prompt (with echo or prompt_logprobs: tandem.gateway.validation), generate nothing
+        if value is not None and value < 0:
             raise ValueError(f"must be at least 0, got {value}")
         return value
-
-    @model_validator(mode="after")
-    def _nothing_to_generate(self) -> "CompletionRequest":
-        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
-            raise ValueError("max_tokens 0 needs echo or prompt_logprobs (a prompt to score)")
-        return self
 
     @field_validator("logprobs")
     @classmethod
@@ -463,6 +458,9 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
         if self.calls_tools and self.structured is not None:
             raise ValueError("tool calls and a structured output cannot be asked for together")
+        if self.calls_tools and self.resumable:
+            raise ValueError("stream_options.resumable is not available with tools (a resumed stream's "
+                             "calls would be read from its middle)")
         return self
 
     @property

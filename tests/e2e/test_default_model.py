@@ -202,3 +202,44 @@ def test_default_model_chat_streams_equal_transformers_and_know_paris(default_cl
         answers[question] = text
     assert "Paris" in answers["What is the capital of France?"], answers
     default_cluster.wait_blocks_free("decode", "decode-0")
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_default_model_calls_a_tool_and_answers_from_its_result(default_cluster, stream):
+    """SmolLM2's chat template renders no tools: they go in a system message of the Hermes format,
+    the call comes back as tool_calls, and the result goes back to the model as a tool message."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{default_cluster.base_url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    kwargs = dict(model=DEFAULT_MODEL, tools=[WEATHER_TOOL], temperature=0.0, max_tokens=40,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if stream:
+        name, arguments, call_id, finish = "", "", None, None
+        for chunk in client.chat.completions.create(messages=messages, stream=True, **kwargs):
+            for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                call_id = piece.id or call_id
+                name += piece.function.name or ""
+                arguments += piece.function.arguments or ""
+            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    else:
+        choice = client.chat.completions.create(messages=messages, **kwargs).choices[0]
+        call = choice.message.tool_calls[0]
+        name, arguments, call_id, finish = call.function.name, call.function.arguments, call.id, choice.finish_reason
+    assert finish == "tool_calls" and name == "get_weather"
+    assert "paris" in json.loads(arguments)["city"].lower(), arguments  # a real model fills in the city
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+                 {"role": "tool", "tool_call_id": call_id, "content": "sunny, 24 degrees Celsius"}]
+    # a 135M model asked again with tool_choice auto calls the tool again; "none" asks for the answer
+    final = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                           tool_choice="none", temperature=0.0, max_tokens=24)
+    answer = final.choices[0].message.content
+    assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason in ("stop", "length")
+    assert "24" in answer or "sun" in answer.lower(), answer  # it read the tool result
