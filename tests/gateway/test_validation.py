@@ -63,8 +63,10 @@ COMPLETION_CASES = {
     "n < 1": ({"prompt": "hi", "n": 0}, "n"),
     "n above the limit": ({"prompt": "hi", "n": 65}, "n"),
     "best_of below n": ({"prompt": "hi", "n": 3, "best_of": 1}, "best_of"),
-    "best_of > 1": ({"prompt": "hi", "best_of": 3}, "best_of"),
-    "echo": ({"prompt": "hi", "echo": True}, "echo"),
+    "best_of above the limit": ({"prompt": "hi", "best_of": 65}, "best_of"),
+    "best_of > n streamed": ({"prompt": "hi", "best_of": 3, "stream": True}, None),
+    "echo wrong type": ({"prompt": "hi", "echo": "yes"}, "echo"),
+    "prompt_logprobs above the limit": ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     "logprobs above the limit": ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     "logprobs negative": ({"prompt": "hi", "logprobs": -1}, "logprobs"),
     "stop wrong type": ({"prompt": "hi", "stop": 5}, "stop"),
@@ -74,7 +76,17 @@ COMPLETION_CASES = {
     "stream_options wrong type": ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
                                   "stream_options"),
     "seed too big": ({"prompt": "hi", "seed": 2**70}, "seed"),
-    "penalty": ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    "presence_penalty above 2": ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    "frequency_penalty below -2": ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    "repetition_penalty zero": ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    "min_p above one": ({"prompt": "hi", "min_p": 1.5}, "min_p"),
+    "logit_bias key not a token id": ({"prompt": "hi", "logit_bias": {"hello": 1}}, "logit_bias"),
+    "logit_bias above 100": ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    "logit_bias outside the vocabulary": ({"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+    "invalid JSON schema": ({"prompt": "hi", "structured_outputs": {"json": {"type": "intger"}}}, "structured_outputs"),
+    "invalid regex": ({"prompt": "hi", "guided_regex": "a(b"}, "guided_regex"),
+    "two structured outputs": ({"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, None),
+    "structured output with min_tokens": ({"prompt": "hi", "guided_choice": ["a"], "min_tokens": 2}, "min_tokens"),
     "ignore_eos wrong type": ({"prompt": "hi", "ignore_eos": "x"}, "ignore_eos"),
     "priority wrong type": ({"prompt": "hi", "priority": 1.5}, "priority"),
 }
@@ -150,15 +162,20 @@ CHAT_CASES = {
                                       "top_logprobs": 21}, "top_logprobs"),
     "temperature negative": ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
     "too long": ({"messages": [{"role": "user", "content": "word " * 200}]}, "prompt"),
-    "tools": ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {}}}]}, "tools"),
+    "tool_choice names no tool": ({"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}, None),
     "functions": ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions"),
-    "tool_choice required": ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
-                             "tool_choice"),
-    "json response format": ({"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
-    "assistant tool calls": ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
+    "tool_choice required without tools": ({"messages": [{"role": "user", "content": "hi"}],
+                                            "tool_choice": "required"}, None),
+    "tool parameters schema invalid": ({"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "intger"}}}],
+        "tool_choice": "required"}, "tools"),
+    "json_schema without schema": ({"messages": [{"role": "user", "content": "hi"}],
+                                    "response_format": {"type": "json_schema"}}, "response_format"),
+    "assistant tool call arguments not JSON": ({"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                             "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages"),
 }
 
 
