@@ -133,6 +133,19 @@ def _is_logprob_entry(entry: Any) -> bool:
 
 LOGPROBS = Rule(lambda v: isinstance(v, list) and all(_is_logprob_entry(e) for e in v),
                 "a list of [logprob, [[token id, logprob], ...]] entries")
+
+
+def _is_prompt_logprob_entry(entry: Any) -> bool:
+    """engine.prompt_logprobs' entry: [logprob, [[token id, logprob], ...], rank >= 1] (None: the
+    first prompt token, which has none)."""
+    if entry is None:
+        return True
+    return (isinstance(entry, list) and len(entry) == 3 and _is_logprob_entry(entry[:2])
+            and _is_int(entry[2]) and entry[2] >= 1)
+
+
+PROMPT_LOGPROBS = Rule(lambda v: isinstance(v, list) and all(_is_prompt_logprob_entry(e) for e in v),
+                       "a list of [logprob, [[token id, logprob], ...], rank] entries")
 INT64 = integer(INT64_MIN, INT64_MAX)
 ID = text(nonempty=True)  # request and worker ids: every table of requests is keyed by them
 
@@ -253,7 +266,7 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    max_tokens: int
+    max_tokens: int  # 0: the prompt is only scored (its prompt logprobs), nothing is generated
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
@@ -265,7 +278,7 @@ class GenerateRequest:
     kind: ClassVar[str]
     rules: ClassVar[dict[str, Rule]] = {
         "request_id": ID, "prompt_token_ids": ids(nonempty=True), "sampling": SAMPLING,
-        "max_tokens": integer(1), "stop_token_ids": ids(), "ignore_eos": BOOL, "priority": INT64,
+        "max_tokens": integer(0), "stop_token_ids": ids(), "ignore_eos": BOOL, "priority": INT64,
         "arrival_time": number(), "reply_to": text(), "output_token_ids": ids(),
     }
 
@@ -308,7 +321,7 @@ class PrefillJob:
     kind: ClassVar[str]
     rules: ClassVar[dict[str, Rule]] = {
         "request_id": ID, "prompt_token_ids": ids(nonempty=True), "sampling": SAMPLING,
-        "max_tokens": integer(1), "dst_block_ids": ids(nonempty=True), "kv_endpoint": STR_MAP,
+        "max_tokens": integer(0), "dst_block_ids": ids(nonempty=True), "kv_endpoint": STR_MAP,
         "decode_worker_id": ID, "stop_token_ids": ids(), "ignore_eos": BOOL, "priority": INT64,
         "arrival_time": number(), "reply_to": text(), "resume": BOOL, "handoff_id": text(),
     }
@@ -354,11 +367,14 @@ class TokenEvent:
     num_cached_tokens: int = 0
     # with SamplingParams.logprobs: one engine.logprobs entry per token of token_ids
     logprobs: list | None = None
+    # with SamplingParams.prompt_logprobs, on the prefill worker's event (index 0): one
+    # engine.prompt_logprobs entry per prompt token, the first None
+    prompt_logprobs: list | None = None
     kind: ClassVar[str]
     rules: ClassVar[dict[str, Rule]] = {
         "request_id": ID, "index": integer(), "token_ids": ids(),
         "finish_reason": optional(text(choices=FINISH_REASONS)), "error": optional(text()),
-        "num_cached_tokens": integer(), "logprobs": optional(LOGPROBS),
+        "num_cached_tokens": integer(), "logprobs": optional(LOGPROBS), "prompt_logprobs": optional(PROMPT_LOGPROBS),
     }
 
 

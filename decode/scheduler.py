@@ -121,12 +121,17 @@ class DecodeScheduler:
     def on_prefill_done(self, request: DecodeRequest, first_token: int | None, error: str | None) -> str | None:
         """The prefill worker is done with this request's blocks. Returns its finish reason, if it ended.
 
-        A resumed request brings no first token: decoding goes on from its last one.
+        A resumed request brings no first token: decoding goes on from its last one. Nor does a
+        max_tokens 0 request (its prompt only scored): it ends here, by length (the prefill
+        worker sent its client the one event).
         """
         self.prefilling.pop(request.request_id, None)
         if request.abort_requested:
             self._end(request, RequestStatus.ABORTED, "abort")
             return "abort"
+        if error is None and first_token is None and request.spec.max_tokens == 0:
+            self._end(request, RequestStatus.FINISHED, "length")
+            return "length"
         if error is not None or (first_token is None and not request.is_resuming):
             self._end(request, RequestStatus.FAILED, "error")
             return "error"

@@ -1,7 +1,8 @@
 """ModelRunner: the model, its KV pool and its rotary table, run one forward at a time.
 
 Schedulers hand it ``SeqChunk``s (which tokens, which blocks); it returns the
-logits of each sequence's last new token. Block ownership stays with the
+logits of each sequence's last new token (``forward_hidden``: and the final hidden
+states of every new token, for prompt logprobs). Block ownership stays with the
 caller's allocator: the runner only reads and writes the blocks it is given.
 """
 
@@ -79,6 +80,23 @@ class ModelRunner:
                 raise ValueError(f"fed tokens are on {feed.tokens.device}, the model on {self.device}")
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.forward(chunks, feed)
+        hidden, meta = self._hidden(chunks, feed)
+        return self.model.compute_logits(hidden[meta.logits_indices])  # [B, vocab]
+
+    @torch.inference_mode()
+    def forward_hidden(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [B, vocab] of each chunk's last new token, as ``forward``; final-normed hidden
+        states [T, hidden] of every new token, the chunks' tokens in order). A prompt's own
+        logprobs are computed from the latter (``tandem.engine.prompt_logprobs``); never a CUDA graph."""
+        hidden, meta = self._hidden(chunks, None)
+        return self.model.compute_logits(hidden[meta.logits_indices]), hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] final-normed states -> [N, vocab] fp32 logits."""
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden)
+
+    def _hidden(self, chunks: list[SeqChunk], feed: TokenFeed | None):
         meta = build_metadata(chunks, self.block_size, self.device)  # validates the chunks
         longest = max(chunk.seq_len for chunk in chunks)
         if longest > self.max_position:
@@ -87,8 +105,7 @@ class ModelRunner:
         if feed is not None:
             src = torch.tensor(feed.rows, dtype=torch.int64).to(self.device, non_blocking=True)
             gather_fed(input_ids, src, feed.tokens)
-        hidden = self.model(input_ids, meta.positions, self.kv_pool, meta)  # [T, hidden]
-        return self.model.compute_logits(hidden[meta.logits_indices])  # [B, vocab]
+        return self.model(input_ids, meta.positions, self.kv_pool, meta), meta  # [T, hidden]
 
     def _check_pool(self, pool: KVCachePool, block_size: int) -> None:
         want = (self.config.num_layers, block_size, self.config.num_kv_heads, self.config.head_dim, self.dtype)

@@ -20,6 +20,8 @@ class PrefillState:
     sender: object | None = None  # kvtransfer.KVSender
     first_token: int | None = None
     finish_reason: str | None = None
+    # with scores_prompt: one engine.prompt_logprobs entry per prompt token computed so far
+    prompt_logprobs: list | None = None
     # set when the job was given up (abort, engine error) while writes were in flight:
     # the PrefillDone status and error to send once they have drained
     abandoned: tuple[str, str | None] | None = None
@@ -31,6 +33,11 @@ class PrefillState:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.job.prompt_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's own logprobs are computed (asked for; a resumed job computes none)."""
+        return self.job.sampling.prompt_logprobs is not None and not self.job.resume
 
     @property
     def num_remaining(self) -> int:

@@ -7,7 +7,8 @@ FINISHED | ABORTED | FAILED, freeing the local blocks on every exit.
 
 Prefix caching (``tandem.engine.prefix_cache``): at admission a job takes the cached
 blocks of its longest cached prefix (never the block of its last token, whose
-logits are needed) and starts computing after them; every block that becomes
+logits are needed) and starts computing after them (a job computing its prompt
+logprobs takes none: it needs every position's logits); every block that becomes
 full is cached. Sliding window: between chunks, blocks no later query of the
 prompt attends to are given back (``release_out_of_window``).
 
@@ -71,7 +72,9 @@ class PrefillScheduler:
         block_size = self.allocator.block_size
         while self.waiting and len(self.prefilling) < self.max_batch_size:
             state = self.waiting[0]
-            cached = self.cache.match(state.block_hashes[: num_reusable_blocks(state.num_prompt_tokens, block_size)])
+            # a job scoring its prompt takes no cached blocks: their positions would have no logits
+            cached = [] if state.scores_prompt else self.cache.match(
+                state.block_hashes[: num_reusable_blocks(state.num_prompt_tokens, block_size)])
             self.cache.acquire(cached)  # first: the matched blocks must not be evicted for the rest
             num_new = blocks_for(state.num_prompt_tokens, block_size) - len(cached)
             if not self.cache.can_allocate(num_new):

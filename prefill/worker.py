@@ -6,6 +6,12 @@ into the decode worker's destination blocks, sample and publish the first
 token of every prompt that completed (TTFT does not wait for the decode
 worker), and report finished handoffs with PrefillDone. Statuses moved here:
 see ``tandem.prefill.scheduler``.
+
+A job asking for its prompt's logprobs (``SamplingParams.prompt_logprobs``) is run
+through ``ModelRunner.forward_hidden`` and scored chunk by chunk
+(``tandem.engine.prompt_logprobs``); they go out with its first TokenEvent. A
+max_tokens 0 job samples nothing: its one event carries no token, finishes by
+length, and its handoff ends without a first token (nor any KV sent).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from tandem.engine.warmup import warm_up_prefill
 from tandem.engine.placement import build_runner, device_identity, resolve_transport
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine import logits_process, logprobs
+from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
 from tandem.engine.guide import Guides, apply_bitmask
 from tandem.engine.sampler import sample_async
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
@@ -269,29 +276,55 @@ class PrefillWorker:
             start = state.num_computed
             seqs.append(SeqChunk(state.job.prompt_token_ids[start : start + num_tokens], start, state.block_ids))
         try:
-            return self.runner.forward(seqs)
+            if not any(state.scores_prompt for state, _ in chunks):
+                return self.runner.forward(seqs)
+            logits, hidden = self.runner.forward_hidden(seqs)
+            self._score_prompts(chunks, hidden)
+            return logits
         except Exception as exc:  # an engine error fails these jobs, not the worker
             log.exception("prefill forward failed")
             for state, _ in chunks:
                 self._fail_job(state, f"prefill failed: {exc}")
             return None
 
+    def _score_prompts(self, chunks: list[tuple[PrefillState, int]], hidden) -> None:
+        """The logprobs of the prompt tokens each scoring job's chunk predicts (``hidden``: every
+        new token's final state, the chunks' tokens in order), kept on the job until its first
+        TokenEvent. Before ``on_chunk_done``: ``num_computed`` is still the chunk's start."""
+        offset, slice_rows = 0, rows_per_slice(self.runner.config.vocab_size)
+        for state, num_tokens in chunks:
+            if state.scores_prompt:
+                start, prompt = state.num_computed, state.job.prompt_token_ids
+                if state.prompt_logprobs is None:
+                    state.prompt_logprobs = [None]  # the first prompt token: nothing precedes it
+                n = num_scored(start, num_tokens, len(prompt))
+                state.prompt_logprobs += chunk_entries(self.runner.compute_logits, hidden[offset : offset + n],
+                                                       prompt[start + 1 : start + 1 + n],
+                                                       state.job.sampling.prompt_logprobs, slice_rows)
+            offset += num_tokens
+
     def _after_forward(self, chunks: list[tuple[PrefillState, int]], logits) -> None:
-        completed, rows = [], []
+        completed, rows, scored = [], [], []
         for row, (state, num_tokens) in enumerate(chunks):
             start = state.num_computed
             # a job's first chunk also sends the blocks it took from the prefix cache
             first_block = 0 if start == state.num_cached_tokens else start // self.block_size
             last_block = (start + num_tokens - 1) // self.block_size
-            state.sender.send_blocks(
-                self.runner.kv_pool.kv, state.block_ids[first_block : last_block + 1], first_block
-            )
+            if state.job.max_tokens:  # max_tokens 0: no decoding follows, its KV is not needed there
+                state.sender.send_blocks(
+                    self.runner.kv_pool.kv, state.block_ids[first_block : last_block + 1], first_block
+                )
             if self.scheduler.on_chunk_done(state, num_tokens):
                 if state.job.resume:  # a paused request's KV, recomputed: it has its tokens already
                     state.sender.finish()
                     continue
+                if not state.job.max_tokens:  # the prompt only scored: nothing is sampled
+                    scored.append(self._scored(state))
+                    continue
                 completed.append(state)
                 rows.append(row)
+        if scored:
+            self.outbox.send(scored)
         if not completed:
             return
         params = [s.job.sampling for s in completed]
@@ -321,9 +354,19 @@ class PrefillWorker:
             )
             queued.append((job.reply_to, TokenEvent(job.request_id, 0, [token_id], state.finish_reason,
                                                     num_cached_tokens=state.num_cached_tokens,
-                                                    logprobs=None if entry is None else [entry])))
+                                                    logprobs=None if entry is None else [entry],
+                                                    prompt_logprobs=state.prompt_logprobs)))
             state.sender.finish()
         self.outbox.send(queued)
+
+    def _scored(self, state: PrefillState) -> tuple[str, TokenEvent]:
+        """A max_tokens 0 job's one event: no token, finished by length, the prompt's logprobs.
+        Its handoff ends (PrefillDone "ok" without a first token) and the decode worker ends it."""
+        job = state.job
+        state.finish_reason = "length"
+        state.sender.finish()
+        return job.reply_to, TokenEvent(job.request_id, 0, [], "length", num_cached_tokens=state.num_cached_tokens,
+                                        prompt_logprobs=state.prompt_logprobs)
 
     def _poll_transfers(self) -> None:
         for state in list(self.scheduler.transferring):

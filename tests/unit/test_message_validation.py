@@ -91,7 +91,8 @@ def _valid_values():
         "status": st.sampled_from(["ok", "failed", "aborted"]), "first_token": st.integers(0, 100),
         "finish_reason": st.sampled_from([None, "stop", "length"]), "error": st.none(),
         "prefill_worker_id": st.just("p0"), "index": st.integers(0, 10), "token_ids": ids,
-        "num_cached_tokens": st.integers(0, 10), "logprobs": st.none(), "events": st.just([]),
+        "num_cached_tokens": st.integers(0, 10), "logprobs": st.none(), "prompt_logprobs": st.none(),
+        "events": st.just([]),
         "worker_id": st.just("w0"), "role": st.sampled_from(["decode", "prefill"]), "model": st.just("m"),
         "inbox": st.just("i"), "pid": st.integers(0, 100), "host": st.just("h"), "started_at": st.floats(0, 1e9),
         "heartbeat_at": st.floats(0, 1e9), "num_total_blocks": st.integers(0, 64),
@@ -160,14 +161,17 @@ endpoints = st.dictionaries(st.text(max_size=8), st.one_of(st.integers(0, 99), s
                             max_size=4)
 logprob_entries = st.lists(st.none() | st.tuples(finite, st.lists(st.tuples(st.integers(0, 999), finite), max_size=3))
                            .map(lambda e: [e[0], [list(p) for p in e[1]]]), max_size=3)
+prompt_logprob_entries = st.lists(st.none() | st.tuples(finite, st.lists(st.tuples(st.integers(0, 999), finite), max_size=3),
+                                                        st.integers(1, 999))
+                                  .map(lambda e: [e[0], [list(p) for p in e[1]], e[2]]), max_size=3)
 valid_messages = st.one_of(
     st.builds(GenerateRequest, request_id=names, prompt_token_ids=token_ids.filter(bool), sampling=samplings,
-              max_tokens=st.integers(1, INT64_MAX), stop_token_ids=token_ids, ignore_eos=st.booleans(),
+              max_tokens=st.integers(0, INT64_MAX), stop_token_ids=token_ids, ignore_eos=st.booleans(),
               priority=st.integers(INT64_MIN, INT64_MAX), arrival_time=finite, reply_to=st.text(max_size=8),
               output_token_ids=token_ids),
     st.builds(AbortRequest, request_id=names, reason=st.text(max_size=8)),
     st.builds(PrefillJob, request_id=names, prompt_token_ids=token_ids.filter(bool), sampling=samplings,
-              max_tokens=st.integers(1, 99), dst_block_ids=token_ids.filter(bool), kv_endpoint=endpoints,
+              max_tokens=st.integers(0, 99), dst_block_ids=token_ids.filter(bool), kv_endpoint=endpoints,
               decode_worker_id=names, stop_token_ids=token_ids, ignore_eos=st.booleans(), priority=st.integers(-9, 9),
               arrival_time=finite, reply_to=st.text(max_size=8), resume=st.booleans(), handoff_id=st.text(max_size=8)),
     st.builds(PrefillDone, request_id=names, status=st.sampled_from(["ok", "aborted", "failed"]),
@@ -177,7 +181,7 @@ valid_messages = st.one_of(
     st.builds(TokenEvent, request_id=names, index=st.integers(0, 999), token_ids=token_ids,
               finish_reason=st.sampled_from([None, "stop", "length", "abort", "error"]),
               error=st.none() | st.text(max_size=8), num_cached_tokens=st.integers(0, 999),
-              logprobs=st.none() | logprob_entries),
+              logprobs=st.none() | logprob_entries, prompt_logprobs=st.none() | prompt_logprob_entries),
     st.builds(WorkerInfo, worker_id=names, role=st.sampled_from(["prefill", "decode"]), model=st.text(max_size=8),
               inbox=st.text(max_size=8), pid=st.integers(0, 2**31), host=st.text(max_size=8), started_at=finite,
               heartbeat_at=finite, num_total_blocks=st.integers(0, 10**6), num_free_blocks=st.integers(0, 10**6),
@@ -223,7 +227,7 @@ RECORD = WorkerInfo("d0", "decode", "m", "i", 1, "h", 0.0, 0.0, 64, 64)
 @pytest.mark.parametrize("msg, change, reason", [
     (REQUEST, {"max_tokens": "4"}, "max_tokens"),
     (REQUEST, {"max_tokens": None}, "max_tokens"),
-    (REQUEST, {"max_tokens": 0}, "max_tokens"),
+    (REQUEST, {"max_tokens": -1}, "max_tokens"),  # 0 is a prompt only scored
     (REQUEST, {"max_tokens": True}, "max_tokens"),  # a bool is no int on the wire
     (REQUEST, {"request_id": ["r1"]}, "request_id"),
     (REQUEST, {"request_id": ""}, "request_id"),
@@ -248,6 +252,9 @@ RECORD = WorkerInfo("d0", "decode", "m", "i", 1, "h", 0.0, 0.0, 64, 64)
     (PrefillDone("r1", "ok", 5), {"first_token": "5"}, "first_token"),
     (TokenEvent("r1", 0, [5]), {"index": -1}, "index"),
     (TokenEvent("r1", 0, [5]), {"logprobs": [[0.5, [["a", 0.1]]]]}, "logprobs"),
+    (TokenEvent("r1", 0, [5]), {"prompt_logprobs": [None, [-0.5, [[3, -0.5]]]]}, "prompt_logprobs"),  # no rank
+    (TokenEvent("r1", 0, [5]), {"prompt_logprobs": [None, [-0.5, [[3, -0.5]], 0]]}, "prompt_logprobs"),
+    (TokenEvent("r1", 0, [5]), {"prompt_logprobs": [[-0.5, [[3, -0.5]], True]]}, "prompt_logprobs"),
     (TokenBatch([]), {"events": [1]}, "events"),
     (RECORD, {"num_total_blocks": "64"}, "num_total_blocks"),
     (RECORD, {"block_size": 0}, "block_size"),
