@@ -6,12 +6,20 @@ seed + i, so the choices differ and each is reproducible. Greedy choices are
 identical, as in vLLM and OpenAI. ``deltas()`` merges the choices' deltas as they
 come, tagged with the choice index; the first error of any choice ends the whole
 request (``close()`` aborts every choice still running on the workers).
+
+best_of > n (not streamed): best_of sequences are sampled, each a generation as a choice
+is (sequence i seeded with seed + i), all asking for their tokens' logprobs; ``collect``
+waits for all and returns the n with the highest cumulative logprob (the sum of their
+sampled tokens' logprobs; ties: the lower index), indexed 0..n-1, their logprobs dropped
+when the client did not ask for them. Usage counts every sequence's tokens, as vLLM and
+OpenAI bill best_of.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from tandem.gateway.generation import Generation
 from tandem.gateway.responses import ChoiceResult, Delta, Usage
@@ -20,13 +28,20 @@ _END = object()  # a choice's pump is done
 
 
 class Choices:
-    def __init__(self, request_id: str, generations: list[Generation]):
+    def __init__(self, request_id: str, generations: list[Generation], n: int | None = None,
+                 logprobs_asked: bool = True):
+        """``generations``: the sequences sampled (best_of of them when more than ``n``, the
+        choices returned); ``logprobs_asked``: whether the client asked for logprobs (best_of
+        asks for them on its own)."""
         self.request_id = request_id  # what the client sees
         self.generations = generations
+        self._n = len(generations) if n is None else n
+        self._logprobs_asked = logprobs_asked
 
     @property
     def n(self) -> int:
-        return len(self.generations)
+        """The choices returned."""
+        return self._n
 
     @property
     def created(self) -> int:
@@ -40,8 +55,8 @@ class Choices:
                      first.cached_tokens)
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        """(choice index, delta) until every choice has ended."""
-        if self.n == 1:
+        """(choice index, delta) until every choice has ended (streams: best_of is n)."""
+        if len(self.generations) == 1:
             async for delta in self.generations[0].deltas():
                 yield 0, delta
             return
@@ -57,7 +72,7 @@ class Choices:
 
         tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(self.generations)]
         try:
-            remaining = self.n
+            remaining = len(self.generations)
             while remaining:
                 index, item = await queue.get()
                 if item is _END:
@@ -79,10 +94,26 @@ class Choices:
         finally:
             for task in tasks:
                 task.cancel()  # one failed (or the client left): the others stop too
-        return [ChoiceResult(text, token_ids, g.finish_reason,
-                             g.output_logprobs if g.input.sampling.logprobs is not None else None)
-                for (text, token_ids), g in zip(results, self.generations)]
+        choices = [ChoiceResult(text, token_ids, g.finish_reason,
+                                g.output_logprobs if g.input.sampling.logprobs is not None else None, g.prompt)
+                   for (text, token_ids), g in zip(results, self.generations)]
+        if len(choices) > self.n:
+            choices = best_of(choices, self.n)
+        if not self._logprobs_asked:
+            choices = [replace(choice, logprobs=None) for choice in choices]
+        return choices
 
     def close(self) -> None:
         for generation in self.generations:
             generation.close()
+
+
+def cumulative_logprob(choice: ChoiceResult) -> float:
+    """The sum of a sequence's sampled tokens' logprobs (a token without an entry adds nothing)."""
+    return sum(entry[0] for entry in choice.logprobs or [] if entry is not None)
+
+
+def best_of(choices: list[ChoiceResult], n: int) -> list[ChoiceResult]:
+    """The ``n`` choices of highest cumulative logprob, best first (ties: the lower index)."""
+    ranked = sorted(range(len(choices)), key=lambda i: (-cumulative_logprob(choices[i]), i))
+    return [choices[i] for i in ranked[:n]]

@@ -46,7 +46,7 @@ from tandem.cluster.messages import WorkerInfo
 from tandem.gateway.errors import NoWorkerAvailable, RequestTimeout, ServerBusy, WorkerFailed, WorkerLost
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.mux import OutputMux
-from tandem.gateway.responses import Delta, Usage
+from tandem.gateway.responses import Delta, PromptPart, Usage
 from tandem.gateway.streams import TokenAssembler, read_queued_events
 from tandem.gateway.text_stream import TextStream
 from tandem.gateway.validation import GenerationInput
@@ -138,6 +138,11 @@ class Generation:
         return self._text.finish_reason
 
     @property
+    def prompt(self) -> PromptPart | None:
+        """What leads the choice of its prompt: echo's text, the prompt's logprobs (when asked)."""
+        return self._text.prompt
+
+    @property
     def usage(self) -> Usage:
         return Usage(len(self.input.prompt_token_ids), len(self.output_token_ids), self.num_cached_tokens)
 
@@ -181,6 +186,8 @@ class Generation:
                     # only the prefill worker's event for index 0 carries it, and it may come second
                     self.num_cached_tokens = event.num_cached_tokens
                     self._metrics.cached_tokens.inc(event.num_cached_tokens)
+                if event.prompt_logprobs is not None and self._text.prompt_logprobs is None:
+                    self._text.prompt_logprobs = event.prompt_logprobs  # index 0's: before any delta is made
                 new_token_ids = assembler.add(event)
                 if assembler.gap_s() > GAP_TIMEOUT_S:
                     raise WorkerLost(f"tokens of this request were lost in transit (a gap of {assembler.gap_s():.1f} s)")

@@ -64,6 +64,18 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list | None = None  # one engine.logprobs entry per token id, when the request asked
+    # a choice's first delta: what leads it, when asked (``PromptPart``)
+    prompt: "PromptPart | None" = None
+
+
+@dataclass
+class PromptPart:
+    """What a choice carries of its prompt: ``echo`` (completions' echo: the prompt's text, which
+    the choice's text starts with) and ``logprobs`` (one engine.prompt_logprobs entry per prompt
+    token, the first None; None when not asked)."""
+
+    echo: str | None = None
+    logprobs: list | None = None
 
 
 @dataclass
@@ -74,6 +86,7 @@ class ChoiceResult:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list | None = None  # one engine.logprobs entry per token id, when the request asked
+    prompt: PromptPart | None = None
 
 
 @dataclass
@@ -135,14 +148,15 @@ class ResponseFormat:
         body = self._envelope("chat.completion" if self.chat else "text_completion")
         body["choices"] = []
         for index, result in enumerate(choices):
-            logprobs = self.logprobs(result.token_ids, result.logprobs, 0)
+            text, logprobs = self._with_prompt(result.prompt, result.text, result.token_ids, result.logprobs, 0)
             if self.chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": result.text},
                           "logprobs": logprobs, "finish_reason": result.finish_reason}
             else:
-                choice = {"index": index, "text": result.text, "logprobs": logprobs,
+                choice = {"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": result.finish_reason}
             self._add_token_ids(body, choice, result.token_ids, with_prompt=True)
+            self._add_prompt_logprobs(body, choice, result.prompt)
             body["choices"].append(choice)
         body["usage"] = usage.to_dict()
         return body
@@ -151,17 +165,54 @@ class ResponseFormat:
         """One streamed delta of choice ``index``; ``first`` (that choice's first) adds
         prompt_token_ids (completions only: chat has role_chunk); ``text_offset``: where the
         delta's tokens start in the choice's text (completions' logprobs)."""
-        logprobs = self.logprobs(delta.token_ids, delta.logprobs, text_offset)
+        text, logprobs = self._with_prompt(delta.prompt, delta.text, delta.token_ids, delta.logprobs, text_offset)
         if self.chat:
             body = self._envelope("chat.completion.chunk")
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
             choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         else:
             body = self._envelope("text_completion")
-            choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         self._add_token_ids(body, choice, delta.token_ids, with_prompt=first)
+        self._add_prompt_logprobs(body, choice, delta.prompt)
         body["choices"] = [choice]
         return body
+
+    def _with_prompt(self, prompt: PromptPart | None, text: str, token_ids: list[int], entries: list | None,
+                     text_offset: int) -> tuple[str, dict | None]:
+        """A choice's (or its first chunk's) text and logprobs object, led by the prompt when it is
+        echoed (completions, as OpenAI's legacy API and vLLM: the prompt's text, and its tokens'
+        logprobs before the output's, the first token's null)."""
+        if self.chat or prompt is None or prompt.echo is None:
+            return text, self.logprobs(token_ids, entries, text_offset)
+        prompt_ids = list(self.prompt_token_ids or [])
+        if entries is not None:
+            prompt_entries = prompt.logprobs if prompt.logprobs is not None else [None] * len(prompt_ids)
+            token_ids, entries = prompt_ids + list(token_ids), list(prompt_entries) + list(entries)
+        return prompt.echo + text, self.logprobs(token_ids, entries, text_offset)
+
+    def prompt_logprobs(self, entries: list) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{"<token id>": {logprob,
+        rank, decoded_token}}`` for the prompt's token and the k most likely."""
+        def item(token_id: int, logprob: float, rank: int) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token_id)}
+
+        out: list[dict | None] = []
+        for token_id, entry in zip(self.prompt_token_ids or [], entries):
+            if entry is None:
+                out.append(None)
+                continue
+            logprob, top, rank = entry
+            ranked = {str(token_id): item(token_id, logprob, rank)}
+            for top_rank, (top_id, top_logprob) in enumerate(top, 1):
+                ranked.setdefault(str(top_id), item(top_id, top_logprob, top_rank))
+            out.append(ranked)
+        return out
+
+    def _add_prompt_logprobs(self, body: dict, choice: dict, prompt: PromptPart | None) -> None:
+        # where vLLM puts them: on the choice for completions, at the top level for chat
+        if prompt is not None and prompt.logprobs is not None:
+            (body if self.chat else choice).setdefault("prompt_logprobs", self.prompt_logprobs(prompt.logprobs))
 
     def logprobs(self, token_ids: list[int], entries: list | None, text_offset: int) -> dict | None:
         """OpenAI's logprobs object of some tokens (None when the request did not ask): for chat
@@ -229,7 +280,8 @@ async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[tuple[int, Delta
                 at.roles_sent += 1
                 yield sse(fmt.role_chunk(at.roles_sent - 1))
         async for index, delta in deltas:
-            if not delta.text and delta.finish_reason is None and not fmt.return_token_ids and not delta.logprobs:
+            if (not delta.text and delta.finish_reason is None and not fmt.return_token_ids and not delta.logprobs
+                    and delta.prompt is None):
                 continue  # held-back text (partial character, possible stop string): nothing to send yet
             offset = at.offsets.get(index, 0)
             chunk = fmt.chunk(delta, first=index not in at.started and not fmt.chat, index=index, text_offset=offset)

@@ -16,6 +16,7 @@ import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import redis.asyncio as aioredis
 import structlog
@@ -94,7 +95,8 @@ class GatewayService:
 
     async def start(self, inp: GenerationInput, prefix: str = "cmpl",
                     client_gone: Callable[[], Awaitable[bool]] | None = None) -> Choices:
-        """Admit each of the request's ``inp.n`` choices to a decode worker and submit it; raises
+        """Admit each of the request's ``inp.n`` choices (``inp.best_of`` sequences when more, of
+        which ``Choices`` returns the best n) to a decode worker and submit it; raises
         NoWorkerAvailable, ServerBusy (429) or RedisError, or ClientDisconnected where
         ``client_gone`` (asked while queued and once more before submitting) says the client
         left. Choices already started when one cannot start are aborted."""
@@ -102,15 +104,20 @@ class GatewayService:
         structlog.contextvars.bind_contextvars(request_id=request_id)
         arrived_at = time.monotonic()
         generations: list[Generation] = []
+        num_sequences, sequence = max(inp.best_of, inp.n), inp
+        if num_sequences > inp.n and inp.sampling.logprobs is None:
+            # best_of ranks the sequences by their tokens' logprobs: asked for, dropped from the response
+            sequence = replace(inp, sampling=replace(inp.sampling, logprobs=0))
         try:
-            for index in range(inp.n):
-                wire_id = request_id if inp.n == 1 else f"{request_id}-{index}"
-                generations.append(await self._start_one(choice_input(inp, index), wire_id, arrived_at, client_gone))
+            for index in range(num_sequences):
+                wire_id = request_id if num_sequences == 1 else f"{request_id}-{index}"
+                generations.append(await self._start_one(choice_input(sequence, index), wire_id, arrived_at,
+                                                         client_gone))
         except BaseException:
             for generation in generations:
                 generation.close()
             raise
-        return Choices(request_id, generations)
+        return Choices(request_id, generations, n=inp.n, logprobs_asked=inp.sampling.logprobs is not None)
 
     async def _start_one(self, inp: GenerationInput, request_id: str, arrived_at: float,
                          client_gone: Callable[[], Awaitable[bool]] | None) -> Generation:

@@ -7,6 +7,10 @@ reason, detokenizes incrementally, applies the stop strings and returns the
 token by token, so that (as vLLM) no stop string may end in the text of the
 first min_tokens tokens, whatever batches the tokens arrive in.
 
+A choice's first delta carries what leads it of its prompt (``responses.PromptPart``): with
+echo the prompt's text, and the prompt's logprobs when asked (``prompt_logprobs``, set from
+the prefill worker's first event).
+
 ``catch_up`` feeds tokens whose text the client already has (a resumable
 stream continued by another gateway): the detokenizer's window, the stop
 strings' held-back text and the token counts end where the first gateway's
@@ -16,7 +20,7 @@ were after those tokens, since neither depends on how the tokens were batched.
 from __future__ import annotations
 
 from tandem.gateway.detokenizer import IncrementalDetokenizer
-from tandem.gateway.responses import Delta
+from tandem.gateway.responses import Delta, PromptPart
 from tandem.gateway.stop import StopChecker
 from tandem.gateway.validation import GenerationInput
 
@@ -30,6 +34,20 @@ class TextStream:
         self.output_token_ids: list[int] = []
         self.output_logprobs: list = []  # one entry per output token, when the request asked for logprobs
         self.finish_reason: str | None = None
+        self._echo = None
+        if inp.echo:
+            self._echo = inp.prompt_text if inp.prompt_text is not None else tokenizer.decode(
+                inp.prompt_token_ids, skip_special_tokens=inp.skip_special_tokens)
+        self._wants_prompt_logprobs = inp.sampling.prompt_logprobs is not None
+        self.prompt_logprobs: list | None = None  # engine.prompt_logprobs entries, once a worker sent them
+        self._prompt_sent = False  # the first delta (which carries the prompt) was made
+
+    @property
+    def prompt(self) -> PromptPart | None:
+        """What leads this choice of its prompt (None: nothing asked)."""
+        if self._echo is None and not self._wants_prompt_logprobs:
+            return None
+        return PromptPart(self._echo, self.prompt_logprobs if self._wants_prompt_logprobs else None)
 
     @property
     def text(self) -> str:
@@ -61,7 +79,11 @@ class TextStream:
             text += "" if self._stop.stopped else self._stop.flush()
             if self._stop.stopped:  # the released tail held a stop string
                 self.finish_reason = "stop"
-        return Delta(text, new_token_ids, self.finish_reason, logprobs)
+        delta = Delta(text, new_token_ids, self.finish_reason, logprobs)
+        if not self._prompt_sent:
+            self._prompt_sent = True
+            delta.prompt = self.prompt
+        return delta
 
     def catch_up(self, batches: list[list[int]]) -> None:
         """Take output tokens already sent as text (in the batches they were sent in); nothing is

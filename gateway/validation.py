@@ -39,6 +39,7 @@ class GenerationInput:
     n: int = 1  # choices: each its own generation (gateway.choices)
     best_of: int = 1  # sequences sampled; the n with the highest cumulative logprob are returned
     echo: bool = False  # completions: the prompt (with its logprobs, when asked) leads the choice
+    prompt_text: str | None = None  # with echo: the prompt's text as the client sent it (token ids: decoded)
 
 
 def choice_input(inp: GenerationInput, index: int) -> GenerationInput:
@@ -72,7 +73,11 @@ class Validator:
         else:
             token_ids = list(prompt)
             self._check_vocab(token_ids, "prompt")
-        return self._build(body, token_ids, self._grammar(body.structured, self._structured_param(body)))
+        inp = self._build(body, token_ids, self._grammar(body.structured, self._structured_param(body)))
+        if inp.echo:
+            inp.prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(
+                token_ids, skip_special_tokens=body.skip_special_tokens)
+        return inp
 
     def chat(self, body: ChatCompletionRequest) -> GenerationInput:
         self._check_model(body.model)
@@ -133,8 +138,11 @@ class Validator:
             )
         max_tokens = body.max_tokens if body.max_tokens is not None else max_seq_len - num_prompt
         name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
-        if max_tokens < 1 and not (max_tokens == 0 and body.max_tokens == 0):  # 0 asked for: score the prompt
-            raise InvalidRequest(f"{name} must be at least 1, got {max_tokens}", param=name)
+        scores_prompt = bool(getattr(body, "echo", False)) or body.prompt_logprobs is not None
+        if max_tokens < 1 and not (max_tokens == 0 and body.max_tokens == 0 and scores_prompt):
+            # 0 asked for: the prompt is scored (echo or prompt_logprobs), nothing generated
+            raise InvalidRequest(f"{name} must be at least 1 (0 only with echo or prompt_logprobs), got {max_tokens}",
+                                 param=name)
         if num_prompt + max_tokens > max_seq_len:
             raise InvalidRequest(
                 f"prompt ({num_prompt} tokens) + {name} ({max_tokens}) exceeds the maximum "
