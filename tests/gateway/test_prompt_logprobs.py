@@ -174,3 +174,18 @@ def test_best_of_cannot_stream_more_than_n(serve, fake_worker, text_ids):
     server = serve()
     response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "best_of": 2, "stream": True})
     assert response.status_code == 400 and not worker.requests
+
+
+def test_a_resumable_echo_stream_replays_the_prompt(serve, fake_worker, tokenizer, text_ids):
+    fake_worker(_script(text_ids[:3]))
+    server = serve()
+    response = post(server, "/v1/completions", {"prompt": "Hello there", "max_tokens": 3, "echo": True,
+                                                "prompt_logprobs": 1, "stream": True,
+                                                "stream_options": {"resumable": True}})
+    request_id = response.headers["x-request-id"]
+    live = [c for c in parse_sse(response.text) if c != "[DONE]"]
+    replayed = [c for c in parse_sse(httpx.get(f"{server.url}/v1/streams/{request_id}", timeout=20).text)
+                if c != "[DONE]"]
+    assert replayed == live
+    assert "".join(c["choices"][0]["text"] for c in live) == "Hello there" + tokenizer.decode(text_ids[:3])
+    assert live[0]["choices"][0]["prompt_logprobs"][0] is None
