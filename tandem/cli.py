@@ -10,6 +10,7 @@
     tandem status            the cluster's workers, load and restarts at a glance
     tandem bench serve ...   streaming load client against an OpenAI-compatible URL
     tandem bench engine ...  engine workloads vs ceilings and HF anchors (GPU)
+    tandem bench grammar     structured-output engines: setup and per-step mask time
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.bench import serve as bench_serve
 
     bench_serve.add_arguments(bench_sub.add_parser("serve", help="streaming load client (like vllm bench serve)"))
+    from tandem.bench import grammar as bench_grammar
+
+    bench_grammar.add_arguments(bench_sub.add_parser("grammar", help="structured-output engines: setup and mask time"))
     from tandem.bench import engine_args
 
     engine_args.add_arguments(
@@ -103,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             from tandem.gateway import admin_client
 
             return admin_client.main(args)
+        if args.command == "bench" and args.bench_command == "grammar":
+            from tandem.bench import grammar as bench_grammar
+
+            return bench_grammar.main(args)
         if args.command == "bench" and args.bench_command == "engine":
             from tandem.bench import engine as bench_engine
 
