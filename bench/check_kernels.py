@@ -30,6 +30,7 @@ from tandem.kernels import prefill_attention as prefill_module
 from tandem.kernels import reference
 from tandem.kernels.activation import silu_mul
 from tandem.kernels.block_copy import gather_blocks, scatter_blocks
+from tandem.kernels.penalties import apply_penalties
 from tandem.kernels.decode_attention import DecodeWorkspace, decode_attention
 from tandem.kernels.prefill_attention import prefill_attention
 from tandem.kernels.rms_norm import fused_add_rms_norm
@@ -114,6 +115,19 @@ def check_elementwise() -> None:
         x = torch.randn(tokens, 2 * 14336, device="cuda", dtype=DTYPE)
         record("silu_mul", f"T={tokens} inter=14336", errors(silu_mul(x), reference.silu_mul(x.float())),
                bench_ms(lambda: silu_mul(x)), bench_ms(lambda: reference.silu_mul(x)))
+    for num_rows in (8, 64):  # decode rows with penalties, Llama 3's vocabulary (in place: timed on a copy)
+        vocab = 128256
+        logits = torch.randn(64, vocab, device="cuda") * 4
+        counts = torch.randint(0, 3, (80, vocab), device="cuda").float()
+        prompt = torch.rand(80, vocab, device="cuda") < 0.01
+        index = torch.randperm(64, device="cuda")[:num_rows], torch.randperm(80, device="cuda")[:num_rows]
+        params = torch.tensor([[1.1, 0.2, 0.1]], device="cuda").repeat(num_rows, 1)
+        out, ref = logits.clone(), logits.clone()
+        apply_penalties(out, *index, counts, prompt, params)
+        reference.apply_penalties(ref, *index, counts, prompt, params)
+        record("apply_penalties", f"rows={num_rows} of 64 vocab={vocab}", errors(out, ref),
+               bench_ms(lambda: apply_penalties(logits.clone(), *index, counts, prompt, params)),
+               bench_ms(lambda: reference.apply_penalties(logits.clone(), *index, counts, prompt, params)))
     for model, (hq, hk) in MODELS.items():
         for tokens in (1, 64, 4096):
             qkv = torch.randn(tokens, (hq + 2 * hk) * HEAD_DIM, device="cuda", dtype=DTYPE)

@@ -6,7 +6,9 @@
 Measures the ceilings (HBM copy, bf16 matmul), then for each model shape with
 random bf16 weights: decode at batch 1, 8, 64 (prompt 128, 256 new tokens,
 CUDA graphs, greedy sampling; each step launched before the previous one's
-tokens are read, as the decode worker runs it), prefill of one
+tokens are read, as the decode worker runs it), the largest of those batches
+again with logit_bias and the penalties on every row against the same steps
+without (``tandem.bench.sampling_controls``), prefill of one
 2048-token prompt, and the KV handoff of that prompt (the cuda_ipc copy path);
 then the HF transformers anchors. Writes JSON rows
 {workload, model, metric, value, anchor, anchor_value, ratio} and prints a table.
@@ -133,6 +135,7 @@ def handoff_workload(runner, allocator, prompt_len: int = 2048) -> dict:
 
 
 def run_model(name: str, ceil: dict, batches: list[int]) -> None:
+    from tandem.bench import sampling_controls
     from tandem.engine.block_allocator import BlockAllocator
 
     max_batch = max(batches)
@@ -148,6 +151,10 @@ def run_model(name: str, ceil: dict, batches: list[int]) -> None:
         row(f"decode_b{batch}", name, "ms_per_step", r["ms_per_step"], "bandwidth_floor_ms", floor_ms,
             r["ms_per_step"] / floor_ms)
         row(f"decode_b{batch}", name, "out_tok_per_s", r["out_tok_per_s"])
+    # what logit_bias and the penalties on every row add to a decode step (tandem.bench.sampling_controls)
+    c = sampling_controls.overhead(runner, allocator, batch=max_batch)
+    row(f"decode_b{max_batch}_penalties", name, "ms_per_step", c["processed_ms"], "plain_ms_per_step",
+        c["plain_ms"], c["ratio"])
     p = prefill_workload(runner, allocator)
     row("prefill_2048", name, "ms", p["ms"], "matmul_floor_ms", p["flops"] / (ceil["bf16_matmul_TFLOPs"] * 1e12) * 1e3,
         None)

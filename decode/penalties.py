@@ -5,7 +5,9 @@ slots of token counts its penalized requests hold on the device (``tandem.engine
 sampling (the step's tokens are counted on the device: the next step may be launched
 before they reach the host), ``release`` with the requests that left the batch for good
 (``DecodeScheduler.pop_left_batch``). A step none of whose rows asks for any of it costs
-one look at its rows' parameters.
+one look at its rows' parameters; the device tensors describing a step (``Plan``) are made
+again only when its batch or their slots change, so steady decoding copies nothing to the
+device for it.
 
 A request takes its slot, filled from its prompt and the output tokens known on the host,
 on its first penalized step here (also after a pause or a failover); a slot whose count
@@ -21,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from tandem.decode.request import DecodeRequest
-from tandem.engine.logits_process import Penalized, process
+from tandem.engine.logits_process import Plan, apply, plan
 from tandem.engine.penalty_slots import PenaltySlots
 from tandem.engine.sampler import _to_device
 from tandem.engine.step_tokens import TokenFeed
@@ -31,13 +33,14 @@ class Counting(NamedTuple):
     """Which of a step's sampled tokens go into which slots."""
 
     keys: list[str]  # the penalized rows' request ids
-    rows: torch.Tensor  # [R] int64 on the device: their rows in the step
-    slots: torch.Tensor  # [R] int64: their slots
+    index: torch.Tensor  # [2, R] int64 on the device: their rows in the step, their slots
 
 
 class DecodePenalties:
     def __init__(self):
         self.slots: PenaltySlots | None = None  # made for the first penalized request
+        self._plan: Plan | None = None
+        self._plan_key: tuple | None = None  # the batch (ids, parameters) and slots it was made for
 
     def process(self, logits: torch.Tensor, batch: list[DecodeRequest], indices: list[int],
                 feed: TokenFeed | None) -> tuple[torch.Tensor, Counting | None]:
@@ -47,21 +50,25 @@ class DecodePenalties:
         if not any(p.processed for p in params):
             return logits, None
         rows = [i for i, p in enumerate(params) if p.penalized]
-        if not rows:
-            return process(logits, params), None
-        if self.slots is None:
-            self.slots = PenaltySlots(logits.shape[-1], logits.device)
         keys = [batch[i].request_id for i in rows]
-        self._refill([i for i, key in zip(rows, keys) if self.slots.counted(key) != indices[i]], batch, feed)
-        slots = [self.slots.slot(key) for key in keys]
-        index = _to_device(torch.tensor([rows, slots], dtype=torch.int64), logits.device)
-        penalized = Penalized(rows, self.slots.prompt[index[1]], self.slots.counts[index[1]])
-        return process(logits, params, penalized), Counting(keys, index[0], index[1])
+        slots = {}
+        if rows:
+            if self.slots is None:
+                self.slots = PenaltySlots(logits.shape[-1], logits.device)
+            self._refill([i for i, key in zip(rows, keys) if self.slots.counted(key) != indices[i]], batch, feed)
+            slots = {i: self.slots.slot(key) for i, key in zip(rows, keys)}
+        key = (tuple((r.request_id, id(r.spec.sampling)) for r in batch), tuple(slots.values()))
+        if key != self._plan_key:
+            self._plan, self._plan_key = plan(params, logits.shape[-1], logits.device, slots), key
+        if not rows:
+            return apply(logits, self._plan), None
+        out = apply(logits, self._plan, self.slots.counts, self.slots.prompt)
+        return out, Counting(keys, self._plan.penalties[0])
 
     def count(self, counting: Counting | None, sampled: torch.Tensor) -> None:
         """Count the step's sampled tokens [B] (on the device) into the penalized rows' slots."""
         if counting is not None:
-            self.slots.count(counting.keys, counting.slots, sampled[counting.rows])
+            self.slots.count(counting.keys, counting.index[1], sampled[counting.index[0]])
 
     def release(self, request_ids) -> None:
         if self.slots is not None:

@@ -11,9 +11,10 @@ Everything runs on the logits' device from small host-built index tensors copied
 without making the host wait (``tandem.engine.sampler._to_device``): the decode loop
 launches the next step before this one's tokens reach the host, so nothing here may
 read device data back. The caller's logits are never changed (logprobs are the raw
-distribution): ``process`` returns a new tensor. The counts and prompt marks of
+distribution): ``apply`` returns a new tensor. The counts and prompt marks of
 penalized rows come from ``tandem.engine.penalty_slots`` on the decode worker, and from
-the prompt alone for a request's first token (``first_token``).
+the prompt alone for a request's first token (``first_token``); the penalties themselves
+are one kernel on CUDA (``tandem.kernels.penalties``), the torch reference elsewhere.
 """
 
 from __future__ import annotations
@@ -24,35 +25,66 @@ import torch
 
 from tandem.cluster.sampling import SamplingParams
 from tandem.engine.sampler import _to_device
+from tandem.kernels import ops
 
 
-class Penalized(NamedTuple):
-    """The rows of a batch that carry penalties, with what the penalties look at."""
+class Plan(NamedTuple):
+    """A step's processing as device tensors, built from its rows' parameters (``plan``); the
+    decode worker reuses it while its batch and their slots stay the same."""
 
-    rows: list[int]  # batch rows, ascending
-    prompt: torch.Tensor  # [R, V] bool on the logits' device: the tokens of each row's prompt
-    counts: torch.Tensor | None  # [R, V] fp32: each token's occurrences in the row's output (None: no output yet)
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # ([2, N] int64 (row, token), [N] fp32 bias)
+    penalties: tuple[torch.Tensor, torch.Tensor] | None  # ([2, R] int64 (row, slot), [R, 3] fp32
+    #                                                     (repetition, frequency, presence))
 
 
-def process(logits: torch.Tensor, params: list[SamplingParams], penalized: Penalized | None = None) -> torch.Tensor:
-    """logits [B, V] fp32, one ``SamplingParams`` per row -> a processed copy (``logits`` itself when
-    no row asks for anything). ``penalized``: required when a row is ``penalized``."""
+def plan(params: list[SamplingParams], vocab: int, device: torch.device,
+         slots: dict[int, int] | None = None) -> Plan | None:
+    """The processing of a batch's rows (None: no row asks for any). ``slots``: for each penalized
+    row, its slot in the counts and prompt buffers ``apply`` is given."""
     if not any(p.processed for p in params):
+        return None
+    bias = None
+    entries = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if 0 <= t < vocab]
+    if entries:  # ids outside the logits (the model cannot produce them anyway) are left out
+        rows, cols, biases = zip(*entries)
+        bias = (_to_device(torch.tensor([rows, cols], dtype=torch.int64), device),
+                _to_device(torch.tensor(biases, dtype=torch.float32), device))
+    penalties = None
+    if slots:
+        rows = sorted(slots)
+        weights = [[params[r].repetition_penalty, params[r].frequency_penalty, params[r].presence_penalty]
+                   for r in rows]
+        penalties = (_to_device(torch.tensor([rows, [slots[r] for r in rows]], dtype=torch.int64), device),
+                     _to_device(torch.tensor(weights, dtype=torch.float32), device))
+    return Plan(bias, penalties)
+
+
+def apply(logits: torch.Tensor, plan: Plan | None, counts: torch.Tensor | None = None,
+          prompt: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] fp32 -> a processed copy (``logits`` itself for no plan). ``counts`` [C, V]
+    fp32 and ``prompt`` [C, V] bool: the slots the plan's penalized rows read."""
+    if plan is None:
         return logits
-    out = _add_bias(logits, params)
-    if penalized is not None and penalized.rows:
-        out = _penalize(out, [params[r] for r in penalized.rows], penalized)
+    out = logits.clone()
+    if plan.bias is not None:
+        index, values = plan.bias
+        out.index_put_((index[0], index[1]), values, accumulate=True)
+    if plan.penalties is not None:
+        index, weights = plan.penalties
+        ops.apply_penalties(out, index[0], index[1], counts, prompt, weights)
     return out
 
 
 def first_token(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]]) -> torch.Tensor:
-    """``process`` for rows sampling their first output token: repetition over the prompt only,
-    no output counts yet (the prefill worker's rows)."""
+    """The processed logits of rows sampling their first output token: repetition over the
+    prompt only, no output counts yet (the prefill worker's rows)."""
     rows = [r for r, p in enumerate(params) if p.penalized]
-    penalized = None
+    vocab, device = logits.shape[-1], logits.device
+    counts = prompt = None
     if rows:
-        penalized = Penalized(rows, prompt_marks(logits.shape[-1], [prompts[r] for r in rows], logits.device), None)
-    return process(logits, params, penalized)
+        counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device)
+        prompt = prompt_marks(vocab, [prompts[r] for r in rows], device)
+    return apply(logits, plan(params, vocab, device, {r: i for i, r in enumerate(rows)}), counts, prompt)
 
 
 def prompt_marks(vocab: int, prompts: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -62,39 +94,3 @@ def prompt_marks(vocab: int, prompts: list[list[int]], device: torch.device) -> 
                                      [t for ids in prompts for t in ids]], dtype=torch.int64), device)
     marks[index[0], index[1]] = True
     return marks
-
-
-def _add_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """A copy of ``logits`` with every row's ``logit_bias`` added (ids outside the logits, which
-    the model cannot produce anyway, are left out rather than indexed)."""
-    out = logits.clone()
-    vocab = logits.shape[-1]
-    entries = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if 0 <= t < vocab]
-    if entries:
-        rows, cols, biases = zip(*entries)
-        index = _to_device(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
-        values = _to_device(torch.tensor(biases, dtype=logits.dtype), logits.device)
-        out.index_put_((index[0], index[1]), values, accumulate=True)
-    return out
-
-
-def _penalize(out: torch.Tensor, params: list[SamplingParams], penalized: Penalized) -> torch.Tensor:
-    """Apply the penalties of ``penalized.rows`` (``params``: theirs) to ``out`` in place -> ``out``."""
-    device = out.device
-    every_row = len(penalized.rows) == out.shape[0]
-    rows = None if every_row else _to_device(torch.tensor(penalized.rows, dtype=torch.int64), device)
-    logits = out if every_row else out[rows]
-    counts = penalized.counts
-    if any(p.repetition_penalty != 1.0 for p in params):
-        penalty = _to_device(torch.tensor([[p.repetition_penalty] for p in params], dtype=out.dtype), device)
-        seen = penalized.prompt if counts is None else penalized.prompt | (counts > 0)
-        repeated = torch.where(logits < 0, logits * penalty, logits / penalty)  # HF's rule, as it computes it
-        logits = torch.where(seen, repeated, logits)
-    if counts is not None and any(p.frequency_penalty or p.presence_penalty for p in params):
-        weights = _to_device(torch.tensor([[p.frequency_penalty, p.presence_penalty] for p in params],
-                                          dtype=out.dtype), device)
-        logits = logits - (weights[:, :1] * counts + weights[:, 1:] * (counts > 0))
-    if every_row:
-        return logits
-    out[rows] = logits
-    return out

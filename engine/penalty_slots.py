@@ -33,6 +33,7 @@ class PenaltySlots:
         self._slot: dict[Hashable, int] = {}
         self._counted: dict[Hashable, int] = {}
         self._free = list(range(capacity - 1, -1, -1))  # popped from the end: lowest first
+        self._one = torch.ones(1, device=device)
 
     @property
     def capacity(self) -> int:
@@ -74,7 +75,7 @@ class PenaltySlots:
     def count(self, keys: list[Hashable], slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """One more output token per key: ``tokens`` [R] int64 into ``slots`` [R] int64 (both on
         the device, the slots distinct), without waiting for them."""
-        self.counts.index_put_((slots, tokens), torch.ones(tokens.shape[0], device=self.device), accumulate=True)
+        self.counts.index_put_((slots, tokens), self._one.expand(tokens.shape[0]), accumulate=True)
         for key in keys:
             self._counted[key] += 1
 

@@ -29,6 +29,7 @@ _TRITON_MODULES = {
     "decode_attention_new_token": "tandem.kernels.decode_attention",
     "gather_blocks": "tandem.kernels.block_copy",
     "scatter_blocks": "tandem.kernels.block_copy",
+    "apply_penalties": "tandem.kernels.penalties",
 }
 
 
@@ -193,3 +194,8 @@ def gather_blocks(kv_pool, block_ids):
 
 def scatter_blocks(kv_pool, block_ids, staging):
     return _pick("scatter_blocks", kv_pool)(kv_pool, block_ids, staging)
+
+
+def apply_penalties(logits, rows, slots, counts, prompt, params):
+    """In place on ``logits``: the repetition, frequency and presence penalties (reference.apply_penalties)."""
+    return _pick("apply_penalties", logits)(logits, rows, slots, counts, prompt, params)

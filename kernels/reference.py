@@ -193,3 +193,22 @@ def gather_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tenso
 def scatter_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
     """kv_pool[:, :, block_ids] = staging (in place)."""
     kv_pool[:, :, block_ids.long()] = staging.to(kv_pool.dtype)
+
+
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                    prompt: torch.Tensor, params: torch.Tensor) -> None:
+    """In place: penalize row ``rows[i]`` of ``logits`` [B, V] fp32 by what slot ``slots[i]`` holds,
+    ``counts`` [C, V] fp32 (each token's occurrences in the output) and ``prompt`` [C, V] bool (the
+    prompt's tokens), with ``params[i]`` = (repetition, frequency, presence) ([R, 3] fp32)::
+
+        x = x * repetition if x < 0 else x / repetition   where the token is in prompt or output
+        x = x - (frequency * count + presence * (count > 0))
+
+    (HF's repetition rule, computed as HF computes it; OpenAI's presence and frequency.)
+    ``rows`` distinct, ``rows`` and ``slots`` [R] int64."""
+    x = logits[rows]
+    c = counts[slots]
+    seen = prompt[slots] | (c > 0)
+    repetition, frequency, presence = params[:, 0:1], params[:, 1:2], params[:, 2:3]
+    x = torch.where(seen, torch.where(x < 0, x * repetition, x / repetition), x)
+    logits[rows] = x - (frequency * c + presence * (c > 0))

@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 
 from tandem.cluster.sampling import SamplingParams
 from tandem.engine import sampler
-from tandem.engine.logits_process import Penalized, first_token, process
+from tandem.engine.logits_process import apply, first_token, plan
 from tandem.engine.penalty_slots import PenaltySlots
 
 VOCAB = 96
@@ -28,13 +28,13 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB // 10, (n,), generator=torch.Generator().manual_seed(seed)).mul(7).tolist()
 
 
-def _penalized(params, prompts, outputs) -> Penalized:
-    """The rows' prompts and outputs in a slot buffer, as a decode step sees them."""
+def process(logits, params, prompts=None, outputs=None) -> torch.Tensor:
+    """The processed logits, the penalized rows' prompts and outputs in a slot buffer, as a decode
+    step sees them."""
     rows = [r for r, p in enumerate(params) if p.penalized]
     slots = PenaltySlots(VOCAB, torch.device("cpu"), capacity=2)
-    taken = slots.reset(rows, [prompts[r] for r in rows], [outputs[r] for r in rows])
-    index = torch.tensor(taken)
-    return Penalized(rows, slots.prompt[index], slots.counts[index])
+    taken = slots.reset(rows, [prompts[r] for r in rows], [outputs[r] for r in rows]) if rows else []
+    return apply(logits, plan(params, VOCAB, logits.device, dict(zip(rows, taken))), slots.counts, slots.prompt)
 
 
 class OpenAIPenalties:
@@ -58,7 +58,7 @@ def test_repetition_penalty_equals_hf_over_prompt_and_output():
     outputs = [_tokens(5, seed=10 + r) for r in range(4)]
     logits = _logits(4)
     before = logits.clone()
-    ours = process(logits, params, _penalized(params, prompts, outputs))
+    ours = process(logits, params, prompts, outputs)
     assert torch.equal(logits, before)  # the caller's logits (logprobs read them) are untouched
     for r, p in enumerate(penalties):
         input_ids = torch.tensor([prompts[r] + outputs[r]])
@@ -101,7 +101,7 @@ def test_presence_and_frequency_follow_openai_over_the_output_only():
     prompts = [_tokens(10, seed=20 + r) for r in range(4)]
     outputs = [_tokens(12, seed=30 + r) for r in range(4)]
     logits = _logits(4, seed=3)
-    ours = process(logits, params, _penalized(params, prompts, outputs))
+    ours = process(logits, params, prompts, outputs)
     for r, p in enumerate(params):
         counts = Counter(outputs[r])
         want = logits[r].clone()
@@ -121,7 +121,7 @@ def test_everything_at_once_in_hf_order():
     prompts = [_tokens(8, seed=40 + r) for r in range(3)]
     outputs = [_tokens(6, seed=50 + r) for r in range(3)]
     logits = _logits(3, seed=4)
-    ours = process(logits, params, _penalized(params, prompts, outputs))
+    ours = process(logits, params, prompts, outputs)
     for r in (0, 2):
         input_ids = torch.tensor([prompts[r] + outputs[r]])
         want = SequenceBiasLogitsProcessor({(7,): 4.0, (14,): -3.0})(input_ids, logits[r : r + 1].clone())
@@ -135,7 +135,8 @@ def test_everything_at_once_in_hf_order():
 
 def test_nothing_asked_returns_the_logits_themselves():
     logits = _logits(2)
-    assert process(logits, [SamplingParams(), SamplingParams(temperature=0.0, min_p=0.5)]) is logits
+    assert plan([SamplingParams(), SamplingParams(temperature=0.0, min_p=0.5)], VOCAB, logits.device) is None
+    assert apply(logits, None) is logits
     assert first_token(logits, [SamplingParams()] * 2, [[1], [2]]) is logits
 
 
@@ -205,9 +206,9 @@ def test_processing_and_counting_never_read_the_device(monkeypatch):
     for name in ("item", "tolist", "cpu", "__bool__", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     taken = slots.reset(["a", "b"], [[1, 2, 3], [4]], [[5, 5], []])  # grows once
-    index = torch.tensor(taken)
-    out = process(logits, params, Penalized([0, 1], slots.prompt[index], slots.counts[index]))
-    slots.count(["a", "b"], index, out.argmax(-1))
+    step = plan(params, VOCAB, logits.device, dict(enumerate(taken)))
+    out = apply(logits, step, slots.counts, slots.prompt)
+    slots.count(["a", "b"], step.penalties[0][1], out.argmax(-1))
     first_token(logits, params, [[1, 2], [3]])
     monkeypatch.undo()
-    assert slots.counted("a") == 3 and slots.counts[index].sum() == 4
+    assert slots.counted("a") == 3 and slots.counts[taken].sum() == 4

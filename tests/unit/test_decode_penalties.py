@@ -170,3 +170,19 @@ def test_the_scheduler_reports_requests_that_left_the_batch():
     assert ending.status is RequestStatus.FINISHED
     assert sorted(scheduler.pop_left_batch()) == ["e", "p"] and scheduler.pop_left_batch() == []
     assert scheduler.pop_ended() == ["e"]  # the admission of a paused request is kept
+
+
+def test_a_steady_batch_reuses_its_plan_and_a_new_member_makes_another():
+    """The device tensors describing a step are made once per batch, not per step."""
+    worker = _penalized_worker()
+    first = _running(worker, "p", max_tokens=20)
+    first.spec.sampling = SamplingParams(temperature=0.0, frequency_penalty=0.2, logit_bias=((3, 0.5),))
+    worker.step()
+    penalties = worker.steps.penalties
+    made = penalties._plan
+    worker.step()
+    worker.step()
+    assert penalties._plan is made
+    _running(worker, "q", max_tokens=20)
+    worker.step()
+    assert penalties._plan is not made

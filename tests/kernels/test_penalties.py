@@ -1,0 +1,60 @@
+import pytest
+import torch
+from kernel_testing import DEVICE, assert_close, gpu, requires_cuda
+
+from tandem.kernels import reference
+from tandem.kernels.penalties import BLOCK, apply_penalties
+
+
+def _inputs(batch, vocab, capacity, rows, device=DEVICE):
+    logits = torch.randn(batch, vocab) * 4
+    logits[0, :7] = float("-inf")  # a structured-output mask before the penalties
+    logits[:, 3] = 0.0
+    counts = torch.randint(0, 4, (capacity, vocab)).float() * (torch.rand(capacity, vocab) < 0.2)
+    prompt = torch.rand(capacity, vocab) < 0.1
+    slots = torch.randperm(capacity)[: len(rows)]
+    params = torch.stack([torch.rand(len(rows)) * 2 + 0.3, torch.randn(len(rows)), torch.randn(len(rows))], dim=1)
+    return [t.to(device) for t in (logits, torch.tensor(rows), slots, counts, prompt, params.contiguous())]
+
+
+@pytest.mark.parametrize("batch, vocab, rows", [(4, 50, [0, 2, 3]), (3, 2 * BLOCK + 77, [2, 0]), (1, 130, [0])])
+def test_matches_reference(batch, vocab, rows):
+    logits, rows, slots, counts, prompt, params = _inputs(batch, vocab, 6, rows)
+    want = logits.clone()
+    reference.apply_penalties(want, rows, slots, counts, prompt, params)
+    got = logits.clone()
+    apply_penalties(got, rows, slots, counts, prompt, params)
+    assert_close(got, want, torch.float32)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    untouched = [r for r in range(batch) if r not in rows.tolist()]
+    assert torch.equal(got[untouched], logits[untouched])
+
+
+def test_the_repetition_rule_is_bit_exact():
+    """Repetition alone (no presence or frequency): the same values as torch's (HF's) division."""
+    logits, rows, slots, counts, prompt, params = _inputs(4, 300, 4, [3, 1, 0])
+    params[:, 1:] = 0.0
+    want = logits.clone()
+    reference.apply_penalties(want, rows, slots, counts, prompt, params)
+    got = logits.clone()
+    apply_penalties(got, rows, slots, counts, prompt, params)
+    assert torch.equal(got, want)
+
+
+def test_no_rows_changes_nothing():
+    logits, _, _, counts, prompt, _ = _inputs(2, 40, 2, [0])
+    before = logits.clone()
+    empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    apply_penalties(logits, empty, empty, counts, prompt, torch.zeros(0, 3, device=DEVICE))
+    assert torch.equal(logits, before)
+
+
+@gpu
+@requires_cuda
+def test_gpu_real_shape():
+    """Batch 64, every row penalized, Llama 3's vocabulary."""
+    logits, rows, slots, counts, prompt, params = _inputs(64, 128256, 80, list(range(64)), device="cuda")
+    want = logits.clone()
+    reference.apply_penalties(want, rows, slots, counts, prompt, params)
+    apply_penalties(logits, rows, slots, counts, prompt, params)
+    assert_close(logits, want, torch.float32)
