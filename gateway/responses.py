@@ -66,6 +66,7 @@ class Delta:
     logprobs: list | None = None  # one engine.logprobs entry per token id, when the request asked
     # a choice's first delta: what leads it, when asked (``PromptPart``)
     prompt: "PromptPart | None" = None
+    tool_calls: list | None = None  # chat: calls complete with this delta (OpenAI's shape, with index)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class ChoiceResult:
     finish_reason: str | None
     logprobs: list | None = None  # one engine.logprobs entry per token id, when the request asked
     prompt: PromptPart | None = None
+    tool_calls: list | None = None  # chat: the calls read out of the output (OpenAI's shape)
 
 
 @dataclass
@@ -150,8 +152,11 @@ class ResponseFormat:
         for index, result in enumerate(choices):
             text, logprobs = self._with_prompt(result.prompt, result.text, result.token_ids, result.logprobs, 0)
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": result.text},
-                          "logprobs": logprobs, "finish_reason": result.finish_reason}
+                message = {"role": "assistant", "content": result.text}
+                if result.tool_calls:
+                    message = {"role": "assistant", "content": result.text or None, "tool_calls": result.tool_calls}
+                choice = {"index": index, "message": message, "logprobs": logprobs,
+                          "finish_reason": result.finish_reason}
             else:
                 choice = {"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": result.finish_reason}
@@ -169,6 +174,8 @@ class ResponseFormat:
         if self.chat:
             body = self._envelope("chat.completion.chunk")
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            if delta.tool_calls:
+                content = {**({"content": delta.text} if delta.text else {}), "tool_calls": delta.tool_calls}
             choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         else:
             body = self._envelope("text_completion")
@@ -281,7 +288,7 @@ async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[tuple[int, Delta
                 yield sse(fmt.role_chunk(at.roles_sent - 1))
         async for index, delta in deltas:
             if (not delta.text and delta.finish_reason is None and not fmt.return_token_ids and not delta.logprobs
-                    and delta.prompt is None):
+                    and delta.prompt is None and not delta.tool_calls):
                 continue  # held-back text (partial character, possible stop string): nothing to send yet
             offset = at.offsets.get(index, 0)
             chunk = fmt.chunk(delta, first=index not in at.started and not fmt.chat, index=index, text_offset=offset)

@@ -18,6 +18,7 @@ from tandem.cluster.grammars import GrammarError, Grammars
 from tandem.cluster.sampling import SamplingParams
 from tandem.cluster.settings import Settings
 from tandem.cluster.tokenizer import vocab_size
+from tandem.gateway import tools
 from tandem.gateway.errors import InvalidRequest, ModelNotFound
 from tandem.gateway.protocol import (INT64_MAX, ChatCompletionRequest, CompletionRequest, SamplingFields,
                                      StructuredOutputs)
@@ -39,6 +40,7 @@ class GenerationInput:
     n: int = 1  # choices: each its own generation (gateway.choices)
     best_of: int = 1  # sequences sampled; the n with the highest cumulative logprob are returned
     echo: bool = False  # completions: the prompt (with its logprobs, when asked) leads the choice
+    tool_parser: str | None = None  # chat with tools: the format its output's calls are read in (gateway.tools)
     prompt_text: str | None = None  # with echo: the prompt's text as the client sent it (token ids: decoded)
 
 
@@ -81,13 +83,77 @@ class Validator:
 
     def chat(self, body: ChatCompletionRequest) -> GenerationInput:
         self._check_model(body.model)
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        template = self._template()
+        parser = tools.parser_for(template, self.settings.tool_call_parser) if body.tools else None
+        messages = [self._message(m, parser, template) for m in body.messages]
+        kwargs = {}
+        if body.calls_tools:
+            specs = [t.model_dump(exclude_none=True) for t in body.tools]
+            if "tools" in template:
+                kwargs["tools"] = specs
+            else:  # a template that does not render tools: they go in a system message of the parser's format
+                messages.insert(0, {"role": "system", "content": tools.tools_system_prompt(parser, specs)})
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as exc:  # jinja raises its own types (e.g. a template that rejects a role order)
             raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
         token_ids = self._encode(text, "messages", add_special_tokens=False)
-        return self._build(body, token_ids, self._grammar(body.structured, self._structured_param(body)))
+        grammar = self._grammar(body.structured, self._structured_param(body))
+        if body.calls_tools:
+            grammar = self._tool_grammar(body, parser)
+        inp = self._build(body, token_ids, grammar)
+        if body.calls_tools:
+            inp.tool_parser = parser
+            if parser == "mistral":  # its marker is a special token: the parser reads it in the text
+                inp.skip_special_tokens = False
+        return inp
+
+    def _template(self) -> str:
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return template if isinstance(template, str) else "\n".join(map(str, dict(template).values()))
+
+    @staticmethod
+    def _message(m, parser: str | None, template: str) -> dict:
+        """One message as chat templates take it: a call's arguments as a mapping (HF templates
+        render them with tojson), tool results with their call id; for a template that renders
+        no tool calls, the assistant's calls are written into its content in the parser's format."""
+        message: dict = {"role": m.role, "content": m.text}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                     for c in m.tool_calls]
+            if "tool_calls" in template:
+                message["tool_calls"] = calls
+            else:
+                message["content"] = (message["content"] + "\n" if message["content"] else "") + \
+                    tools.render_calls(parser or "hermes", calls)
+        return message
+
+    def _tool_grammar(self, body: ChatCompletionRequest, parser: str) -> str | None:
+        """tool_choice "required" or a named function: the grammar that forces the call (None: auto)."""
+        choice = body.tool_choice
+        if choice in (None, "auto"):
+            return None
+        functions = [t.function for t in body.tools]
+        if choice != "required":
+            functions = [f for f in functions if f.name == choice.function.name]
+        parallel = body.parallel_tool_calls is not False and choice == "required"
+        lark = tools.forced_grammar(parser, functions, parallel, self._special_token_id)
+        try:
+            return self.grammars.check(grammars.lark_grammar(lark))
+        except GrammarError as exc:
+            raise InvalidRequest(f"invalid tool parameters schema: {exc}", param="tools") from exc
+
+    def _special_token_id(self, text: str) -> int | None:
+        """The id of ``text`` when the tokenizer has it as one special token."""
+        token_id = self.tokenizer.convert_tokens_to_ids(text)
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        added = {i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if t.special}
+        return token_id if isinstance(token_id, int) and token_id in special | added else None
 
     @staticmethod
     def _structured_param(body: SamplingFields) -> str:
