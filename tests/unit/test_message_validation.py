@@ -238,6 +238,16 @@ RECORD = WorkerInfo("d0", "decode", "m", "i", 1, "h", 0.0, 0.0, 64, 64)
     (REQUEST, {"sampling_logprobs": MAX_LOGPROBS + 1}, "logprobs"),
     (REQUEST, {"sampling_seed": 2**63}, "seed"),
     (REQUEST, {"sampling": [0.5]}, "sampling"),
+    (REQUEST, {"sampling_presence_penalty": 2.5}, "presence_penalty"),
+    (REQUEST, {"sampling_frequency_penalty": float("nan")}, "frequency_penalty"),
+    (REQUEST, {"sampling_repetition_penalty": 0.0}, "repetition_penalty"),
+    (REQUEST, {"sampling_min_p": 1.5}, "min_p"),
+    (REQUEST, {"sampling_logit_bias": [[5, 101.0]]}, "logit_bias"),
+    (REQUEST, {"sampling_logit_bias": [[-1, 1.0]]}, "logit_bias"),
+    (REQUEST, {"sampling_logit_bias": [[5]]}, "logit_bias"),
+    (REQUEST, {"sampling_logit_bias": [[5, 1.0]] * 1025}, "logit_bias"),
+    (REQUEST, {"sampling_grammar": ""}, "grammar"),
+    (REQUEST, {"sampling_grammar": 5}, "grammar"),
     (REQUEST, {"stop_token_ids": None}, "stop_token_ids"),
     (REQUEST, {"stop_token_ids": [-1]}, "stop_token_ids"),
     (REQUEST, {"prompt_token_ids": []}, "prompt_token_ids"),
@@ -277,7 +287,7 @@ def test_required_fields_missing_are_named():
 
 
 def test_unknown_fields_are_still_ignored_and_ints_are_numbers():
-    msg = decode(_raw(_body(REQUEST, sampling_temperature=0, sampling_min_p=0.1, a_later_field=[1])))
+    msg = decode(_raw(_body(REQUEST, sampling_temperature=0, sampling_a_later_knob=0.1, a_later_field=[1])))
     assert msg.sampling == SamplingParams(temperature=0.0) and msg.request_id == "r1"
 
 

@@ -27,6 +27,7 @@ from tandem.engine.prefix_cache import PrefixCache
 from tandem.kvtransfer import KVReceiver
 from tandem.kvtransfer.base import CompletedTransfer, Connection
 from tandem.prefill.scheduler import PrefillScheduler
+from tandem.engine.guide import Guides
 from tandem.prefill.worker import PrefillWorker
 from tests.unit.test_decode_loop import _prefilling, _Redis, _worker
 
@@ -229,6 +230,7 @@ def _prefill_worker(connect=_Connection):
     worker.runner = _PrefillRunner(32, 4)
     worker.transport = types.SimpleNamespace(connect=connect)
     worker.eos_token_ids = [2]
+    worker.guides = Guides("unused: no request here is guided", 32, [2])
     worker.redis = _Redis()
     worker.inbox = types.SimpleNamespace(read=lambda block_ms=None: [])
     worker.outbox, worker.mailer = Outbox(worker.redis), Mailer(worker.redis)
