@@ -32,7 +32,7 @@ class Plan(NamedTuple):
     """A step's processing as device tensors, built from its rows' parameters (``plan``); the
     decode worker reuses it while its batch and their slots stay the same."""
 
-    bias: tuple[torch.Tensor, torch.Tensor] | None  # ([2, N] int64 (row, token), [N] fp32 bias)
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # ([N] int64 row * V + token, [N] fp32 bias)
     penalties: tuple[torch.Tensor, torch.Tensor] | None  # ([2, R] int64 (row, slot), [R, 3] fp32
     #                                                     (repetition, frequency, presence))
 
@@ -46,9 +46,8 @@ def plan(params: list[SamplingParams], vocab: int, device: torch.device,
     bias = None
     entries = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if 0 <= t < vocab]
     if entries:  # ids outside the logits (the model cannot produce them anyway) are left out
-        rows, cols, biases = zip(*entries)
-        bias = (_to_device(torch.tensor([rows, cols], dtype=torch.int64), device),
-                _to_device(torch.tensor(biases, dtype=torch.float32), device))
+        bias = (_to_device(torch.tensor([r * vocab + t for r, t, _ in entries], dtype=torch.int64), device),
+                _to_device(torch.tensor([b for _, _, b in entries], dtype=torch.float32), device))
     penalties = None
     if slots:
         rows = sorted(slots)
@@ -65,10 +64,10 @@ def apply(logits: torch.Tensor, plan: Plan | None, counts: torch.Tensor | None =
     fp32 and ``prompt`` [C, V] bool: the slots the plan's penalized rows read."""
     if plan is None:
         return logits
-    out = logits.clone()
+    out = logits.clone(memory_format=torch.contiguous_format)
     if plan.bias is not None:
         index, values = plan.bias
-        out.index_put_((index[0], index[1]), values, accumulate=True)
+        out.view(-1).index_add_(0, index, values)  # one atomic add per entry (index_put's accumulate sorts)
     if plan.penalties is not None:
         index, weights = plan.penalties
         ops.apply_penalties(out, index[0], index[1], counts, prompt, weights)

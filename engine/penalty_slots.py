@@ -33,7 +33,7 @@ class PenaltySlots:
         self._slot: dict[Hashable, int] = {}
         self._counted: dict[Hashable, int] = {}
         self._free = list(range(capacity - 1, -1, -1))  # popped from the end: lowest first
-        self._one = torch.ones(1, device=device)
+        self._ones = torch.ones(capacity, device=device)  # what ``count`` adds (a row at most per slot)
 
     @property
     def capacity(self) -> int:
@@ -75,7 +75,8 @@ class PenaltySlots:
     def count(self, keys: list[Hashable], slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """One more output token per key: ``tokens`` [R] int64 into ``slots`` [R] int64 (both on
         the device, the slots distinct), without waiting for them."""
-        self.counts.index_put_((slots, tokens), self._one.expand(tokens.shape[0]), accumulate=True)
+        flat = slots * self.vocab + tokens  # one atomic add per row, no sort (index_put's accumulate sorts)
+        self.counts.view(-1).index_add_(0, flat, self._ones[: tokens.shape[0]])
         for key in keys:
             self._counted[key] += 1
 
@@ -92,6 +93,7 @@ class PenaltySlots:
         old = self.capacity
         self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
         self.prompt = torch.cat([self.prompt, torch.zeros_like(self.prompt)])
+        self._ones = torch.ones(2 * old, device=self.device)
         self._free = list(range(2 * old - 1, old - 1, -1)) + self._free
 
     def _pairs(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:

@@ -4,7 +4,8 @@ One program per (penalized row, vocabulary tile) reads the row's logits, its slo
 and prompt marks once and writes the penalized logits in place: one pass over the rows
 instead of the dozen tensors the torch form (``reference.apply_penalties``) makes, which
 at a 128k vocabulary and 64 rows each move 32 MB. The division is IEEE round-to-nearest
-(``div_rn``), as torch's, so the repetition rule gives HF's values bit for bit.
+(``div_rn``), as torch's, and no multiply-add is fused, so the values are the reference's
+(and HF's) bit for bit.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048  # vocabulary entries per program
+# no fused multiply-add (fp fusion off): the reference's values, which are torch's
+LAUNCH_OPTIONS = {"num_warps": 8, "enable_fp_fusion": False}
 
 
 @triton.jit
@@ -52,5 +55,5 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
     grid = (num_rows, triton.cdiv(vocab, BLOCK))
     _penalties_kernel[grid](
         logits, logits.stride(0), rows, slots, counts, counts.stride(0), prompt.view(torch.uint8), prompt.stride(0),
-        params, vocab, BLOCK=BLOCK, num_warps=8,
+        params, vocab, BLOCK=BLOCK, **LAUNCH_OPTIONS,
     )

@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from kernel_testing import DEVICE, assert_close, gpu, requires_cuda
@@ -58,3 +63,26 @@ def test_gpu_real_shape():
     reference.apply_penalties(want, rows, slots, counts, prompt, params)
     apply_penalties(logits, rows, slots, counts, prompt, params)
     assert_close(logits, want, torch.float32)
+
+
+_COMPILE = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from tandem.kernels.penalties import BLOCK, LAUNCH_OPTIONS, _penalties_kernel
+types = {"logits_ptr": "*fp32", "rows_ptr": "*i64", "slots_ptr": "*i64", "counts_ptr": "*fp32",
+         "prompt_ptr": "*u8", "params_ptr": "*fp32"}
+signature = {name: types.get(name, "constexpr" if name == "BLOCK" else "i32") for name in _penalties_kernel.arg_names}
+kernel = triton.compile(triton.compiler.ASTSource(_penalties_kernel, signature, {"BLOCK": BLOCK}),
+                        target=GPUTarget("cuda", 90, 32), options=LAUNCH_OPTIONS)
+ptx = kernel.asm["ptx"]
+print(sorted(set(re.findall(r"\\b(?:div|fma|mad)\\.[a-z.]*f32", ptx))))  # float ops only
+"""
+
+
+def test_compiled_for_sm90_it_divides_exactly_and_fuses_no_multiply_add():
+    """Outside the interpreter, no GPU needed: the PTX the launch options give."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['div.rn.f32']"
