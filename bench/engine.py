@@ -134,8 +134,8 @@ def handoff_workload(runner, allocator, prompt_len: int = 2048) -> dict:
     return {"ms": ms, "bytes": nbytes, "GBps": nbytes / (ms / 1e3) / 1e9}
 
 
-def run_model(name: str, ceil: dict, batches: list[int]) -> None:
-    from tandem.bench import sampling_controls
+def run_model(name: str, ceil: dict, batches: list[int], guided_tokenizer: str | None = None) -> None:
+    from tandem.bench import guided_decode, sampling_controls
     from tandem.engine.block_allocator import BlockAllocator
 
     max_batch = max(batches)
@@ -155,6 +155,11 @@ def run_model(name: str, ceil: dict, batches: list[int]) -> None:
     c = sampling_controls.overhead(runner, allocator, batch=max_batch)
     row(f"decode_b{max_batch}_penalties", name, "ms_per_step", c["processed_ms"], "plain_ms_per_step",
         c["plain_ms"], c["ratio"])
+    # what structured outputs on half the rows add to a decode step (tandem.bench.guided_decode)
+    if guided_tokenizer is not None:
+        g = guided_decode.overhead(runner, allocator, guided_tokenizer, batch=max_batch)
+        row(f"decode_b{max_batch}_guided_half", name, "ms_per_step", g["guided_ms"], "plain_ms_per_step",
+            g["plain_ms"], g["ratio"])
     p = prefill_workload(runner, allocator)
     row("prefill_2048", name, "ms", p["ms"], "matmul_floor_ms", p["flops"] / (ceil["bf16_matmul_TFLOPs"] * 1e12) * 1e3,
         None)
@@ -207,6 +212,16 @@ def run_anchors(name: str, which: set[str]) -> None:
     torch.cuda.empty_cache()
 
 
+def _guided_tokenizer(args) -> str | None:
+    """The guided row's tokenizer: --guided-tokenizer, else the default model's when installed."""
+    if args.guided_tokenizer:
+        return args.guided_tokenizer
+    from tandem.models import default_gguf_file
+
+    path = default_gguf_file()
+    return str(path) if path is not None else None
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'workload':<18} {'model':<12} {'metric':<24} {'value':>12} {'anchor':<20} {'anchor_value':>12} {'ratio':>7}")
     for r in rows:
@@ -238,7 +253,7 @@ def main(args: argparse.Namespace) -> int:
     anchor_models = set(args.anchor_models.split(","))
     for name in args.models.split(","):
         try:
-            run_model(name, ceil, batches)
+            run_model(name, ceil, batches, _guided_tokenizer(args))
         except Exception as exc:
             traceback.print_exc()
             row("engine", name, "error", f"{type(exc).__name__}: {exc}"[:300])

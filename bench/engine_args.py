@@ -12,3 +12,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchors", default="prefill,static,eager,cb", help="HF anchors to run ('' for none)")
     parser.add_argument("--anchor-models", default="llama2-7b")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "benchmarks.json"))
+    parser.add_argument("--guided-tokenizer", default=os.environ.get("TANDEM_BENCH_TOKENIZER"),
+                        help="a checkpoint (or tokenizer directory) for the guided decode row "
+                             "(default: the default model's; none installed: the row is skipped)")

@@ -43,11 +43,13 @@ def processed_params(vocab: int, row: int) -> SamplingParams:
 
 
 def decode_ms(runner, allocator: BlockAllocator, params: list[SamplingParams], prompt_len: int = 128,
-              new_tokens: int = 64, warmup: int = 8) -> float:
-    """ms per decode step of len(params) sequences (one per row) after a prompt of ``prompt_len``."""
+              new_tokens: int = 64, warmup: int = 8, guides=None, first_token: int | None = None) -> float:
+    """ms per decode step of len(params) sequences (one per row) after a prompt of ``prompt_len``;
+    ``guides`` (engine.guide.Guides): for rows whose params carry a grammar; ``first_token``: every
+    row's first output token (default: its prompt's last)."""
     vocab = runner.config.vocab_size
     g = torch.Generator().manual_seed(len(params))
-    steps = DeviceSteps(runner, allocator, StepStats("decode", 1e9))
+    steps = DeviceSteps(runner, allocator, StepStats("decode", 1e9), guides=guides)
     batch = []
     try:
         for i, p in enumerate(params):
@@ -56,7 +58,7 @@ def decode_ms(runner, allocator: BlockAllocator, params: list[SamplingParams], p
                                    max_tokens=new_tokens + 1, reply_to="bench", ignore_eos=True)
             batch.append(DecodeRequest(spec=spec, status=RequestStatus.DECODING,
                                        block_ids=allocator.allocate(prompt_len + new_tokens + 1),
-                                       output_token_ids=[int(prompt[-1])]))
+                                       output_token_ids=[int(prompt[-1]) if first_token is None else first_token]))
         chunks = [SeqChunk(r.spec.prompt_token_ids, 0, r.block_ids) for r in batch]
         runner.forward(chunks)  # the prompts' KV (token 0 is taken as given)
         previous, started = None, None

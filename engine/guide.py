@@ -72,9 +72,10 @@ class Guides:
 
     def __init__(self, tokenizer_source: str, vocab_size: int, eos_token_ids: list[int]):
         self.tokenizer_source = tokenizer_source  # a checkpoint directory or GGUF file (cluster.tokenizer)
-        self.vocab_size = vocab_size  # the model's logits width: the mask covers every row
+        self.vocab_size = vocab_size  # the model's logits width: the mask covers every column
         self.eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer = None
+        self._mask_vocab = vocab_size  # the masks' width: the wider of the logits and the tokenizer
 
     @property
     def ll_tokenizer(self):
@@ -83,7 +84,8 @@ class Guides:
             from tandem.cluster.tokenizer import load_tokenizer, vocab_size
 
             tokenizer = load_tokenizer(self.tokenizer_source)
-            self._ll_tokenizer = ll_tokenizer(tokenizer, max(self.vocab_size, vocab_size(tokenizer)))
+            self._mask_vocab = max(self.vocab_size, vocab_size(tokenizer))
+            self._ll_tokenizer = ll_tokenizer(tokenizer, self._mask_vocab)
         return self._ll_tokenizer
 
     def new(self, grammar: str, output_token_ids: list[int] = ()) -> Guide:
@@ -102,7 +104,7 @@ class Guides:
         others; None when no row is guided."""
         if not any(g is not None for g in guides):
             return None
-        words = (self.vocab_size + 31) // 32
+        words = (self._mask_vocab + 31) // 32  # the guides exist: their tokenizer was built
         mask = torch.full((len(guides), words), -1, dtype=torch.int32)
         for row, guide in enumerate(guides):
             if guide is not None:

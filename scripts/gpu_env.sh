@@ -11,7 +11,8 @@
 # GPU_PYTHON_VERSION (3.12) and GPU_PLATFORM (manylinux_2_28_x86_64) name the machine's Python.
 DEPS=.gpu-deps
 PACKAGES="grpcio grpcio-tools grpcio-health-checking grpcio-reflection protobuf redis structlog fastapi starlette pydantic pydantic_core annotated-types
-typing-inspection uvicorn openai distro jiter sniffio annotated-doc opentelemetry-api hiredis httptools gguf"
+typing-inspection uvicorn openai distro jiter sniffio annotated-doc opentelemetry-api hiredis httptools gguf llguidance
+jsonschema jsonschema-specifications referencing rpds-py attrs"
 
 gpu_env_bundle() {
   set -euo pipefail
@@ -20,8 +21,11 @@ gpu_env_bundle() {
     version=$(python3 -m pip show "$spec" 2>/dev/null | awk '/^Version:/{print $2}' || true)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${GPU_PYTHON_VERSION:-3.12}" \
       --implementation cp --platform "${GPU_PLATFORM:-manylinux_2_28_x86_64}" --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d "$DEPS/whl" "${spec}${version:+==$version}"
+      --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 -d "$DEPS/whl" "${spec}${version:+==$version}"
   done
+  # a real tokenizer for the guided-decoding benchmark (the default model's; its weights stay here)
+  tokenizer=$(python3 -c "from tandem.models import default_gguf_file; from tandem.cluster.tokenizer import gguf_tokenizer_dir; print(gguf_tokenizer_dir(str(default_gguf_file())))")
+  mkdir -p "$DEPS/tokenizers" && rm -rf "$DEPS/tokenizers/smollm2" && cp -r "$tokenizer" "$DEPS/tokenizers/smollm2"
   cp "$(readlink -f "$(command -v redis-server)")" "$DEPS/bin/redis-server"
   cp -L /lib/x86_64-linux-gnu/liblzf.so.1 /lib/x86_64-linux-gnu/libjemalloc.so.2 "$DEPS/lib/"
   du -sh "$DEPS"
@@ -35,6 +39,7 @@ gpu_env_activate() {
   export PATH=$PWD/$DEPS/bin:$PATH
   export LD_LIBRARY_PATH=$PWD/$DEPS/lib:${LD_LIBRARY_PATH:-}
   export PYTHONUNBUFFERED=1
+  export TANDEM_BENCH_TOKENIZER=$PWD/$DEPS/tokenizers/smollm2  # tandem bench engine's guided row
   # NVLink multicast stays off (a program using it can take a shared host's GPUs out of service)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 }
