@@ -72,6 +72,7 @@ class DeviceSteps:
             if previous is not None and any(src >= 0 for src in feed_rows):
                 feed = TokenFeed(previous.tokens.device_tokens, feed_rows)
             logits = self.runner.forward(chunks, feed)
+            raw_logits = logits  # logprobs are the model's own distribution, before any mask
             bitmask = self._guide_masks(batch, previous, rows)  # filled while the forward runs
             if bitmask is not None:
                 logits = apply_bitmask(logits, bitmask)
@@ -83,7 +84,7 @@ class DeviceSteps:
             sample_logits, counting = self.penalties.process(logits, batch, indices, feed)
             sampled = sample_async(sample_logits, params, indices, banned)
             self.penalties.count(counting, sampled)  # on the device: the next step may launch first
-            extra = logprobs.compute(logits, sampled, params) if logprobs.wanted(params) else None
+            extra = logprobs.compute(raw_logits, sampled, params) if logprobs.wanted(params) else None
             tokens = StepTokens(sampled, extra)
         except Exception as exc:
             return exc
