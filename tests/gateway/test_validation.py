@@ -239,3 +239,22 @@ def test_bad_input_never_reaches_a_worker(serve, fake_worker, rclient):
             assert http.post("/v1/chat/completions", json=body).status_code == 400, name
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     assert len(worker.requests) == 1
+
+
+def test_an_invalid_structured_output_is_400_with_the_engine_message_and_reaches_no_worker(serve, fake_worker):
+    import httpx
+
+    worker = fake_worker(token_script([5], "length"))
+    server = serve()
+    with httpx.Client(base_url=server.url) as http:
+        for body, param, words in [
+            ({"prompt": "x", "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "nope"}}}}},
+             "structured_outputs", "nope"),
+            ({"prompt": "x", "response_format": {"type": "json_schema",
+                                                 "json_schema": {"name": "s", "schema": {"minLength": "3"}}}},
+             "response_format", "minLength"),
+            ({"prompt": "x", "guided_grammar": "start: undefined_rule"}, "guided_grammar", "undefined_rule"),
+        ]:
+            error = assert_openai_error(http.post("/v1/completions", json=body), 400, param=param)
+            assert words in error["message"], error
+    assert worker.requests == []
