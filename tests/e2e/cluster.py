@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import time
 
@@ -61,6 +62,41 @@ class LocalCluster:
     def worker(self, role: str, worker_id: str) -> WorkerInfo | None:
         raw = self.redis.get(keys.worker(role, worker_id))
         return decode(raw) if raw else None
+
+    def start_two_decode(self, timeout_s: float = 180.0) -> "LocalCluster":
+        """decode-0 and decode-1, one prefill worker and the gateway, both decode workers registered."""
+        for worker_id in ("decode-0", "decode-1"):
+            self.start_service("decode", worker_id)
+        self.start_service("prefill", "prefill-0")
+        self.start_service("gateway")
+        if not wait_healthy(f"{self.base_url}/health", list(self.procs.values()), timeout_s):
+            self.stop()
+            raise RuntimeError(self.logs())
+        deadline = time.monotonic() + 30
+        while not all(self.worker("decode", w) for w in ("decode-0", "decode-1")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self
+
+    def busy_worker(self, role: str, worker_ids: tuple[str, ...] = ("decode-0", "decode-1")) -> str | None:
+        """The first of ``worker_ids`` whose record shows a request running."""
+        for worker_id in worker_ids:
+            info = self.worker(role, worker_id)
+            if info is not None and info.num_running > 0:
+                return worker_id
+        return None
+
+    def kill_busy_worker(self, role: str, ready, timeout_s: float = 60.0,
+                         worker_ids: tuple[str, ...] = ("decode-0", "decode-1")) -> str | None:
+        """SIGKILL the worker running a request once ``ready()`` (e.g. tokens flow); -> its id
+        (None: none was busy and ready within ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            victim = self.busy_worker(role, worker_ids) if ready() else None
+            if victim is not None:
+                self.procs[victim].send_signal(signal.SIGKILL)
+                return victim
+            time.sleep(0.02)
+        return None
 
     def wait_blocks_free(self, role: str, worker_id: str, timeout_s: float = 15.0) -> WorkerInfo:
         deadline = time.monotonic() + timeout_s

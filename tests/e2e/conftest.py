@@ -52,3 +52,12 @@ def hf_greedy_logprobs(tiny_llama):
         return out.sequences[0, len(prompt_ids):].tolist(), torch.log_softmax(logits.float(), dim=-1)
 
     return generate
+
+
+@pytest.fixture
+def two_decode_cluster(tiny_llama, tmp_path):
+    """Two decode workers (a request can fail over from one to the other), one prefill worker."""
+    c = LocalCluster(tiny_llama, str(tmp_path), tokens_per_block=4, max_num_tokens=64, max_seq_len=512)
+    c.start_two_decode()
+    yield c
+    c.stop()

@@ -2,36 +2,14 @@
 decode worker, and the client's one stream still equals HF generate() token for token."""
 
 import os
-import signal
-import time
 
 import httpx
-import pytest
 from transformers import AutoTokenizer
 
-from tandem.launcher import wait_healthy
-from tests.e2e.cluster import LocalCluster
 from tests.e2e.serve_cluster import Stream
 
 MAX_TOKENS = 460
 PROMPT = "The decode worker that holds this request will be killed while it streams"
-
-
-@pytest.fixture
-def two_decode_cluster(tiny_llama, tmp_path):
-    c = LocalCluster(tiny_llama, str(tmp_path), tokens_per_block=4, max_num_tokens=64, max_seq_len=512)
-    for worker_id in ("decode-0", "decode-1"):
-        c.start_service("decode", worker_id)
-    c.start_service("prefill", "prefill-0")
-    c.start_service("gateway")
-    if not wait_healthy(f"{c.base_url}/health", list(c.procs.values()), 180):
-        c.stop()
-        raise RuntimeError(c.logs())
-    deadline = time.monotonic() + 30
-    while not all(c.worker("decode", w) for w in ("decode-0", "decode-1")) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    yield c
-    c.stop()
 
 
 def test_stream_survives_its_decode_worker_being_killed(two_decode_cluster, hf_greedy, tiny_llama):
@@ -39,15 +17,8 @@ def test_stream_survives_its_decode_worker_being_killed(two_decode_cluster, hf_g
     model = os.path.basename(tiny_llama)
     client = Stream(cluster.base_url, model, PROMPT, MAX_TOKENS, ignore_eos=True)
     client.start()
-    victim, deadline = None, time.monotonic() + 60
-    while victim is None and time.monotonic() < deadline:  # the worker running it, once tokens flow
-        for worker_id in ("decode-0", "decode-1"):
-            info = cluster.worker("decode", worker_id)
-            if info is not None and info.num_running > 0 and len(client.arrivals) > 5:
-                victim = worker_id
-        time.sleep(0.02)
+    victim = cluster.kill_busy_worker("decode", lambda: len(client.arrivals) > 5)  # once tokens flow
     assert victim is not None, f"the request never ran: {client.error}\n{cluster.logs()}"
-    cluster.procs[victim].send_signal(signal.SIGKILL)
     tokens_at_kill = len(client.token_ids)
     client.join(120)
     assert not client.is_alive()

@@ -3,15 +3,12 @@ the request with the tokens already streamed, fills its slot of counts from them
 client's one stream still equals HF generate() with the matching processors."""
 
 import os
-import signal
-import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
 from tests.e2e.serve_cluster import Stream
-from tests.e2e.test_decode_failover import two_decode_cluster  # noqa: F401 (a fixture)
 from tests.engine.test_logits_process import OpenAIPenalties
 
 pytestmark = pytest.mark.slow
@@ -33,20 +30,13 @@ def _hf(tiny_llama, prompt_ids: list[int]) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def test_penalized_stream_survives_its_decode_worker_being_killed(two_decode_cluster, tiny_llama):  # noqa: F811
+def test_penalized_stream_survives_its_decode_worker_being_killed(two_decode_cluster, tiny_llama):
     cluster = two_decode_cluster
     client = Stream(cluster.base_url, os.path.basename(tiny_llama), PROMPT, MAX_TOKENS, ignore_eos=True)
     client.body.update(FIELDS)
     client.start()
-    victim, deadline = None, time.monotonic() + 60
-    while victim is None and time.monotonic() < deadline:  # the worker running it, once tokens flow
-        for worker_id in ("decode-0", "decode-1"):
-            info = cluster.worker("decode", worker_id)
-            if info is not None and info.num_running > 0 and len(client.arrivals) > 5:
-                victim = worker_id
-        time.sleep(0.02)
+    victim = cluster.kill_busy_worker("decode", lambda: len(client.arrivals) > 5)  # once tokens flow
     assert victim is not None, f"the request never ran: {client.error}\n{cluster.logs()}"
-    cluster.procs[victim].send_signal(signal.SIGKILL)
     tokens_at_kill = len(client.token_ids)
     client.join(120)
     assert client.status == 200 and client.done and client.error is None, client.error
