@@ -8,7 +8,9 @@ generated id streams as text and TTFT/ITL are measured per token), measures HF `
 weights shape, then starts ``tandem serve`` (gateway, prefill and decode
 workers on this GPU, cuda_ipc handoff) and drives it with ``tandem.bench.serve``:
 128 requests, prompts uniform in [64, 511] tokens (seed 0), 256 new tokens
-each, all submitted at once. Rows as in ``tandem.bench.engine``.
+each, all submitted at once (``--num-prompts``, ``--input-len-range``, ``--output-len`` and
+``--max-concurrency`` change the load; ``--serve-args`` the cluster, e.g. its FP8 flags).
+Rows as in ``tandem.bench.engine``.
 """
 
 from __future__ import annotations
@@ -80,9 +82,10 @@ def hf_continuous_batching(name: str) -> float:
 
 
 def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, serve_args: list[str],
-                   client_processes: int = 1) -> dict:
+                   client_processes: int = 1, input_len_range: str = "64:511", output_len: int = 256,
+                   max_concurrency: int | None = None, max_batch_size: int = 128) -> dict:
     serve_cmd = [sys.executable, "-m", "tandem", "serve", "--model", model_path, "--port", str(port),
-                 "--max-batch-size", "128", "--max-num-tokens", "8192", "--max-seq-len", "1024",
+                 "--max-batch-size", str(max_batch_size), "--max-num-tokens", "8192", "--max-seq-len", "1024",
                  "--max-input-len", "768", "--log-level", "info", *serve_args]
     log = open(os.path.join(out_dir, "cluster.log"), "w")
     cluster = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
@@ -95,7 +98,9 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, s
                 break
         result_json = os.path.join(out_dir, "serve_result.json")
         load_cmd = [sys.executable, "-m", "tandem.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
-                    "--num-prompts", str(num_prompts), "--input-len-range", "64:511", "--output-len", "256",
+                    "--num-prompts", str(num_prompts), "--input-len-range", input_len_range,
+                    "--output-len", str(output_len), *(["--max-concurrency", str(max_concurrency)]
+                                                       if max_concurrency else []),
                     "--request-rate", "inf", "--seed", "0", "--min-token-id", "3", "--max-token-id", "499",
                     "--result-json", result_json, "--no-progress", "--num-processes", str(client_processes)]
         subprocess.run(load_cmd, check=True, timeout=600)
@@ -121,13 +126,18 @@ def main() -> int:
                         help="tandem.bench.serve --num-processes: one Python client process measured 15%% less "
                              "(6,321 vs 7,431 tok/s, docs/benchmarks.md) than four on 128 streams")
     parser.add_argument("--label", default="mixed_128req", help="workload name in the rows (say, for a two-GPU run)")
+    parser.add_argument("--input-len-range", default="64:511", help="prompt lengths, A:B tokens")
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
+    parser.add_argument("--max-batch-size", type=int, default=128, help="tandem serve --max-batch-size")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cluster_mixed.json"))
     args = parser.parse_args()
     name = args.model_shape
     path = write_checkpoint(name, args.checkpoint)
     torch.cuda.empty_cache()
     result = serve_and_load(path, os.path.dirname(os.path.abspath(args.out)), args.port, args.num_prompts, args.serve_args.split(),
-                            args.client_processes)
+                            args.client_processes, args.input_len_range, args.output_len, args.max_concurrency,
+                            args.max_batch_size)
     metrics = result.get("metrics", result)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, indent=1))
     tok_s = metrics.get("output_throughput")
