@@ -18,6 +18,7 @@ from pathlib import Path
 from tandem.cluster.policies import (
     CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES, FIRST_COME_FIRST_SERVED, GUARANTEED_NO_EVICT,
 )
+from tandem.cluster.quantization import QUANTIZATIONS, checkpoint_fp8
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("auto", "console", "json")
@@ -48,6 +49,7 @@ class Settings:
     metrics_require_auth: bool = False  # gateway: /metrics needs a key too
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "none"  # none | fp8: the decoder projections quantized at load to FP8 weights
     tokens_per_block: int = 16
     max_tokens_in_paged_kv_cache: int | None = None
     kv_cache_free_gpu_mem_fraction: float = 0.90
@@ -88,6 +90,12 @@ class Settings:
     def resolve(self) -> "Settings":
         """Fill model-derived limits and validate everything against everything else."""
         config = read_model_config(self.model)
+        _check(self.quantization in QUANTIZATIONS,
+               f"--quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        try:
+            checkpoint_fp8(config)  # a quantized checkpoint other than FP8: refused before any worker starts
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         max_positions = int(config.get("max_position_embeddings") or 4096)
         if self.max_seq_len is None:
             self.max_seq_len = max_positions
@@ -291,6 +299,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
            "serve: start a private redis-server if neither is given)")
     a("--device", default=d.device, help="auto (CUDA if present), cpu, cuda or cuda:N")
     a("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    a("--quantization", default=d.quantization, choices=QUANTIZATIONS,
+      help="fp8: the decoder layers' projections quantized at load to FP8 E4M3 weights with one scale per "
+           "output channel (embeddings, norms and lm_head stay in --dtype); FP8 checkpoints are served as "
+           "FP8 either way")
     a("--tokens-per-block", type=int, default=d.tokens_per_block)
     a("--max-tokens-in-paged-kv-cache", type=int,
       help=f"KV pool size in tokens per worker (CPU default {CPU_DEFAULT_KV_TOKENS})")

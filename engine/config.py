@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from tandem.cluster.quantization import CheckpointFp8, checkpoint_fp8
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -47,6 +49,10 @@ class ModelConfig:
     sliding_window_layers: tuple[bool, ...] = field(default=())
     # --max-attention-window-size: every layer attends to at most this many tokens (a smaller own window wins)
     max_attention_window: int | None = None
+    # "fp8": the decoder layers' projections are held as FP8 weights (kernels.fp8_weight), either
+    # quantized at load (--quantization fp8) or read from an FP8 checkpoint (checkpoint_fp8)
+    quantization: str | None = None
+    checkpoint_fp8: CheckpointFp8 | None = None  # the checkpoint's own FP8 scheme (cluster.quantization)
 
     @property
     def rope_type(self) -> str:
@@ -98,11 +104,7 @@ class ModelConfig:
         if arch == "LlamaForCausalLM" and raw.get("attention_bias", False):
             raise ValueError("unsupported attention_bias=True for Llama: its o_proj then has a bias too, which "
                              "the engine does not implement (Qwen2's q/k/v-only biases are supported)")
-        if raw.get("quantization_config"):
-            method = raw["quantization_config"].get("quant_method", "?") if isinstance(
-                raw["quantization_config"], dict) else "?"
-            raise ValueError(f"quantized checkpoints (quant_method={method!r}) are not supported: "
-                             "serve the bf16/fp16/fp32 weights")
+        fp8 = checkpoint_fp8(raw)  # an FP8 checkpoint's scheme; any other quantization: ValueError
         num_q_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
         rope_theta, rope_scaling = _rope(raw)
@@ -128,6 +130,8 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=(generation or {}).get("bos_token_id", raw.get("bos_token_id")),
             dtype=_dtype(raw.get("dtype") or raw.get("torch_dtype")),
+            quantization="fp8" if fp8 is not None else None,
+            checkpoint_fp8=fp8,
         )
 
 

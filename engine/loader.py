@@ -4,6 +4,12 @@ Reads the tensors directly (no transformers model classes; a GGUF file's are
 dequantized and renamed to HF's names by ``gguf_checkpoint``), checks the set of
 names against what the config implies, and fuses q/k/v into ``qkv_proj`` and
 gate/up into ``gate_up_proj`` so each is one matmul at run time.
+
+FP8 weights (``quantization="fp8"``, or an FP8 checkpoint, whose weights
+``fp8_checkpoint`` reads): each decoder projection becomes E4M3 rows with one fp32
+scale per output row, quantized from the checkpoint's own values (fused: per row of
+the fused matrix, the same as per row of each part); embeddings, norms and lm_head
+stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ import os
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from tandem.cluster.settings import gguf_file
 from tandem.engine.config import ModelConfig
+from tandem.engine.fp8_checkpoint import read_fp8_weights
 from tandem.engine.gguf_checkpoint import read_gguf_checkpoint
-from tandem.engine.model import LlamaFamilyModel
+from tandem.engine.model import PROJECTIONS, LlamaFamilyModel
 from tandem.engine.rope import build_cos_sin_cache
+from tandem.kernels.fp8_weight import Fp8Weight, dequantize, fuse, quantize_weight
 
 # Buffers some older checkpoints saved; recomputed by the engine, safe to skip.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -31,10 +40,15 @@ def load_model(
     device: torch.device | str = "cpu",
     max_position: int | None = None,
     max_attention_window: int | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaFamilyModel, ModelConfig]:
     """-> (model in eval mode without grads, config). The cos/sin cache covers
     ``max_position`` positions (default: the config's max_position_embeddings);
-    ``max_attention_window`` caps every layer's attention span (sliding window)."""
+    ``max_attention_window`` caps every layer's attention span (sliding window);
+    ``quantization`` "fp8" holds the projections as FP8 weights (an FP8 checkpoint always is;
+    None or "none": as the checkpoint stores them)."""
+    if quantization not in (None, "none", "fp8"):
+        raise ValueError(f"unknown quantization {quantization!r}: none or fp8")
     path = os.fspath(path)
     device = torch.device(device)
     gguf_path = gguf_file(path)
@@ -45,6 +59,8 @@ def load_model(
         config = ModelConfig.from_pretrained(path)
         tensors = _read_safetensors(path, device)
     config.max_attention_window = max_attention_window
+    if quantization == "fp8":
+        config.quantization = "fp8"
     state = _to_engine_state(config, tensors, dtype)
     with torch.device("meta"):
         model = LlamaFamilyModel(config)
@@ -103,6 +119,8 @@ def _to_engine_state(
     config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
+    if config.checkpoint_fp8 is not None:
+        tensors = read_fp8_weights(tensors, config.checkpoint_fp8)
     if config.tie_word_embeddings:
         # some tied checkpoints still store lm_head; HF ignores it, so do we
         tensors.pop("lm_head.weight", None)
@@ -116,7 +134,16 @@ def _to_engine_state(
         )
 
     def get(name: str) -> torch.Tensor:
-        return tensors[name].to(dtype)
+        tensor = tensors[name]
+        return dequantize(tensor, dtype) if isinstance(tensor, Fp8Weight) else tensor.to(dtype)
+
+    def projection(key: str, names: list[str]) -> None:
+        """state[key + ".weight"] = the parts fused; with FP8 weights also key + ".weight_scale"."""
+        if config.quantization != "fp8":
+            state[key + ".weight"] = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
+            return
+        parts = [t if isinstance(t, Fp8Weight) else quantize_weight(t) for t in (tensors.pop(n) for n in names)]
+        state[key + ".weight"], state[key + ".weight_scale"] = fuse(parts) if len(parts) > 1 else parts[0]
 
     state = {"embed_tokens.weight": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
     if not config.tie_word_embeddings:
@@ -124,12 +151,12 @@ def _to_engine_state(
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         attn = hf + "self_attn."
-        state[ours + "qkv_proj.weight"] = torch.cat([get(f"{attn}{n}_proj.weight") for n in "qkv"])
+        projection(ours + "qkv_proj", [f"{attn}{n}_proj.weight" for n in "qkv"])
         if config.attention_bias:
             state[ours + "qkv_proj.bias"] = torch.cat([get(f"{attn}{n}_proj.bias") for n in "qkv"])
-        state[ours + "o_proj.weight"] = get(attn + "o_proj.weight")
-        state[ours + "gate_up_proj.weight"] = torch.cat([get(f"{hf}mlp.{n}_proj.weight") for n in ("gate", "up")])
-        state[ours + "down_proj.weight"] = get(hf + "mlp.down_proj.weight")
+        projection(ours + "o_proj", [attn + "o_proj.weight"])
+        projection(ours + "gate_up_proj", [f"{hf}mlp.{n}_proj.weight" for n in ("gate", "up")])
+        projection(ours + "down_proj", [hf + "mlp.down_proj.weight"])
         state[ours + "input_layernorm"] = get(hf + "input_layernorm.weight")
         state[ours + "post_attention_layernorm"] = get(hf + "post_attention_layernorm.weight")
     return state
@@ -160,8 +187,10 @@ def random_model(
     device: torch.device | str,
     seed: int = 0,
     max_position: int | None = None,
+    quantization: str | None = None,
 ) -> LlamaFamilyModel:
-    """Random weights at the config's shapes, built on ``device`` (benchmarks: speed ignores values)."""
+    """Random weights at the config's shapes, built on ``device`` (benchmarks: speed ignores values);
+    ``quantization`` "fp8": the projections then quantized to FP8 weights, as ``load_model`` holds them."""
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaFamilyModel(config)
@@ -173,6 +202,14 @@ def random_model(
             param.fill_(1.0)  # norm weights (and biases: harmless)
         else:
             param.normal_(0.0, 0.02, generator=generator)
+    if quantization == "fp8":
+        config.quantization = "fp8"
+        for layer in model.layers:
+            for name in PROJECTIONS:
+                proj = getattr(layer, name)
+                fp8 = quantize_weight(proj.weight)
+                proj.weight = nn.Parameter(fp8.data, requires_grad=False)
+                proj.register_buffer("weight_scale", fp8.scale)
     model.set_cos_sin_cache(build_cos_sin_cache(config, max_position or config.max_position_embeddings, device))
     model.requires_grad_(False)
     return model.eval()

@@ -7,6 +7,10 @@ fused, as the loader writes them: ``qkv_proj`` = [q; k; v] and
 
 Batches are flattened: T tokens of B sequences, no padding; where each
 sequence's tokens sit and where their K/V go is in ``AttentionMetadata``.
+
+With FP8 weights (``config.quantization == "fp8"``) each projection's ``weight`` is its
+float8_e4m3fn rows and ``weight_scale`` (a buffer) their fp32 scales, handed to the ops
+as one ``Fp8Weight``; embeddings, norms and lm_head stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +22,15 @@ from tandem.engine.attention import AttentionMetadata
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_cache import KVCachePool
 from tandem.kernels import ops
+from tandem.kernels.fp8_weight import Fp8Weight
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a decoder layer's matmuls
+
+
+def projection_weight(proj: nn.Linear) -> torch.Tensor | Fp8Weight:
+    """A projection's weight as the ops take it: the tensor, or with FP8 weights its rows and scales."""
+    scale = getattr(proj, "weight_scale", None)
+    return proj.weight if scale is None else Fp8Weight(proj.weight, scale)
 
 
 class DecoderLayer(nn.Module):
@@ -40,6 +53,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.empty(config.hidden_size))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        if config.quantization == "fp8":  # each weight holds E4M3 rows; their scales are buffers
+            for name in PROJECTIONS:
+                proj = getattr(self, name)
+                proj.register_buffer("weight_scale", torch.empty(proj.out_features, dtype=torch.float32))
 
     def forward(
         self,
@@ -54,14 +71,14 @@ class DecoderLayer(nn.Module):
         """-> (the stream after this layer normed by ``next_norm``, the stream). Each residual
         add and the norm after it are fused into the projection before them (kernels.ops)."""
         attn = self._attention(hidden, positions, cos_sin_cache, kv_pool, meta)  # [T, q_size]
-        hidden, residual = ops.linear_add_rms_norm(attn, self.o_proj.weight, residual,
+        hidden, residual = ops.linear_add_rms_norm(attn, projection_weight(self.o_proj), residual,
                                                    self.post_attention_layernorm, self.eps)
-        act = ops.gate_up_silu_mul(hidden, self.gate_up_proj.weight)  # [T, intermediate]
-        return ops.linear_add_rms_norm(act, self.down_proj.weight, residual, next_norm, self.eps)
+        act = ops.gate_up_silu_mul(hidden, projection_weight(self.gate_up_proj))  # [T, intermediate]
+        return ops.linear_add_rms_norm(act, projection_weight(self.down_proj), residual, next_norm, self.eps)
 
     def _attention(self, hidden, positions, cos_sin_cache, kv_pool: KVCachePool, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
-        qkv = ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
+        qkv = ops.linear(hidden, projection_weight(self.qkv_proj), self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_q_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)

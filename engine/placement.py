@@ -87,7 +87,8 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     model, config = load_model(settings.model, dtype=dtype, device=device,
-                               max_attention_window=settings.max_attention_window_size)
+                               max_attention_window=settings.max_attention_window_size,
+                               quantization=settings.quantization)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # return the loader's temporaries before measuring free memory
     num_blocks = kv_pool_blocks(settings, config.kv_bytes_per_token(dtype), device, gpu_cap_tokens)

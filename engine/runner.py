@@ -27,8 +27,9 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kv_pool: KVCachePool | None = None,
+        quantization: str | None = None,
     ) -> None:
-        model, config = load_model(model_path, dtype=dtype, device=torch.device(device))
+        model, config = load_model(model_path, dtype=dtype, device=torch.device(device), quantization=quantization)
         self._setup(model, config, num_blocks, block_size, dtype, torch.device(device), kv_pool)
 
     @classmethod

@@ -9,6 +9,11 @@ BLOCK_N x BLOCK_K fp32 partial products in registers, summed once at the end.
 The silu-mul form computes the gate and up rows of the same outputs in one
 program and writes only the activation: the SiLU kernel and the [2I] round trip
 through memory are gone.
+
+FP8 weights (``kernels.fp8_weight.Fp8Weight``: E4M3 rows, one fp32 scale per row) run
+the same loop over half the bytes: each E4M3 value is widened to fp32 in registers
+(exact), the products accumulate in fp32, and each row's sum is multiplied by its
+scale once at the end (before the bias and SiLU·mul).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fp8_weight import FP8_DTYPE, Fp8Weight
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 
@@ -25,9 +31,11 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, num_out, K, stride_wn, up_offset,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr = False,
+    s_ptr=None, W_SCALED: tl.constexpr = False,
 ):
     """y[n] = sum_k x[k] W[n, k] (+ b[n]) for n in this program's BLOCK_N rows, fp32 accumulation;
     SILU_MUL: y[n] = silu(sum_k x[k] W[n, k]) * sum_k x[k] W[up_offset + n, k].
+    W_SCALED (FP8 weights): W[n, k] = w[n, k] * s[n], each row's sum times s[n] before the bias.
 
     The first weight tile is loaded before waiting for the previous kernel (kernels.pdl):
     weights are constant, only x comes from it (so no kernel that triggers its dependents
@@ -69,10 +77,15 @@ def _gemv_kernel(
                 u = tl.load(up_ptrs + k0, mask=kmask[None, :], other=0.0)
             acc_up += u.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
+    if W_SCALED:  # the rows' scales: constants, read once (masked rows read row 0's)
+        y *= tl.load(s_ptr + rows)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     if SILU_MUL:
-        y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
+        if W_SCALED:
+            y = y / (1.0 + tl.exp(-y)) * (tl.sum(acc_up, axis=1) * tl.load(s_ptr + rows + up_offset))
+        else:
+            y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -89,13 +102,14 @@ def tile_config(num_out: int, K: int, silu_mul: bool) -> tuple[int, int, int, in
     return (8 if K > 8192 else 4), min(1024, triton.next_power_of_2(K)), 4, 2
 
 
-def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+def _launch_gemv(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None, y: torch.Tensor,
                  silu_mul: bool, config: tuple | None = None) -> None:
-    """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of the shape rule (tuning only)."""
+    """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of the shape rule (tuning only).
+    ``weight``: a tensor of x's dtype, or an ``Fp8Weight`` (E4M3 rows and their fp32 scales)."""
+    weight, scale = _split_weight(weight, x.dtype)
     rows_w, K = weight.shape
     assert x.shape == (K,) and x.stride(0) == 1, "x must be one contiguous [K] row"
     assert weight.stride(1) == 1, "weight rows must be contiguous"
-    assert x.dtype == weight.dtype, "x and the weight must share a dtype"
     num_out = rows_w // 2 if silu_mul else rows_w
     assert not silu_mul or rows_w % 2 == 0, "a [gate; up] weight has an even number of rows"
     assert y.shape == (num_out,) and y.stride(0) == 1
@@ -106,23 +120,36 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         y.copy_(bias) if bias is not None else y.zero_()
         return
     block_n, block_k, num_warps, num_stages = config or tile_config(num_out, K, silu_mul)
+    fp8 = {} if scale is None else {"s_ptr": scale, "W_SCALED": True}
     _gemv_kernel[(triton.cdiv(num_out, block_n),)](
         x, weight, bias if bias is not None else y, y, num_out, K, weight.stride(0), num_out,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=num_warps, num_stages=num_stages,
-        **launch_options(x),
+        **launch_options(x), **fp8,
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [1, K] or [K]; weight: [N, K] -> x @ weight.T (+ bias) with x's leading shape."""
+def _split_weight(weight: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> (the [N, K] matrix the kernel streams, its per-row fp32 scales or None), checked against x's dtype."""
+    if not isinstance(weight, Fp8Weight):
+        assert weight.dtype == dtype, "x and the weight must share a dtype"
+        return weight, None
+    data, scale = weight
+    assert data.dtype == FP8_DTYPE, "an Fp8Weight holds float8_e4m3fn rows"
+    assert scale.shape == (data.shape[0],) and scale.dtype == torch.float32 and scale.stride(0) == 1, \
+        "an Fp8Weight's scales: [N] contiguous fp32"
+    return data, scale
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [1, K] or [K]; weight: [N, K] (or its FP8 form) -> x @ weight.T (+ bias) with x's leading shape."""
     y = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch_gemv(x.reshape(-1).contiguous(), weight, bias, y.view(-1), silu_mul=False)
     return y
 
 
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [1, K] or [K]; weight: [2I, K] = [gate; up] -> silu(x @ gate.T) * (x @ up.T): [..., I]."""
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """x: [1, K] or [K]; weight: [2I, K] = [gate; up] (or its FP8 form) -> silu(x @ gate.T) * (x @ up.T): [..., I]."""
     y = torch.empty((*x.shape[:-1], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
     _launch_gemv(x.reshape(-1).contiguous(), weight, None, y.view(-1), silu_mul=True)
     return y

@@ -2,6 +2,11 @@
 
 The engine calls only these functions. ``TANDEM_KERNELS=reference`` forces the
 references everywhere (useful to bisect a numerical difference on the GPU).
+
+A projection's weight is a tensor or an ``Fp8Weight`` (kernels.fp8_weight); the matmul
+ops take either: FP8 weights go through the same GEMV and skinny GEMM (dequantized in
+registers), and past them through FP8 tensor cores (``kernels.fp8_matmul``), or on the
+CPU dequantized then multiplied.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from functools import cache
 
 import torch
 
-from tandem.kernels import reference
+from tandem.kernels import fp8_matmul, reference
+from tandem.kernels.fp8_weight import Fp8Weight, dequantize
 
 # op name -> module in this package holding its Triton implementation
 _TRITON_MODULES = {
@@ -30,6 +36,7 @@ _TRITON_MODULES = {
     "gather_blocks": "tandem.kernels.block_copy",
     "scatter_blocks": "tandem.kernels.block_copy",
     "apply_penalties": "tandem.kernels.penalties",
+    "quantize_rows_fp8": "tandem.kernels.fp8_quant",
 }
 
 
@@ -86,7 +93,7 @@ def linear(x, weight, bias=None):
         return _pick("gemv", x)(x, weight, bias)
     if kind == "skinny":
         return _pick("skinny_linear", x)(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
+    return _matmul(x, weight, bias)
 
 
 def gate_up_silu_mul(x, weight):
@@ -96,7 +103,23 @@ def gate_up_silu_mul(x, weight):
         return _pick("gemv_silu_mul", x)(x, weight)
     if kind == "skinny":
         return _pick("skinny_silu_mul", x)(x, weight)
-    return silu_mul(torch.nn.functional.linear(x, weight))
+    return silu_mul(_matmul(x, weight, None))
+
+
+def _matmul(x, weight, bias):
+    """cuBLAS / torch: F.linear; an FP8 weight on FP8 tensor cores with x quantized per token
+    (fp8_matmul.scaled_mm, where it runs: bf16 x on sm89+), else dequantized to x's dtype."""
+    if not isinstance(weight, Fp8Weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    if fp8_matmul.takes(x, weight):
+        x_q, x_scale = quantize_rows_fp8(x)
+        return fp8_matmul.scaled_mm(x_q, x_scale, weight, bias, x.dtype)
+    return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
+
+
+def quantize_rows_fp8(x):
+    """x [M, K] -> (E4M3 [M, K], fp32 scales [M, 1]): per-token dynamic quantization (reference.quantize_rows_fp8)."""
+    return _pick("quantize_rows_fp8", x)(x)
 
 
 def _triton_matmul(x, weight, bias, max_rows: int | None = None) -> str | None:
@@ -117,10 +140,19 @@ def _triton_matmul(x, weight, bias, max_rows: int | None = None) -> str | None:
 
 
 def _triton_layout(x, weight, bias) -> bool:
-    """x [T > 0, K > 0] and weight [N, K] with contiguous rows, one dtype, a matching contiguous
-    bias or none, on CUDA, TANDEM_GEMV not 0: what the GEMV and the skinny GEMM take."""
+    """x [T > 0, K > 0] and weight [N, K] with contiguous rows, one dtype (or an Fp8Weight with
+    contiguous rows and [N] contiguous fp32 scales), a matching contiguous bias or none, on CUDA,
+    TANDEM_GEMV not 0: what the GEMV and the skinny GEMM take."""
+    if isinstance(weight, Fp8Weight):
+        scale = weight.scale
+        if not (scale.dim() == 1 and scale.shape[0] == weight.shape[0] and scale.stride(0) == 1
+                and scale.dtype == torch.float32):
+            return False
+        weight = weight.data
+    elif x.dtype != weight.dtype:
+        return False
     return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] and x.shape[1] > 0 and x.stride(1) == 1
-            and x.dtype == weight.dtype and weight.dim() == 2 and weight.stride(1) == 1
+            and weight.dim() == 2 and weight.stride(1) == 1
             and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.dtype == x.dtype
                                   and bias.shape[0] == weight.shape[0]))
             and os.environ.get("TANDEM_GEMV", "1") != "0")
@@ -149,25 +181,31 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
     return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps)
 
 
-def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
-    return _pick("rotary_kv_write", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+# The attention ops take an FP8 cache's per-head scales of the layer (k_scale, v_scale: [num_kv_heads]
+# fp32; None for a cache in the model's dtype): reference.quantize_kv_fp8 / dequantize_kv_fp8.
+def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    return _pick("rotary_kv_write", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                       k_scale, v_scale)
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None,
-                      chunk_kv=None):
+                      chunk_kv=None, k_scale=None, v_scale=None):
     return _pick("prefill_attention", q)(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, chunk_kv
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, chunk_kv,
+        k_scale, v_scale,
     )
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
-    return _pick("decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, k_scale=None,
+                     v_scale=None):
+    return _pick("decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
+                                        k_scale, v_scale)
 
 
 def decode_attention_new_token(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
-                               seq_lens, scale, sliding_window=None):
+                               seq_lens, scale, sliding_window=None, k_scale=None, v_scale=None):
     return _pick("decode_attention_new_token", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                                  block_tables, seq_lens, scale, sliding_window)
+                                                  block_tables, seq_lens, scale, sliding_window, k_scale, v_scale)
 
 
 # Engine A/B on one H200 (torch 2.11, triton 3.6), 2026-11-29, at f1fd6a8 and e85a817

@@ -20,6 +20,12 @@ of the same outputs in one program, as kernels.gemv does.
 The o and down projections of a decoder layer are followed by the residual add and
 the next RMSNorm: there the finishing kernel (always run, one program per token
 row) does both, so the norm costs no kernel of its own.
+
+FP8 weights (``kernels.fp8_weight.Fp8Weight``: E4M3 rows, one fp32 scale per row) stream
+half the bytes through the same loop: each weight tile is widened in registers to x's
+dtype (exact: every E4M3 value is a bf16, fp16 and fp32 value) for the same MMA, and
+each row's fp32 sum is multiplied by its scale before anything else sees it (the
+split-K partials too, so the finishing kernel is the same).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import triton.language as tl
 
 from tandem.kernels.device_props import num_sms
 from tandem.kernels.dot import dot, upcast_bf16_dot
+from tandem.kernels.fp8_weight import Fp8Weight
+from tandem.kernels.gemv import _split_weight
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from tandem.kernels.rms_norm import rms_norm_row, row_num_warps
 
@@ -46,6 +54,7 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, WORKSPACE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr = False,
+    s_ptr=None, W_SCALED: tl.constexpr = False,
 ):
     """acc[n, m] = sum_k W[n, k] x[m, k] over this program's BLOCK_N rows and its split's K tiles
     [s * tiles_per_split, (s + 1) * tiles_per_split) * BLOCK_K (clipped to K), fp32;
@@ -53,6 +62,8 @@ def _skinny_kernel(
     Not WORKSPACE (one split): y[m, n] = acc[n, m] (+ b[n]) or silu(acc[n, m]) * acc_up[n, m];
     WORKSPACE: y is the fp32 workspace [splits, M, stride_ym]: ws[s, m, n] = acc[n, m] and
     ws[s, m, num_out + n] = acc_up[n, m], finished by _split_sum_kernel. No split is empty.
+    W_SCALED (FP8 weights): W[n, k] = w[n, k] * s[n]; the E4M3 tiles are widened to x's dtype for
+    the dot and acc (acc_up) multiplied by s[n] (s[num_out + n]) before it is stored or finished.
 
     As in kernels.gemv, the first weight tile is loaded before waiting for the previous kernel
     (kernels.pdl); x comes from it. The loop's addresses depend only on k0, so Triton can
@@ -85,6 +96,9 @@ def _skinny_kernel(
     if USE_PDL:
         gdc_wait()
     x = tl.load(x_ptrs + k_lo, mask=token_mask[:, None] & kmask[None, :], other=0.0)
+    if W_SCALED:
+        w = w.to(x_ptr.dtype.element_ty)
+        u = u.to(x_ptr.dtype.element_ty)
     acc = dot(w, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
     acc_up = acc
     if SILU_MUL:
@@ -97,13 +111,21 @@ def _skinny_kernel(
             in_k = k0 + cols < K
             w = tl.load(gate_ptrs + k0, mask=in_k[None, :], other=0.0)
             x = tl.load(x_ptrs + k0, mask=token_mask[:, None] & in_k[None, :], other=0.0)
+        if W_SCALED:
+            w = w.to(x_ptr.dtype.element_ty)
         acc += dot(w, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
         if SILU_MUL:
             if EVEN_K:
                 u = tl.load(up_ptrs + k0)
             else:
                 u = tl.load(up_ptrs + k0, mask=in_k[None, :], other=0.0)
+            if W_SCALED:
+                u = u.to(x_ptr.dtype.element_ty)
             acc_up += dot(u, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
+    if W_SCALED:  # the rows' scales (masked rows read row 0's, never stored)
+        acc *= tl.load(s_ptr + rows)[:, None]
+        if SILU_MUL:
+            acc_up *= tl.load(s_ptr + rows + num_out)[:, None]
     out_mask = row_mask[:, None] & token_mask[None, :]
     out_ptrs = y_ptr + tokens[None, :] * stride_ym + rows[:, None]
     if WORKSPACE:
@@ -214,17 +236,20 @@ class AddNorm(NamedTuple):
     new_residual: torch.Tensor  # [M, N], written: the projection plus the residual
 
 
-def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None, y: torch.Tensor,
                    silu_mul: bool, config: tuple | None = None, add_norm: AddNorm | None = None) -> None:
     """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) instead of the shape rule
     (tuning, tests). A split count that would leave splits empty runs as fewer, fuller splits.
-    ``add_norm``: y gets the normed sum (the finishing kernel runs even for one split)."""
+    ``add_norm``: y gets the normed sum (the finishing kernel runs even for one split).
+    ``weight``: a tensor of x's dtype, or an ``Fp8Weight`` (E4M3 rows and their fp32 scales); an
+    FP8 weight takes the tiles of x's dtype (its tiles hold half the bytes: the rule's shared
+    memory count is an upper bound)."""
+    weight, scale = _split_weight(weight, x.dtype)
     rows_w, K = weight.shape
     assert x.dim() == 2 and x.shape[1] == K and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
     M = x.shape[0]
     assert M <= MAX_M, f"a skinny GEMM takes at most {MAX_M} rows"
     assert weight.stride(1) == 1, "weight rows must be contiguous"
-    assert x.dtype == weight.dtype, "x and the weight must share a dtype"
     num_out = rows_w // 2 if silu_mul else rows_w
     assert not silu_mul or rows_w % 2 == 0, "a [gate; up] weight has an even number of rows"
     assert y.shape == (M, num_out) and y.stride(1) == 1
@@ -248,13 +273,14 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     # the workspace comes from the caching allocator: no sync, and fine inside CUDA graph capture
     out = torch.empty((split_k, M, rows_w), dtype=torch.float32, device=y.device) if workspace else y
     dummy_bias = bias if bias is not None else out  # never read without HAS_BIAS
+    fp8 = {} if scale is None else {"s_ptr": scale, "W_SCALED": True}
     _skinny_kernel[(triton.cdiv(num_out, block_n), split_k)](
         x, weight, dummy_bias, out, M, num_out, K, x.stride(0), weight.stride(0), out.stride(-2),
         out.stride(0) if workspace else 0, tiles_per_split,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, WORKSPACE=workspace,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT_UPCAST=upcast_bf16_dot(x.dtype),
-        num_warps=num_warps, num_stages=num_stages, **launch_options(x),
+        num_warps=num_warps, num_stages=num_stages, **launch_options(x), **fp8,
     )
     if not workspace:
         return
@@ -274,14 +300,14 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     )
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K] (M <= 128); weight: [N, K] -> x @ weight.T (+ bias): [M, N]."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K] (M <= 128); weight: [N, K] (or its FP8 form) -> x @ weight.T (+ bias): [M, N]."""
     y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch_skinny(x, weight, bias, y, silu_mul=False)
     return y
 
 
-def skinny_linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+def skinny_linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, residual: torch.Tensor,
                                norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] (M <= 128); weight: [N, K]; residual: [M, N] -> (rms_norm(h) * norm_weight, h) with
     h = x @ weight.T + residual (each rounded to x's dtype): a projection, the residual add and
@@ -295,8 +321,8 @@ def skinny_linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: 
     return y, new_residual
 
 
-def skinny_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] (M <= 128); weight: [2I, K] = [gate; up] -> silu(x @ gate.T) * (x @ up.T): [M, I]."""
+def skinny_silu_mul(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """x: [M, K] (M <= 128); weight: [2I, K] = [gate; up] (or its FP8 form) -> silu(x @ gate.T) * (x @ up.T): [M, I]."""
     y = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
     _launch_skinny(x, weight, None, y, silu_mul=True)
     return y

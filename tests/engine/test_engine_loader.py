@@ -62,7 +62,9 @@ def test_config_sliding_window_and_bias_per_architecture():
         ({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type"),
         ({**BASE, "hidden_act": "gelu"}, "hidden_act"),
         ({**BASE, "attention_bias": True}, "o_proj then has a bias"),  # HF Llama's o_proj bias
-        ({**BASE, "quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints.*fp8"),
+        ({**BASE, "quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized checkpoints.*gptq"),
+        ({**BASE, "quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                          "config_groups": {}}}, "quantized checkpoints.*int-quantized"),
     ],
 )
 def test_config_rejects_unsupported(raw, match):

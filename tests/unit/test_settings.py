@@ -126,3 +126,25 @@ def test_kv_pool_on_gpu_takes_the_smaller_of_fraction_and_cap(monkeypatch):
     assert kv_pool_blocks(settings, bytes_per_token, gpu) == 10  # the cap is smaller
     settings.max_tokens_in_paged_kv_cache = 10**9
     assert kv_pool_blocks(settings, bytes_per_token, gpu) == by_fraction  # the fraction is smaller
+
+
+def test_quantization_flag_reaches_every_worker(model_dir, monkeypatch):
+    """--quantization: none (default) or fp8, checked at resolve, on every worker's command line."""
+    import argparse
+
+    from tandem.cluster.settings import add_arguments
+    from tandem.launcher import service_argv
+
+    for name in ("TANDEM_ADMIN_TOKEN", "TANDEM_API_KEY", "TANDEM_REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test, whatever service_argv sets
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    settings = Settings.from_args(parser.parse_args(["--model", model_dir, "--quantization", "fp8"])).resolve()
+    assert settings.quantization == "fp8" and Settings().quantization == "none"
+    for role in ("prefill", "decode"):
+        argv = service_argv(role, settings)
+        assert argv[argv.index("--quantization") + 1] == "fp8"
+    with pytest.raises(SettingsError, match="--quantization must be one of"):
+        Settings(model=model_dir, quantization="int4").resolve()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])
