@@ -159,7 +159,8 @@ def _new_token_inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size,
     k = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
     v = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    return q, k, v, positions, _cos_sin(512, head_dim), k_cache, v_cache, slots, tables, lens, k_scale, v_scale
+    rotary = _cos_sin(max(512, max(seq_lens)), head_dim)  # a row for every position written
+    return q, k, v, positions, rotary, k_cache, v_cache, slots, tables, lens, k_scale, v_scale
 
 
 def _check_new_token(inputs, dtype, window):
