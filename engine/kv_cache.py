@@ -58,6 +58,9 @@ class KVCachePool:
         self.shm_path = shm_path
         self.owns_file = shm_path is not None and create
         self.k_scale, self.v_scale = self._scales(k_scale, v_scale)
+        # each layer's views, made once (a forward asks every layer for them)
+        self._layer_scales = [(None, None)] * num_layers if self.k_scale is None else list(
+            zip(self.k_scale.unbind(0), self.v_scale.unbind(0)))
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         if shm_path is None:
             # zeros, not empty: kernels may load (then mask) slots never written
@@ -102,9 +105,7 @@ class KVCachePool:
 
     def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """-> (k_scale, v_scale) [num_kv_heads] fp32 of an FP8 pool's layer; (None, None) otherwise."""
-        if self.k_scale is None:
-            return None, None
-        return self.k_scale[layer_idx], self.v_scale[layer_idx]
+        return self._layer_scales[layer_idx]
 
     @property
     def is_fp8(self) -> bool:

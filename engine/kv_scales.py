@@ -171,7 +171,7 @@ def kv_scales(model, config, model_path: str | None, tokenizer_path: str | None,
         if found is not None:
             log.info("fp8 kv scales from the checkpoint", k_max=found[0].max().item(), v_max=found[1].max().item())
             return found
-    tokens = calibration_tokens(tokenizer_path, config.vocab_size)
+    tokens = calibration_tokens(tokenizer_path, config.vocab_size)[:model.cos_sin_cache.shape[0]]  # rotary table
     k_scale, v_scale = calibrate_kv_scales(model, config, tokens, device, dtype)
     log.info("fp8 kv scales calibrated", tokens=len(tokens), k_max=k_scale.max().item(), v_max=v_scale.max().item())
     return k_scale, v_scale
