@@ -23,6 +23,7 @@ from tandem.cluster.quantization import QUANTIZATIONS, checkpoint_fp8
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("auto", "console", "json")
 RUN_AHEAD_MODES = ("auto", "on", "off")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: E4M3 codes with per-layer, per-head scales
 CPU_DEFAULT_KV_TOKENS = 16384
 
 
@@ -51,6 +52,7 @@ class Settings:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "none"  # none | fp8: the decoder projections quantized at load to FP8 weights
     tokens_per_block: int = 16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8; the same on every worker of a cluster
     max_tokens_in_paged_kv_cache: int | None = None
     kv_cache_free_gpu_mem_fraction: float = 0.90
     enable_prefix_caching: bool = False  # prefill workers reuse the KV of prompt prefixes they computed
@@ -104,6 +106,8 @@ class Settings:
         _check(self.tokens_per_block > 0 and self.tokens_per_block & (self.tokens_per_block - 1) == 0,
                f"--tokens-per-block must be a positive power of two, got {self.tokens_per_block}")
         _check(self.max_batch_size >= 1, f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.max_seq_len <= max_positions,
                f"--max-seq-len {self.max_seq_len} exceeds the model's max_position_embeddings {max_positions}")
         _check(1 <= self.max_input_len < self.max_seq_len,
@@ -304,8 +308,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
            "output channel (embeddings, norms and lm_head stay in --dtype); FP8 checkpoints are served as "
            "FP8 either way")
     a("--tokens-per-block", type=int, default=d.tokens_per_block)
+    a("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+      help="auto: the KV cache in the model's dtype; fp8: E4M3 with one scale per layer and KV head (the "
+           "checkpoint's k_scale/v_scale, else calibrated at load), half the bytes of bf16, so the same "
+           "memory holds twice the tokens; give every worker the same value")
     a("--max-tokens-in-paged-kv-cache", type=int,
-      help=f"KV pool size in tokens per worker (CPU default {CPU_DEFAULT_KV_TOKENS})")
+      help=f"KV pool size per worker, in tokens at the model's dtype (CPU default {CPU_DEFAULT_KV_TOKENS}); "
+           "an FP8 cache holds that many bytes' worth: more tokens")
     a("--kv-cache-free-gpu-mem-fraction", type=float, default=d.kv_cache_free_gpu_mem_fraction)
     # optional value so the launcher's "--enable-prefix-caching False" round-trips
     a("--enable-prefix-caching", nargs="?", const=True, default=d.enable_prefix_caching, type=_parse_bool,

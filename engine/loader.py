@@ -32,6 +32,10 @@ from tandem.kernels.fp8_weight import Fp8Weight, dequantize, fuse, quantize_weig
 
 # Buffers some older checkpoints saved; recomputed by the engine, safe to skip.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# KV-cache scales (compressed-tensors / vLLM, ModelOpt, the older kv_scale): not weights; an FP8
+# KV cache reads them (engine.kv_scales)
+KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.kv_scale",
+                     ".self_attn.k_proj.k_scale", ".self_attn.v_proj.v_scale")
 
 
 def load_model(
@@ -118,7 +122,7 @@ def expected_hf_names(config: ModelConfig) -> set[str]:
 def _to_engine_state(
     config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
+    tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES + KV_SCALE_SUFFIXES)}
     if config.checkpoint_fp8 is not None:
         tensors = read_fp8_weights(tensors, config.checkpoint_fp8)
     if config.tie_word_embeddings:

@@ -84,21 +84,25 @@ class DecoderLayer(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_pool.layer(self.layer_idx)
+        k_scale, v_scale = kv_pool.layer_scales(self.layer_idx)  # an FP8 pool's; None otherwise
         if meta.is_decode and q.is_cuda and ops.fused_decode_rotary(num_tokens):
             out = ops.decode_attention_new_token(
                 q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                meta.seq_lens, self.scale, self.sliding_window,
+                meta.seq_lens, self.scale, self.sliding_window, k_scale, v_scale,
             )
         else:
-            q, k = ops.rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+            q, k = ops.rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+                                       k_scale, v_scale)
             if meta.is_decode:
                 out = ops.decode_attention(
-                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window
+                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
+                    k_scale, v_scale,
                 )
             else:
                 out = ops.prefill_attention(
                     q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                     self.scale, self.sliding_window, chunk_kv=(k, v),  # the chunk's keys: contiguous reads
+                    k_scale=k_scale, v_scale=v_scale,
                 )
         return out.reshape(num_tokens, self.q_size)
 

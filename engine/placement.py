@@ -47,26 +47,31 @@ def resolve_transport(name: str, device: torch.device) -> str:
 
 
 def kv_pool_blocks(
-    settings: Settings, bytes_per_token: int, device: torch.device, gpu_cap_tokens: int | None = None
+    settings: Settings, bytes_per_token: int, device: torch.device, gpu_cap_tokens: int | None = None,
+    budget_bytes_per_token: int | None = None,
 ) -> int:
     """Number of KV blocks: the smaller of the token cap and the memory fraction.
 
     ``gpu_cap_tokens``: a default cap on a GPU when the operator set none (the
     prefill worker needs only room for the prompts in flight, and leaves the
-    rest of a shared GPU to the decode worker).
+    rest of a shared GPU to the decode worker). ``budget_bytes_per_token``: what a token
+    of ``--max-tokens-in-paged-kv-cache`` (and the CPU default) weighs, the model dtype's
+    bytes (default ``bytes_per_token``): those caps are memory budgets, so a pool of smaller
+    elements (FP8) holds more tokens in them. Everything is sized by bytes.
     """
     block_size = settings.tokens_per_block
+    budget = budget_bytes_per_token or bytes_per_token
     candidates = []
     if settings.max_tokens_in_paged_kv_cache is not None:
-        candidates.append(settings.max_tokens_in_paged_kv_cache // block_size)
+        candidates.append(settings.max_tokens_in_paged_kv_cache * budget // (bytes_per_token * block_size))
     elif device.type == "cuda" and gpu_cap_tokens is not None:
         candidates.append(gpu_cap_tokens // block_size)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = free * settings.kv_cache_free_gpu_mem_fraction
         candidates.append(int(budget // (bytes_per_token * block_size)))
-    elif not candidates:  # CPU default: a fixed count, never less than one full-length sequence
-        candidates.append(max(CPU_DEFAULT_KV_TOKENS, settings.max_seq_len or 0) // block_size)
+    elif not candidates:  # CPU default: a fixed budget, never less than one full-length sequence
+        candidates.append(max(CPU_DEFAULT_KV_TOKENS, settings.max_seq_len or 0) * budget // (bytes_per_token * block_size))
     num_blocks = min(candidates)
     log.info(
         "kv pool sized",
@@ -78,9 +83,20 @@ def kv_pool_blocks(
     return num_blocks
 
 
+def check_fp8_kv_device(device: torch.device) -> None:
+    """An FP8 KV cache on CUDA needs E4M3 conversions in the kernels: sm89 (Ada) or later."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later; {name} is "
+                           f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+
+
 def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens: int | None = None):
-    """Load the model, then size its KV pool from what memory the weights left. ``shm_path``: pool in that file."""
-    from tandem.engine.kv_cache import KVCachePool
+    """Load the model, then size its KV pool from what memory the weights left. ``shm_path``: pool in that file.
+    An FP8 pool (``--kv-cache-dtype fp8``) gets its scales first (the checkpoint's, else one
+    calibration forward: ``tandem.engine.kv_scales``), from the same model on every worker."""
+    from tandem.engine.kv_cache import KVCachePool, resolve_kv_dtype
+    from tandem.engine.kv_scales import kv_scales
     from tandem.engine.loader import load_model
     from tandem.engine.runner import ModelRunner
 
@@ -89,19 +105,26 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
     model, config = load_model(settings.model, dtype=dtype, device=device,
                                max_attention_window=settings.max_attention_window_size,
                                quantization=settings.quantization)
+    kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, dtype)
+    scales = {}
+    if kv_dtype != dtype:
+        check_fp8_kv_device(device)
+        scales = dict(zip(("k_scale", "v_scale"), kv_scales(model, config, settings.model,
+                                                            settings.tokenizer or settings.model, device, dtype)))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # return the loader's temporaries before measuring free memory
-    num_blocks = kv_pool_blocks(settings, config.kv_bytes_per_token(dtype), device, gpu_cap_tokens)
+    num_blocks = kv_pool_blocks(settings, config.kv_bytes_per_token(kv_dtype), device, gpu_cap_tokens,
+                                budget_bytes_per_token=config.kv_bytes_per_token(dtype))
     layout = dict(
         num_layers=config.num_layers,
         num_blocks=num_blocks,
         block_size=settings.tokens_per_block,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
-        dtype=dtype,
+        dtype=kv_dtype,
     )
     if shm_path is not None:
-        pool = KVCachePool.create_shared(shm_path, **layout)
+        pool = KVCachePool.create_shared(shm_path, **layout, **scales)
     else:
-        pool = KVCachePool(**layout, device=device)
+        pool = KVCachePool(**layout, device=device, **scales)
     return ModelRunner.from_model(model, config, num_blocks, settings.tokens_per_block, kv_pool=pool)

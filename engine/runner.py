@@ -4,6 +4,9 @@ Schedulers hand it ``SeqChunk``s (which tokens, which blocks); it returns the
 logits of each sequence's last new token (``forward_hidden``: and the final hidden
 states of every new token, for prompt logprobs). Block ownership stays with the
 caller's allocator: the runner only reads and writes the blocks it is given.
+
+The KV pool holds the model's dtype, or with ``kv_cache_dtype="fp8"`` E4M3 codes under
+per-layer, per-head scales (``tandem.engine.kv_scales``: the checkpoint's, else calibrated).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import os
 import torch
 
 from tandem.engine.attention import SeqChunk, build_input_ids, build_metadata
-from tandem.engine.kv_cache import KVCachePool
+from tandem.engine.kv_cache import KVCachePool, resolve_kv_dtype
+from tandem.engine.kv_scales import kv_scales
 from tandem.engine.loader import load_model
 from tandem.engine.step_tokens import TokenFeed, gather_fed
 
@@ -28,27 +32,38 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         kv_pool: KVCachePool | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        """``kv_cache_dtype`` (without ``kv_pool``): "auto" (the model's dtype) or "fp8"."""
         model, config = load_model(model_path, dtype=dtype, device=torch.device(device), quantization=quantization)
-        self._setup(model, config, num_blocks, block_size, dtype, torch.device(device), kv_pool)
+        self._setup(model, config, num_blocks, block_size, dtype, torch.device(device), kv_pool, kv_cache_dtype,
+                    os.fspath(model_path))
 
     @classmethod
-    def from_model(cls, model, config, num_blocks: int, block_size: int, kv_pool: KVCachePool | None = None):
-        """A runner around a model already built (benchmarks with random weights)."""
+    def from_model(cls, model, config, num_blocks: int, block_size: int, kv_pool: KVCachePool | None = None,
+                   kv_cache_dtype: str = "auto", tokenizer: str | None = None):
+        """A runner around a model already built (benchmarks with random weights); an FP8 pool's
+        scales calibrated on ``tokenizer``'s tokens of the built-in text (none: fixed token ids)."""
         runner = cls.__new__(cls)
         weight = model.embed_tokens.weight
-        runner._setup(model, config, num_blocks, block_size, weight.dtype, weight.device, kv_pool)
+        runner._setup(model, config, num_blocks, block_size, weight.dtype, weight.device, kv_pool,
+                      kv_cache_dtype, None, tokenizer)
         return runner
 
-    def _setup(self, model, config, num_blocks, block_size, dtype, device, kv_pool) -> None:
+    def _setup(self, model, config, num_blocks, block_size, dtype, device, kv_pool, kv_cache_dtype="auto",
+               model_path=None, tokenizer=None) -> None:
         self.device = device
         self.dtype = dtype
         self.model, self.config = model, config
         self.cos_sin_cache = self.model.cos_sin_cache  # [max_position, head_dim] fp32
         if kv_pool is None:
+            kv_dtype = resolve_kv_dtype(kv_cache_dtype, dtype)
+            k_scale = v_scale = None
+            if kv_dtype != dtype:  # FP8: the checkpoint's scales, else calibrated on this model
+                k_scale, v_scale = kv_scales(model, config, model_path, tokenizer or model_path, device, dtype)
             kv_pool = KVCachePool(
                 self.config.num_layers, num_blocks, block_size, self.config.num_kv_heads,
-                self.config.head_dim, dtype, self.device,
+                self.config.head_dim, kv_dtype, self.device, k_scale=k_scale, v_scale=v_scale,
             )
         self._check_pool(kv_pool, block_size)
         self.kv_pool = kv_pool
@@ -111,10 +126,13 @@ class ModelRunner:
     def _check_pool(self, pool: KVCachePool, block_size: int) -> None:
         want = (self.config.num_layers, block_size, self.config.num_kv_heads, self.config.head_dim, self.dtype)
         have = (pool.num_layers, pool.block_size, pool.num_kv_heads, pool.head_dim, pool.dtype)
-        if want != have:
+        if want[:4] != have[:4] or (pool.dtype != self.dtype and not pool.is_fp8):
             raise ValueError(
-                f"KV pool (layers, block_size, kv_heads, head_dim, dtype)={have} does not fit the model's {want}"
+                f"KV pool (layers, block_size, kv_heads, head_dim, dtype)={have} does not fit the model's {want} "
+                "(or an FP8 pool)"
             )
+        if pool.is_fp8 and pool.k_scale is None:
+            raise ValueError("an FP8 KV pool needs its k_scale and v_scale (tandem.engine.kv_scales)")
         have_dev = pool.kv.device
         if have_dev.type != self.device.type or self.device.index not in (None, have_dev.index):
             raise ValueError(f"KV pool is on {pool.kv.device} but the model on {self.device}")

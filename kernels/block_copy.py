@@ -4,6 +4,7 @@ kv_pool is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim];
 the staging tensor is [num_layers, 2, n, block_size, num_kv_heads, head_dim].
 A block of one layer and one of k/v is block_size * num_kv_heads * head_dim
 contiguous elements, so both directions are a strided memcpy of such chunks.
+An FP8 pool is copied as its bytes (a uint8 view): the copy is bit for bit.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def _copy_blocks_kernel(
     tl.store(dst + offs, vals.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+# one-byte floats are moved as bytes (no conversion, and no fp8 loads and stores to compile)
+_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _check_blocks_contiguous(t: torch.Tensor, name: str) -> None:
     assert t.dim() == 6 and t.shape[1] == 2, f"{name} must be [L, 2, N, bs, H, D]"
     _, _, _, bs, h, d = t.shape
@@ -60,6 +65,8 @@ def _check_blocks_contiguous(t: torch.Tensor, name: str) -> None:
 def _launch_copy_blocks(src, dst, block_ids, gather: bool) -> None:
     _check_blocks_contiguous(src, "source")
     _check_blocks_contiguous(dst, "destination")
+    if src.dtype == dst.dtype and src.dtype in _BYTE_FLOATS:
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     assert src.shape[3:] == dst.shape[3:] and src.shape[:2] == dst.shape[:2]
     assert block_ids.dim() == 1 and block_ids.device == src.device
     num_ids = block_ids.shape[0]

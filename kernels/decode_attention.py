@@ -16,6 +16,10 @@ in the kernel from its seq_len, nothing reads device values on the host, and
 the partial buffers are either passed in (DecodeWorkspace) or taken from the
 caching allocator (which is capture-safe). The shape rules (splits, tiles) and the
 workspace live in kernels.decode_config.
+
+An FP8 cache (kernels.fp8_kv) is read as E4M3 codes widened to q's dtype in registers; the
+program's KV head scales multiply its scores (K, folded into the softmax scale) and its
+output (V), and the fused form writes the new token's codes.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.decode_config import DecodeWorkspace, _tile_config, num_kv_splits
-from tandem.kernels.decode_tiles import (_attend_kv_tile, _load_kv_tile, _rotated_new_kv,
+from tandem.kernels.decode_tiles import (_attend_kv_tile, _cache_new_kv, _load_kv_tile, _rotated_new_kv,
                                   _store_new_kv)
 from tandem.kernels.dot import upcast_bf16_dot
+from tandem.kernels.fp8_kv import check_scales, is_fp8, soft_round
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 LOG2E = 1.4426950408889634
@@ -56,7 +61,7 @@ IDS_REG_MAX = 512
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     partial_out_ptr, partial_lse_ptr, out_ptr,
-    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
+    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_s, stride_q_h, stride_bt,
     stride_kn_s, stride_kn_h, stride_vn_s, stride_vn_h, stride_cs,
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
@@ -68,6 +73,7 @@ def _decode_partial_kernel(
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, IDS_REG: tl.constexpr = 0,
+    KV_FP8: tl.constexpr = False, SOFT_ROUND: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -86,6 +92,9 @@ def _decode_partial_kernel(
     kernels.rotary: about 1 value in 50,000 differs by 1 bf16 ulp from the unfused path.
     IDS_REG > 0: the block table entries of the share (IDS_REG of them from the share's first
     block; with one split and no window from entry 0, so before seq_len is read) are loaded once.
+    KV_FP8: the cache holds E4M3 codes of k / k_scale[kv_head] and v / v_scale[kv_head]; the
+    scores are q . code * scale * log2(e) * k_scale, the output is multiplied by v_scale, and
+    the new token (NEW_TOKEN) is written and attended as its codes.
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
@@ -128,6 +137,13 @@ def _decode_partial_kernel(
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM)
         if USE_PDL:
             gdc_wait()
+    if KV_FP8:  # after the wait, as every argument but the cache and its tables
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+        qk_scale = qk_scale * k_scale
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
 
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -157,32 +173,40 @@ def _decode_partial_kernel(
         v_slot = v_base + (slot // block_size) * stride_v_block + (slot % block_size) * stride_v_slot
         if PREFETCH:  # every split: the new token's k and v go into the prefetched tile from registers
             k_rot, v_new = _rotated_new_kv(k_row, v_row, cos, sin, partner_d, q.dtype, HEAD_DIM)
+            k_rot, v_new = _cache_new_kv(k_rot, v_new, k_scale, v_scale, KV_FP8, SOFT_ROUND)
             if writes:
                 _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM)
             is_last = (offs_last == last) & (slot >= 0)  # a padding row (slot -1) reads what is there
-            k_last = tl.where(is_last[None, :], tl.trans(k_rot), k_last)
+            if KV_FP8:  # the tile widened here, the codes selected in q's dtype
+                k_last = k_last.to(q.dtype)
+                v_last = v_last.to(q.dtype)
+            k_last = tl.where(is_last[None, :], tl.trans(k_rot).to(k_last.dtype), k_last)
             v_last = tl.where(is_last[:, None], v_new[None, :].to(v_last.dtype), v_last)
         else:
             if writes:
                 k_rot, v_new = _rotated_new_kv(k_row, v_row, cos, sin, partner_d, q.dtype, HEAD_DIM)
+                k_rot, v_new = _cache_new_kv(k_rot, v_new, k_scale, v_scale, KV_FP8, SOFT_ROUND)
                 _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM)
             tl.debug_barrier()  # the stores above are seen by this program's loads below
     loop_end = end
     if PREFETCH:  # attended first (online softmax takes tiles in any order): it holds no registers in the loop
         if end > start:
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
-                                            DOT_PRECISION, DOT_UPCAST)
+                                            DOT_PRECISION, DOT_UPCAST, KV_FP8)
         loop_end = last_tile
     for start_n in range(start, loop_end, BLOCK_N):
         k, v, offs_n, kv_valid = _load_kv_tile(
             k_base, v_base, block_table_row, start_n, end,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
             ids, ids_first, IDS_REG)
-        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST)
+        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST,
+                                        KV_FP8)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0
     out = acc / tl.where(no_keys, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     if DIRECT_OUT:
         tl.store(out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
@@ -234,9 +258,11 @@ class NewToken(NamedTuple):
 
 
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
-                             config: tuple | None = None, new_token: NewToken | None = None):
+                             config: tuple | None = None, new_token: NewToken | None = None,
+                             k_scale=None, v_scale=None):
     """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first]) instead
-    of the shape rules (tuning only). ``new_token``: rotary and the KV write fused in."""
+    of the shape rules (tuning only). ``new_token``: rotary and the KV write fused in.
+    ``k_scale``, ``v_scale``: an FP8 cache's [num_kv_heads] fp32 scales of this layer."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2 >= 16"
@@ -244,10 +270,12 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     assert num_q_heads % num_kv_heads == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert seq_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
     assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must share a dtype"
+    assert k_cache.dtype == v_cache.dtype and (q.dtype == k_cache.dtype or is_fp8(k_cache)), \
+        "the cache must hold q's dtype or FP8"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous"
     assert sliding_window is None or sliding_window > 0
+    k_scale, v_scale = check_scales(k_cache, k_scale, v_scale, num_kv_heads)
     if new_token is not None:
         k_new, v_new, positions, cos_sin, slots = new_token
         assert k_new.shape == v_new.shape == (num_seqs, num_kv_heads, head_dim)
@@ -296,7 +324,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
     _decode_partial_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, out,
-        k_new, v_new, positions, cos_sin, slots,
+        k_new, v_new, positions, cos_sin, slots, k_scale, v_scale,
         q.stride(0), q.stride(1), block_tables.stride(0), *new_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -307,6 +335,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
         PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH, IDS_REG=ids_reg,
+        KV_FP8=is_fp8(k_cache), SOFT_ROUND=soft_round(),
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
         **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS is not None and q.is_cuda else {}),
     )
@@ -326,6 +355,8 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
@@ -336,7 +367,7 @@ def decode_attention(
     """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_seqs, num_q_heads, head_dim]
     _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, float(scale),
-                             sliding_window, workspace)
+                             sliding_window, workspace, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
@@ -353,10 +384,14 @@ def decode_attention_new_token(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rotary_kv_write`` then ``decode_attention`` in one kernel launch: q, k, v of each
-    sequence's new token unrotated; its rotated k and v land in the cache (slot -1: not written)."""
+    sequence's new token unrotated; its rotated k and v land in the cache (slot -1: not written;
+    an FP8 cache gets their codes)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_seqs, num_q_heads, head_dim]
     _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, float(scale), sliding_window, None,
-                             new_token=NewToken(k, v, positions, cos_sin_cache, slot_mapping))
+                             new_token=NewToken(k, v, positions, cos_sin_cache, slot_mapping),
+                             k_scale=k_scale, v_scale=v_scale)
     return out

@@ -1,11 +1,13 @@
 """Tile-level device functions of the decode attention kernel (kernels.decode_attention):
 load one BLOCK_N tile of a KV head through the block table, attend to it (online softmax,
-log2 domain), and rotate / store the decode token's own k and v (the fused form)."""
+log2 domain; an FP8 tile widened to q's dtype first), and rotate / quantize / store the
+decode token's own k and v (the fused form)."""
 
 import triton
 import triton.language as tl
 
 from tandem.kernels.dot import dot
+from tandem.kernels.fp8_kv import quantize_kv_fp8
 
 
 @triton.jit
@@ -44,6 +46,16 @@ def _rotated_new_kv(k_row, v_row, cos, sin, partner_d, dtype: tl.constexpr, HEAD
 
 
 @triton.jit
+def _cache_new_kv(k_rot, v_new, k_scale, v_scale, KV_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """What the cache holds of the decode token's k and v: themselves, or with KV_FP8 their E4M3
+    codes under the KV head's scales (kernels.fp8_kv)."""
+    if KV_FP8:
+        return quantize_kv_fp8(k_rot, k_scale, SOFT_ROUND), quantize_kv_fp8(v_new, v_scale, SOFT_ROUND)
+    else:
+        return k_rot, v_new
+
+
+@triton.jit
 def _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(k_slot + offs_d[None, :], k_rot.to(k_slot.dtype.element_ty))
@@ -52,8 +64,13 @@ def _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale,
-                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """One online-softmax step (log2 domain) of q [GROUP_PAD, HEAD_DIM] over a loaded tile."""
+                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr = False):
+    """One online-softmax step (log2 domain) of q [GROUP_PAD, HEAD_DIM] over a loaded tile.
+    KV_FP8: k and v are E4M3 codes, widened to q's dtype here (exact); the caller has folded the
+    K scale into qk_scale and applies the V scale to the output."""
+    if KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
     s = tl.where(kv_valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -43,7 +43,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (``reference.quantize_rows_fp8``, the contract of ``kernels.fp8_quant``)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1) if x.shape[-1] else torch.zeros(x.shape[:-1], device=x.device)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor: torch divides by a Python number as a multiply by its reciprocal on CUDA,
+    # an ulp from the IEEE quotient the kernels (kernels.fp8_quant) compute
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

@@ -181,25 +181,37 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
     return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps)
 
 
-def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
-    return _pick("rotary_kv_write", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+# The attention ops take an FP8 cache's per-head scales of the layer (k_scale, v_scale: [num_kv_heads]
+# fp32; None for a cache in the model's dtype): reference.quantize_kv_fp8 / dequantize_kv_fp8. They
+# are passed on only when given, so a cache in the model's dtype is called as it always was.
+def _scales(k_scale, v_scale) -> tuple:
+    return () if k_scale is None and v_scale is None else (k_scale, v_scale)
+
+
+def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    return _pick("rotary_kv_write", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                       *_scales(k_scale, v_scale))
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None,
-                      chunk_kv=None):
+                      chunk_kv=None, k_scale=None, v_scale=None):
     return _pick("prefill_attention", q)(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, chunk_kv
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, chunk_kv,
+        *_scales(k_scale, v_scale),
     )
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None):
-    return _pick("decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, k_scale=None,
+                     v_scale=None):
+    return _pick("decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
+                                        *_scales(k_scale, v_scale))
 
 
 def decode_attention_new_token(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
-                               seq_lens, scale, sliding_window=None):
+                               seq_lens, scale, sliding_window=None, k_scale=None, v_scale=None):
     return _pick("decode_attention_new_token", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                                  block_tables, seq_lens, scale, sliding_window)
+                                                  block_tables, seq_lens, scale, sliding_window,
+                                                  *_scales(k_scale, v_scale))
 
 
 # Engine A/B on one H200 (torch 2.11, triton 3.6), 2026-11-29, at f1fd6a8 and e85a817

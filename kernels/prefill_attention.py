@@ -21,6 +21,11 @@ visited: over the context (no diagonal) and over the chunk in chunk-index space
 comes from the block table, so any block size works; a chunk key's is affine in
 its index, so Triton overlaps a tile's loads with the previous tile's math.
 Online softmax in the exp2 domain, fp32 accumulators.
+
+An FP8 cache (kernels.fp8_kv) is read as E4M3 codes widened to q's dtype in registers; the KV
+head's K scale is folded into the context tiles' softmax scale and its V scale multiplies the
+accumulator once the context is done (the chunk's own keys and values, with chunk_kv, are
+the unquantized rows and need neither).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.dot import dot, upcast_bf16_dot
+from tandem.kernels.fp8_kv import check_scales, is_fp8
 
 LOG2E = 1.4426950408889634
 
@@ -55,13 +61,14 @@ def _attend_kv_tile(
     k_base, v_base, block_table_row, stride_k_block, stride_k_row, stride_v_block, stride_v_row,
     block_size, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """One online-softmax step over keys start_n .. start_n + BLOCK_N - 1 (log2 domain), those
     from kv_end on masked; key n is visible to query row r if n <= q_idx[r] (and, with a
     window, q_idx[r] - n < window). PAGED: key n's row is found through the block table;
     else it is row n of a contiguous [rows, heads, HEAD_DIM] tensor (addresses affine in n,
-    so the loop's loads pipeline without a dependent load)."""
+    so the loop's loads pipeline without a dependent load). KV_FP8: k and v are E4M3 codes,
+    widened here; qk_scale carries the K scale, the caller applies the V scale."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_valid = offs_n < kv_end
@@ -82,6 +89,8 @@ def _attend_kv_tile(
         k = tl.load(k_ptrs, mask=kv_valid[None, :], other=0.0)
     else:
         k = tl.load(k_ptrs)
+    if KV_FP8:
+        k = k.to(q.dtype)
     s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (offs_n[None, :] <= q_idx[:, None]) & kv_valid[None, :]
@@ -97,6 +106,8 @@ def _attend_kv_tile(
         v = tl.load(v_ptrs, mask=kv_valid[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
+    if KV_FP8:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return acc, l_i, m_new
 
@@ -107,7 +118,7 @@ def _attend_key_range(
     k_base, v_base, block_table_row, stride_k_block, stride_k_row, stride_v_block, stride_v_row,
     block_size, qk_scale,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """Key tiles from lo to hi: those in [full_lo, full_hi) every query of the tile sees whole
     (no mask); the others (window edge, diagonal, the end) with one."""
@@ -115,17 +126,17 @@ def _attend_key_range(
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, q_idx, kv_end, window, k_base, v_base, block_table_row,
             stride_k_block, stride_k_row, stride_v_block, stride_v_row, block_size, qk_scale,
-            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, PAGED, DOT_PRECISION, DOT_UPCAST)
+            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, PAGED, DOT_PRECISION, DOT_UPCAST, KV_FP8)
     for start_n in range(full_lo, full_hi, BLOCK_N):  # seen whole by every query
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, q_idx, kv_end, window, k_base, v_base, block_table_row,
             stride_k_block, stride_k_row, stride_v_block, stride_v_row, block_size, qk_scale,
-            BLOCK_N, HEAD_DIM, False, HAS_WINDOW, PAGED, DOT_PRECISION, DOT_UPCAST)
+            BLOCK_N, HEAD_DIM, False, HAS_WINDOW, PAGED, DOT_PRECISION, DOT_UPCAST, KV_FP8)
     for start_n in range(full_hi, hi, BLOCK_N):  # diagonal or the last, partial tile
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, start_n, q_idx, kv_end, window, k_base, v_base, block_table_row,
             stride_k_block, stride_k_row, stride_v_block, stride_v_row, block_size, qk_scale,
-            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, PAGED, DOT_PRECISION, DOT_UPCAST)
+            BLOCK_N, HEAD_DIM, True, HAS_WINDOW, PAGED, DOT_PRECISION, DOT_UPCAST, KV_FP8)
     return acc, l_i, m_i
 
 
@@ -148,14 +159,14 @@ def _causal_key_range(first, last, window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl
 @triton.jit(do_not_specialize=["stride_bt", "num_seqs"])  # vary per batch: one compile, not one per value class
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    k_chunk_ptr, v_chunk_ptr,
+    k_chunk_ptr, v_chunk_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_bt,
     stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
     stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h,
     num_seqs, qk_scale, window, block_size,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, HAS_CHUNK: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr, HAS_CHUNK: tl.constexpr = False, KV_FP8: tl.constexpr = False,
 ):
     """out[i, h] = sum_p softmax_p(scale * q[i, h] . k[p, h // GROUP]) v[p, h // GROUP]
 
@@ -163,6 +174,7 @@ def _prefill_attention_kernel(
     pos(i) - p < W; pos(i) = seq_len - q_len + (i - query_start). HAS_CHUNK: the keys and
     values at the chunk's own positions (p = seq_len - q_len + j) are read from rows
     query_start + j of k_chunk, v_chunk; only the cached context's go through the block table.
+    KV_FP8: the cache holds E4M3 codes of k / k_scale[kv head] and v / v_scale[kv head].
     """
     if HEAVY_FIRST:  # grid (heads, tiles), last tiles (the most keys) first: a shorter tail
         head = tl.program_id(0)
@@ -196,6 +208,12 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
     # key positions some / all queries of the tile see
     lo, full_lo, full_hi, hi = _causal_key_range(context_len + i_first, context_len + i_last, window,
                                                  BLOCK_N, HAS_WINDOW)
@@ -206,7 +224,10 @@ def _prefill_attention_kernel(
         acc, l_i, m_i = _attend_key_range(
             acc, l_i, m_i, q, lo, ctx_full_lo, ctx_full_hi, context_len, q_pos, context_len, window,
             k_base, v_base, block_table_row, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-            block_size, qk_scale, BLOCK_N, HEAD_DIM, HAS_WINDOW, True, DOT_PRECISION, DOT_UPCAST)
+            block_size, qk_scale * k_scale, BLOCK_N, HEAD_DIM, HAS_WINDOW, True, DOT_PRECISION, DOT_UPCAST,
+            KV_FP8)
+        if KV_FP8:  # the context's sums in real units before the chunk's own (unquantized) values join
+            acc = acc * v_scale
         # the chunk's own keys, as chunk indices j (position context_len + j): causal in j
         lo, full_lo, full_hi, hi = _causal_key_range(i_first, i_last, window, BLOCK_N, HAS_WINDOW)
         k_chunk = k_chunk_ptr + q_start.to(tl.int64) * stride_kc_t + kv_head * stride_kc_h
@@ -219,7 +240,10 @@ def _prefill_attention_kernel(
         acc, l_i, m_i = _attend_key_range(
             acc, l_i, m_i, q, lo, full_lo, full_hi, hi, q_pos, seq_len, window,
             k_base, v_base, block_table_row, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-            block_size, qk_scale, BLOCK_N, HEAD_DIM, HAS_WINDOW, True, DOT_PRECISION, DOT_UPCAST)
+            block_size, qk_scale * k_scale, BLOCK_N, HEAD_DIM, HAS_WINDOW, True, DOT_PRECISION, DOT_UPCAST,
+            KV_FP8)
+        if KV_FP8:
+            acc = acc * v_scale
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only rows past the sequence's end
     out = acc / l_i[:, None]
@@ -253,9 +277,10 @@ def _tile_config(num_tokens: int, num_seqs: int, head_dim: int, dtype: torch.dty
 
 
 def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window,
-                              chunk_kv=None, config: tuple | None = None):
+                              chunk_kv=None, config: tuple | None = None, k_scale=None, v_scale=None):
     """``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, heavy_first) instead of
-    the shape rule (tuning only)."""
+    the shape rule (tuning only). ``k_scale``, ``v_scale``: an FP8 cache's [num_kv_heads]
+    fp32 scales of this layer."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -264,10 +289,12 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
     assert num_q_heads % num_kv_heads == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
     assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the cache must share a dtype"
+    assert k_cache.dtype == v_cache.dtype and (q.dtype == k_cache.dtype or is_fp8(k_cache)), \
+        "the cache must hold q's dtype or FP8"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous"
     assert sliding_window is None or sliding_window > 0
+    k_scale, v_scale = check_scales(k_cache, k_scale, v_scale, num_kv_heads)
     if chunk_kv is not None:
         k_chunk, v_chunk = chunk_kv
         assert k_chunk.shape == v_chunk.shape == (num_tokens, num_kv_heads, head_dim), \
@@ -288,7 +315,7 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
     assert not heavy_first or num_tiles <= 65535, "too many query tiles for grid axis 1"
     grid = (num_q_heads, num_tiles) if heavy_first else (num_tiles, num_q_heads)
     _prefill_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, k_chunk, v_chunk,
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, k_chunk, v_chunk, k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *chunk_strides,
@@ -297,7 +324,7 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEAVY_FIRST=heavy_first,
-        HAS_CHUNK=chunk_kv is not None,
+        HAS_CHUNK=chunk_kv is not None, KV_FP8=is_fp8(k_cache),
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -312,6 +339,8 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal variable-length attention over each sequence's cached blocks.
 
@@ -321,9 +350,10 @@ def prefill_attention(
     GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
     ``chunk_kv``: (k, v) of the chunk's own tokens [num_tokens, num_kv_heads, head_dim], k
     rotated (what ``rotary_kv_write`` wrote to the cache): keys at a sequence's last q_len
-    positions are read from them instead of through the block table.
+    positions are read from them instead of through the block table. An FP8 cache (float8_e4m3fn)
+    is read as code * scale with its [num_kv_heads] fp32 ``k_scale`` and ``v_scale``.
     """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, num_q_heads, head_dim]
     _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-                              float(scale), sliding_window, chunk_kv)
+                              float(scale), sliding_window, chunk_kv, k_scale=k_scale, v_scale=v_scale)
     return out

@@ -16,6 +16,9 @@ Layouts used throughout:
                  new tokens of this forward (already written to the cache)
     cos_sin_cache [max_position, head_dim]: cos in the first head_dim/2 columns,
                  sin in the last head_dim/2 (rotate-half / NeoX style, as HF Llama)
+    k_scale, v_scale [num_kv_heads] fp32, one layer's scales of an FP8 cache (float8_e4m3fn):
+                 the cache holds x / scale rounded to E4M3 and clamped to +-448
+                 (``quantize_kv_fp8``), a read gives code * scale; None for any other cache dtype
 """
 
 from __future__ import annotations
@@ -23,6 +26,28 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels.fp8_weight import Fp8Weight, dequantize, quantize_rows
+
+KV_FP8_DTYPE = torch.float8_e4m3fn  # the FP8 KV cache's element type (E4M3, no infinities)
+KV_FP8_MAX = 448.0  # its largest finite value
+
+
+def quantize_kv_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., H, D] -> E4M3 codes of x / scale (scale [H], fp32 IEEE division), clamped to +-448
+    (past the range a value saturates), rounded to nearest, ties to even."""
+    return (x.float() / scale[:, None]).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE)
+
+
+def dequantize_kv_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes [..., H, D] -> fp32 code * scale (scale [H])."""
+    return codes.float() * scale[:, None]
+
+
+def _is_fp8(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    if cache.dtype != KV_FP8_DTYPE:
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError("an FP8 KV cache needs its k_scale and v_scale")
+    return True
 
 
 def fused_add_rms_norm(
@@ -90,11 +115,15 @@ def rotary_kv_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k by their positions, write rotated k and v into the paged cache.
 
-    Returns (q_rot, k_rot). Tokens whose slot is -1 are rotated but not written.
+    Returns (q_rot, k_rot). Tokens whose slot is -1 are rotated but not written. An FP8
+    cache gets the E4M3 codes of k_rot / k_scale and v / v_scale (``quantize_kv_fp8``).
     """
+    fp8 = _is_fp8(k_cache, k_scale, v_scale)
     half = q.shape[-1] // 2
     cs = cos_sin_cache[positions.long()].float()  # [T, D]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
@@ -103,8 +132,12 @@ def rotary_kv_write(
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k_rot[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    if fp8:
+        k_cache[blocks, offsets] = quantize_kv_fp8(k_rot[valid], k_scale)
+        v_cache[blocks, offsets] = quantize_kv_fp8(v[valid], v_scale)
+    else:
+        k_cache[blocks, offsets] = k_rot[valid].to(k_cache.dtype)
+        v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
     return q_rot, k_rot
 
 
@@ -126,6 +159,8 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal variable-length attention over each sequence's cached blocks.
 
@@ -134,8 +169,10 @@ def prefill_attention(
     p <= pos and (sliding_window is None or pos - p < sliding_window).
     GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
     ``chunk_kv``: (k, v) [num_tokens, num_kv_heads, head_dim], the keys and values at each
-    sequence's last q_len positions (those the cache holds there; read from here instead).
+    sequence's last q_len positions (those the cache holds there; read from here instead,
+    unquantized). An FP8 cache is read as code * scale (``dequantize_kv_fp8``).
     """
+    fp8 = _is_fp8(k_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -145,8 +182,9 @@ def prefill_attention(
         s, e = starts[b], starts[b + 1]
         if e == s:
             continue
-        k = _gather_seq_kv(k_cache, block_tables[b], seq_len).float()
-        v = _gather_seq_kv(v_cache, block_tables[b], seq_len).float()
+        k = _gather_seq_kv(k_cache, block_tables[b], seq_len)
+        v = _gather_seq_kv(v_cache, block_tables[b], seq_len)
+        k, v = (dequantize_kv_fp8(k, k_scale), dequantize_kv_fp8(v, v_scale)) if fp8 else (k.float(), v.float())
         if chunk_kv is not None:
             k[seq_len - (e - s):] = chunk_kv[0][s:e].float()
             v[seq_len - (e - s):] = chunk_kv[1][s:e].float()
@@ -178,10 +216,12 @@ def decode_attention_new_token(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rotary_kv_write`` then ``decode_attention``: one new token per sequence, unrotated."""
-    q_rot, _ = rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    return decode_attention(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    q_rot, _ = rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return decode_attention(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, k_scale, v_scale)
 
 
 def decode_attention(
@@ -192,11 +232,14 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence (q: [num_seqs, num_q_heads, head_dim]) at position seq_len - 1."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return prefill_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,
+        k_scale=k_scale, v_scale=v_scale,
     )
 
 

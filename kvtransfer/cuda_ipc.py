@@ -20,7 +20,8 @@ import torch
 from tandem.kernels import ops
 from tandem.kvtransfer.base import Connection, Transfer, TransferError, Transport
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class EventTransfer(Transfer):
@@ -49,7 +50,8 @@ class CudaIpcConnection(Connection):
             raise TransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
         dst_kv = self._dst_kv
         if src_kv.shape[:2] != dst_kv.shape[:2] or src_kv.shape[3:] != dst_kv.shape[3:] or src_kv.dtype != dst_kv.dtype:
-            raise TransferError(f"pool layouts differ: {tuple(src_kv.shape)} vs {tuple(dst_kv.shape)}")
+            raise TransferError(f"pool layouts differ: {tuple(src_kv.shape)} {src_kv.dtype} vs "
+                                f"{tuple(dst_kv.shape)} {dst_kv.dtype}")
         stream = self._stream(src_kv.device)
         # the chunk's K/V were written on the compute stream: copy after them
         stream.wait_stream(torch.cuda.current_stream(src_kv.device))
@@ -98,6 +100,7 @@ class CudaIpcTransport(Transport):
             "storage_offset": int(kv.storage_offset()),
             "shape": list(kv.shape),
             "dtype": str(kv.dtype).removeprefix("torch."),
+            "kv_format": pool.kv_format(),
         }
 
     def connect(self, endpoint: dict) -> Connection:

@@ -89,7 +89,7 @@ class PoolServer:
         self.endpoint = {
             "transport": "nccl", "backend": self._backend, "host": host, "store_port": self._store.port,
             "ctrl_port": self._listener.getsockname()[1], "instance": uuid.uuid4().hex, "layout": pool.layout(),
-            "secret": self._secret.hex(),
+            "kv_format": pool.kv_format(), "secret": self._secret.hex(),
         }
         self._trace: list[tuple] = []
         self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]

@@ -23,6 +23,25 @@ def pool_num_blocks(endpoint: dict) -> int | None:
     return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
+def kv_format_mismatch(endpoint: dict, pool) -> str | None:
+    """Why blocks of ``pool`` (this prefill worker's) may not be written into the pool an endpoint
+    names, or None: the endpoint's ``kv_format`` (``KVCachePool.kv_format``: dtype, FP8 scales'
+    digest) must be this pool's, since blocks travel as bytes. An endpoint that describes no
+    format is left to the transports' own checks (they compare dtypes on every write)."""
+    theirs = endpoint.get("kv_format")
+    if not isinstance(theirs, dict):
+        return None
+    ours = pool.kv_format()
+    if theirs.get("dtype") != ours["dtype"]:
+        return (f"the decode worker's KV cache holds {theirs.get('dtype')}, this prefill worker's "
+                f"{ours['dtype']}: give every worker the same --kv-cache-dtype and --dtype")
+    if theirs.get("scales") != ours["scales"]:
+        return (f"the decode worker's FP8 KV scales (digest {theirs.get('scales')}) differ from this "
+                f"prefill worker's ({ours['scales']}): every worker must load the same checkpoint "
+                "(calibrated scales: on the same kind of device)")
+    return None
+
+
 class KVSender:
     def __init__(self, connection: Connection | None, dst_block_ids: list[int], handoff_id: str | None = None):
         self._connection = connection

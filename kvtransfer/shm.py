@@ -25,8 +25,9 @@ class ShmConnection(Connection):
         if len(src_block_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
         dst_kv = self._pool.kv
-        if src_kv.shape[:2] != dst_kv.shape[:2] or src_kv.shape[3:] != dst_kv.shape[3:]:
-            raise TransferError(f"pool layouts differ: {tuple(src_kv.shape)} vs {tuple(dst_kv.shape)}")
+        if src_kv.shape[:2] != dst_kv.shape[:2] or src_kv.shape[3:] != dst_kv.shape[3:] or src_kv.dtype != dst_kv.dtype:
+            raise TransferError(f"pool layouts differ: {tuple(src_kv.shape)} {src_kv.dtype} vs "
+                                f"{tuple(dst_kv.shape)} {dst_kv.dtype}")
         src = torch.tensor(src_block_ids, dtype=torch.long)
         dst = torch.tensor(dst_block_ids, dtype=torch.long)
         ops.scatter_blocks(dst_kv, dst, ops.gather_blocks(src_kv, src))
@@ -45,7 +46,7 @@ class ShmTransport(Transport):
     def export_pool(self, pool) -> dict:
         if pool.shm_path is None:
             raise TransferError("the shm transport needs a KV pool created with KVCachePool.create_shared")
-        return {"transport": self.name, "path": pool.shm_path, "layout": pool.layout()}
+        return {"transport": self.name, "path": pool.shm_path, "layout": pool.layout(), "kv_format": pool.kv_format()}
 
     def connect(self, endpoint: dict) -> Connection:
         from tandem.engine.kv_cache import KVCachePool

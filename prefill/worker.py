@@ -42,7 +42,7 @@ from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_sl
 from tandem.engine.guide import Guides, apply_bitmask
 from tandem.engine.sampler import sample_async
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
-from tandem.kvtransfer.sender import pool_num_blocks
+from tandem.kvtransfer.sender import kv_format_mismatch, pool_num_blocks
 from tandem.kvtransfer.base import TransferError
 from tandem.prefill.job import PrefillState
 from tandem.prefill.scheduler import PrefillScheduler
@@ -222,7 +222,7 @@ class PrefillWorker:
         if num_dst is not None and max(job.dst_block_ids) >= num_dst:
             # a write there would land outside the decode worker's pool
             return f"destination blocks outside the decode worker's pool of {num_dst}"
-        return None
+        return kv_format_mismatch(job.kv_endpoint, self.runner.kv_pool)  # blocks travel as bytes
 
     def _connect(self, job: PrefillJob):
         """The connection to the job's decode pool, made once per pool. A decode worker that

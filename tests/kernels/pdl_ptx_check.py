@@ -21,7 +21,7 @@ from tandem.kernels.skinny_gemm import _skinny_kernel, _split_sum_kernel
 
 _POINTER_TYPES = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
                   "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "partial_out_ptr": "*fp32",
-                  "partial_lse_ptr": "*fp32", "ws_ptr": "*fp32"}
+                  "partial_lse_ptr": "*fp32", "ws_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
 _SKINNY_DIVISIBLE = ("K", "stride_xm", "stride_wn", "stride_ym")
 _FP8_POINTERS = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
 
@@ -136,6 +136,19 @@ _KERNELS = [
     for m, n, k, silu, split in [(16, 64, 128, False, False), (64, 64, 128, False, True), (64, 128, 64, True, False)]
 ] + [(_split_sum_kernel, dict(SPLIT_K=2, BLOCK=1024, HAS_BIAS=True, SILU_MUL=True), ()),
      (_split_sum_kernel, dict(SPLIT_K=2, BLOCK=4096, HAS_BIAS=False, SILU_MUL=False, ADD_NORM=True), ())]
+# an FP8 KV cache (E4M3 codes, its per-head scales read after the wait): the same rules
+_FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+_DECODE = dict(GROUP=4, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=False, DIRECT_OUT=False,
+               DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True, KV_FP8=True)
+_KERNELS += [
+    (_rotary_kv_write_kernel, {"HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8, "KV_FP8": True}, (), (), _FP8_CACHE),
+    (_decode_partial_kernel, _DECODE, (), (), _FP8_CACHE),
+    (_decode_partial_kernel, {**_DECODE, "DIRECT_OUT": True, "NEW_TOKEN": True}, (), (), _FP8_CACHE),
+    (_decode_partial_kernel, {**_DECODE, "NEW_TOKEN": True, "PREFETCH": True},
+     ("k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr"), (), _FP8_CACHE),
+    (_decode_partial_kernel, {**_DECODE, "GROUP": 1, "BLOCK_N": 32, "DIRECT_OUT": True, "IDS_REG": 512}, (), (),
+     _FP8_CACHE),
+]
 
 
 def main() -> int:

@@ -25,7 +25,7 @@ def _raw(body: dict) -> bytes:
 
 def test_a_newer_senders_sampling_fields_are_ignored():
     body = msgpack.unpackb(encode(_request(temperature=0.5)), raw=False)
-    body["sampling"]["min_p"] = 0.1  # a field this version does not know
+    body["sampling"]["a_later_knob"] = 0.1  # a field this version does not know
     msg = decode(_raw(body))
     assert isinstance(msg, GenerateRequest) and msg.sampling == SamplingParams(temperature=0.5)
 
