@@ -10,7 +10,12 @@ tokens are read, as the decode worker runs it), the largest of those batches
 again with logit_bias and the penalties on every row against the same steps
 without (``tandem.bench.sampling_controls``), prefill of one
 2048-token prompt, and the KV handoff of that prompt (the cuda_ipc copy path);
-then the HF transformers anchors. Writes JSON rows
+then the HF transformers anchors. With ``--quantization fp8`` each model runs again with FP8
+weights (its projections quantized per output channel, as ``--quantization fp8`` serves them):
+rows suffixed ``_fp8`` beside the bf16 ones, decode at the same batches against a bandwidth
+floor of the bytes an FP8 step reads (E4M3 weights, their scales, the bf16 embeddings, lm_head
+and norms, the KV) and against the bf16 step, and the 2048-token prefill against the FP8
+matmul rate. Writes JSON rows
 {workload, model, metric, value, anchor, anchor_value, ratio} and prints a table.
 """
 
@@ -38,20 +43,23 @@ def row(workload, model, metric, value, anchor=None, anchor_value=None, ratio=No
     print(json.dumps(r), flush=True)
 
 
-def build_runner(name: str, num_tokens: int, max_seq_len: int, block_size: int = 16, max_batch_size: int = 64):
+def build_runner(name: str, num_tokens: int, max_seq_len: int, block_size: int = 16, max_batch_size: int = 64,
+                 quantization: str | None = None):
     from tandem.engine.config import ModelConfig
     from tandem.engine.loader import random_model
     from tandem.engine.runner import ModelRunner
 
     config = ModelConfig.from_dict(hf_config_dict(name))
-    model = random_model(config, torch.bfloat16, "cuda")
+    model = random_model(config, torch.bfloat16, "cuda", quantization=quantization)
     runner = ModelRunner.from_model(model, config, num_blocks=-(-num_tokens // block_size), block_size=block_size)
     runner.enable_cuda_graphs(max_batch_size, max_seq_len)
     return runner
 
 
 def weight_bytes(runner) -> int:
-    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    """Every weight's bytes (FP8 weights: their E4M3 rows and fp32 row scales)."""
+    scales = [b for name, b in runner.model.named_buffers() if name.endswith("weight_scale")]
+    return sum(t.numel() * t.element_size() for t in [*runner.model.parameters(), *scales])
 
 
 def decode_workload(runner, allocator, batch: int, prompt_len: int = 128, new_tokens: int = 256) -> dict:
@@ -104,7 +112,8 @@ def prefill_workload(runner, allocator, prompt_len: int = 2048) -> dict:
     finally:
         allocator.free(blocks)
     c = runner.config
-    body = weight_bytes(runner) / 2 - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    params = sum(p.numel() for p in runner.model.parameters())
+    body = params - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     flops = 2 * body * prompt_len + 2 * prompt_len**2 * c.num_q_heads * c.head_dim * c.num_layers
     return {"ms": ms, "flops": flops}
 
@@ -142,15 +151,7 @@ def run_model(name: str, ceil: dict, batches: list[int], guided_tokenizer: str |
     runner = build_runner(name, num_tokens=max_batch * 400 + 2 * 2048 + 1024, max_seq_len=4096,
                           max_batch_size=max_batch)
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
-    bw = ceil["hbm_copy_TBps"] * 1e12
-    wbytes = weight_bytes(runner)
-    row("weights", name, "GB", wbytes / 1e9)
-    for batch in batches:
-        r = decode_workload(runner, allocator, batch)
-        floor_ms = (wbytes + r["kv_read_bytes"]) / bw * 1e3
-        row(f"decode_b{batch}", name, "ms_per_step", r["ms_per_step"], "bandwidth_floor_ms", floor_ms,
-            r["ms_per_step"] / floor_ms)
-        row(f"decode_b{batch}", name, "out_tok_per_s", r["out_tok_per_s"])
+    _weights_and_decode(runner, allocator, name, ceil, batches)
     # what logit_bias and the penalties on every row add to a decode step (tandem.bench.sampling_controls)
     c = sampling_controls.overhead(runner, allocator, batch=max_batch)
     row(f"decode_b{max_batch}_penalties", name, "ms_per_step", c["processed_ms"], "plain_ms_per_step",
@@ -170,6 +171,47 @@ def run_model(name: str, ceil: dict, batches: list[int], guided_tokenizer: str |
         h["GBps"] / (ceil["hbm_copy_TBps"] * 1e3))
     row("kv_handoff_2048", name, "added_ttft_fraction", h["ms"] / p["ms"], "prefill_ms", p["ms"], None)
     row("kv_handoff_2048", name, "bytes", h["bytes"])
+    del runner, allocator
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _weights_and_decode(runner, allocator, name: str, ceil: dict, batches: list[int], suffix: str = "") -> None:
+    """The weights row and a decode row per batch against the bandwidth floor (the bytes a step reads)."""
+    bw = ceil["hbm_copy_TBps"] * 1e12
+    wbytes = weight_bytes(runner)
+    row(f"weights{suffix}", name, "GB", wbytes / 1e9)
+    for batch in batches:
+        r = decode_workload(runner, allocator, batch)
+        floor_ms = (wbytes + r["kv_read_bytes"]) / bw * 1e3
+        row(f"decode_b{batch}{suffix}", name, "ms_per_step", r["ms_per_step"], "bandwidth_floor_ms", floor_ms,
+            r["ms_per_step"] / floor_ms)
+        row(f"decode_b{batch}{suffix}", name, "out_tok_per_s", r["out_tok_per_s"])
+
+
+def run_model_fp8(name: str, ceil: dict, batches: list[int]) -> None:
+    """The same model with FP8 weights: rows suffixed _fp8, each decode step also against the bf16 one."""
+    from tandem.engine.block_allocator import BlockAllocator
+
+    max_batch = max(batches)
+    runner = build_runner(name, num_tokens=max_batch * 400 + 2 * 2048 + 1024, max_seq_len=4096,
+                          max_batch_size=max_batch, quantization="fp8")
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    _weights_and_decode(runner, allocator, name, ceil, batches, suffix="_fp8")
+    measured = {(r["workload"], r["metric"]): r["value"] for r in ROWS if r["model"] == name}
+    for batch in batches:
+        fp8_ms = measured.get((f"decode_b{batch}_fp8", "ms_per_step"))
+        bf16_ms = measured.get((f"decode_b{batch}", "ms_per_step"))
+        if isinstance(fp8_ms, float) and isinstance(bf16_ms, float):
+            row(f"decode_b{batch}_fp8", name, "speedup_vs_bf16", bf16_ms / fp8_ms, "bf16_ms_per_step", bf16_ms, None)
+    p = prefill_workload(runner, allocator)
+    rate = ceil.get("fp8_matmul_TFLOPs") or ceil["bf16_matmul_TFLOPs"]
+    row("prefill_2048_fp8", name, "ms", p["ms"], "fp8_matmul_floor_ms", p["flops"] / (rate * 1e12) * 1e3,
+        None)
+    row("prefill_2048_fp8", name, "fraction_of_fp8_matmul_rate", p["flops"] / (p["ms"] / 1e3) / (rate * 1e12))
+    bf16_ms = measured.get(("prefill_2048", "ms"))
+    if isinstance(bf16_ms, float):
+        row("prefill_2048_fp8", name, "speedup_vs_bf16", bf16_ms / p["ms"], "bf16_ms", bf16_ms, None)
     del runner, allocator
     gc.collect()
     torch.cuda.empty_cache()
@@ -233,7 +275,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tandem.bench.timing import ceilings
+    from tandem.bench.timing import ceilings, fp8_matmul_TFLOPs
 
     import transformers
     import triton
@@ -248,6 +290,10 @@ def main(args: argparse.Namespace) -> int:
     ceil = ceilings()
     row("ceilings", "-", "hbm_copy_TBps", ceil["hbm_copy_TBps"])
     row("ceilings", "-", "bf16_matmul_TFLOPs", ceil["bf16_matmul_TFLOPs"])
+    fp8 = args.quantization == "fp8"
+    if fp8:
+        ceil["fp8_matmul_TFLOPs"] = fp8_matmul_TFLOPs()
+        row("ceilings", "-", "fp8_matmul_TFLOPs", ceil["fp8_matmul_TFLOPs"])
     batches = [int(b) for b in args.batches.split(",")]
     anchors = {a for a in args.anchors.split(",") if a}
     anchor_models = set(args.anchor_models.split(","))
@@ -257,6 +303,12 @@ def main(args: argparse.Namespace) -> int:
         except Exception as exc:
             traceback.print_exc()
             row("engine", name, "error", f"{type(exc).__name__}: {exc}"[:300])
+        if fp8:
+            try:
+                run_model_fp8(name, ceil, batches)
+            except Exception as exc:
+                traceback.print_exc()
+                row("engine_fp8", name, "error", f"{type(exc).__name__}: {exc}"[:300])
         if anchors and name in anchor_models:
             run_anchors(name, anchors)
         with open(args.out, "w") as f:

@@ -63,3 +63,15 @@ def ceilings() -> dict:
     del x, y
     torch.cuda.empty_cache()
     return {"hbm_copy_TBps": 2 * n * 2 / (copy_ms / 1e3) / 1e12, "bf16_matmul_TFLOPs": 2 * m**3 / (mm_ms / 1e3) / 1e12}
+
+
+def fp8_matmul_TFLOPs(m: int = 8192) -> float:
+    """The FP8 tensor-core rate: torch._scaled_mm of two m x m E4M3 matrices with row-wise scales
+    (as FP8 weights' prefill runs it), bf16 out."""
+    a = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, m, device="cuda")
+    ms = median_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * m**3 / (ms / 1e3) / 1e12

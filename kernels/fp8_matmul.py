@@ -26,14 +26,14 @@ def _device_has_fp8_mma(index: int) -> bool:
 
 def takes(x: torch.Tensor, weight: Fp8Weight) -> bool:
     """Whether ``scaled_mm`` runs this product: bf16 x [M, K] on a CUDA device with FP8 MMA
-    (sm89+), K and N multiples of 16 (torch._scaled_mm's rule), the weight's rows contiguous."""
+    (sm89+), K and N multiples of 16 (torch._scaled_mm's rule), x's and the weight's rows contiguous."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0
             and hasattr(torch, "_scaled_mm")):
         return False
     num_out, K = weight.shape
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return (K % 16 == 0 and num_out % 16 == 0 and x.shape[1] == K and weight.data.stride(1) == 1
-            and _device_has_fp8_mma(index))
+    return (K % 16 == 0 and num_out % 16 == 0 and x.shape[1] == K and x.stride(1) == 1
+            and weight.data.stride(1) == 1 and _device_has_fp8_mma(index))
 
 
 def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None,
