@@ -9,9 +9,10 @@ handoff moves them, the decode worker reads them.
   for token: the cluster adds nothing to the numerics.
 - Against an fp32 cache (HF transformers) a random tiny model's greedy choices agree on most
   tokens, not all: its top-2 logit margins go down to 0.001. Each stream token is compared with
-  the fp32 choice after the same prefix: 134 of 144 equal (93%; 2026-12-02, the 2-core CPU
-  machine), bound 85%. Free-running fp32 streams part at the first flipped near-tie and then
-  share little (71 of 144 position by position): printed, not bounded.
+  the fp32 choice after the same prefix: 134 and 132 of 144 equal in two runs (93%, 92%;
+  2026-12-02, the 2-core CPU machine: concurrent streams batch differently run to run), bound
+  85%. Free-running fp32 streams part at the first flipped near-tie and then share little (71
+  and 76 of 144 position by position): printed, not bounded.
 - A prefill worker whose cache is not FP8 refuses the decode worker's jobs with a clear error.
 """
 
