@@ -15,7 +15,11 @@ weights (its projections quantized per output channel, as ``--quantization fp8``
 rows suffixed ``_fp8`` beside the bf16 ones, decode at the same batches against a bandwidth
 floor of the bytes an FP8 step reads (E4M3 weights, their scales, the bf16 embeddings, lm_head
 and norms, the KV) and against the bf16 step, and the 2048-token prefill against the FP8
-matmul rate. Writes JSON rows
+matmul rate. With ``--kv-cache-dtype fp8`` each model runs again with an FP8 KV cache (bf16
+weights): rows suffixed ``_fp8kv``, decode at the same batches against the floor of the bytes
+such a step reads (the KV in one byte an element) and against the bf16-cache step, the prefill
+and the KV handoff (half the bytes), and a long-context decode (batch 8 at 2048 + 64 tokens),
+where the KV read weighs most, with both caches on the same weights. Writes JSON rows
 {workload, model, metric, value, anchor, anchor_value, ratio} and prints a table.
 """
 
@@ -44,14 +48,15 @@ def row(workload, model, metric, value, anchor=None, anchor_value=None, ratio=No
 
 
 def build_runner(name: str, num_tokens: int, max_seq_len: int, block_size: int = 16, max_batch_size: int = 64,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
     from tandem.engine.config import ModelConfig
     from tandem.engine.loader import random_model
     from tandem.engine.runner import ModelRunner
 
     config = ModelConfig.from_dict(hf_config_dict(name))
     model = random_model(config, torch.bfloat16, "cuda", quantization=quantization)
-    runner = ModelRunner.from_model(model, config, num_blocks=-(-num_tokens // block_size), block_size=block_size)
+    runner = ModelRunner.from_model(model, config, num_blocks=-(-num_tokens // block_size), block_size=block_size,
+                                    kv_cache_dtype=kv_cache_dtype)
     runner.enable_cuda_graphs(max_batch_size, max_seq_len)
     return runner
 
@@ -97,7 +102,7 @@ def decode_workload(runner, allocator, batch: int, prompt_len: int = 128, new_to
         for b in blocks:
             allocator.free(b)
     avg_ctx = prompt_len + new_tokens / 2
-    kv_read = batch * avg_ctx * runner.config.kv_bytes_per_token(torch.bfloat16)
+    kv_read = batch * avg_ctx * runner.config.kv_bytes_per_token(runner.kv_pool.dtype)
     return {"ms_per_step": ms, "out_tok_per_s": batch * 1e3 / ms, "kv_read_bytes": kv_read}
 
 
@@ -136,7 +141,7 @@ def handoff_workload(runner, allocator, prompt_len: int = 2048) -> dict:
 
     try:
         ms = median_ms(copy, reps=10, warmup=2)
-        assert torch.equal(dst_kv[:, :, dst], runner.kv_pool.kv[:, :, src])
+        assert torch.equal(dst_kv[:, :, dst].view(torch.uint8), runner.kv_pool.kv[:, :, src].view(torch.uint8))
     finally:
         allocator.free(src)
     nbytes = num_blocks * runner.kv_pool.bytes_per_block
@@ -213,6 +218,55 @@ def run_model_fp8(name: str, ceil: dict, batches: list[int]) -> None:
     if isinstance(bf16_ms, float):
         row("prefill_2048_fp8", name, "speedup_vs_bf16", bf16_ms / p["ms"], "bf16_ms", bf16_ms, None)
     del runner, allocator
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+LONG_CONTEXT = (8, 2048, 64)  # batch, prompt, new tokens: a decode whose KV read weighs most
+
+
+def run_model_fp8kv(name: str, ceil: dict, batches: list[int]) -> None:
+    """The same model with an FP8 KV cache (--kv-cache-dtype fp8; scales calibrated at build): rows
+    suffixed _fp8kv, each against the bf16-cache row of this run, and the long-context decode with
+    both caches around one set of weights."""
+    from tandem.engine.block_allocator import BlockAllocator
+    from tandem.engine.runner import ModelRunner
+
+    max_batch = max(batches)
+    runner = build_runner(name, num_tokens=max_batch * 400 + 2 * 2048 + 1024, max_seq_len=4096,
+                          max_batch_size=max_batch, kv_cache_dtype="fp8")
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    _weights_and_decode(runner, allocator, name, ceil, batches, suffix="_fp8kv")
+    measured = {(r["workload"], r["metric"]): r["value"] for r in ROWS if r["model"] == name}
+    for batch in batches:
+        ours = measured.get((f"decode_b{batch}_fp8kv", "ms_per_step"))
+        bf16 = measured.get((f"decode_b{batch}", "ms_per_step"))
+        if isinstance(ours, float) and isinstance(bf16, float):
+            row(f"decode_b{batch}_fp8kv", name, "speedup_vs_bf16_kv", bf16 / ours, "bf16_kv_ms_per_step", bf16, None)
+    p = prefill_workload(runner, allocator)
+    bf16 = measured.get(("prefill_2048", "ms"))
+    row("prefill_2048_fp8kv", name, "ms", p["ms"], "bf16_kv_ms", bf16,
+        bf16 / p["ms"] if isinstance(bf16, float) else None)
+    h = handoff_workload(runner, allocator)
+    row("kv_handoff_2048_fp8kv", name, "GBps", h["GBps"], "hbm_copy_GBps", ceil["hbm_copy_TBps"] * 1e3,
+        h["GBps"] / (ceil["hbm_copy_TBps"] * 1e3))
+    row("kv_handoff_2048_fp8kv", name, "added_ttft_fraction", h["ms"] / p["ms"], "prefill_ms", p["ms"], None)
+    row("kv_handoff_2048_fp8kv", name, "bytes", h["bytes"], "bf16_kv_bytes",
+        measured.get(("kv_handoff_2048", "bytes")), None)
+    batch, prompt_len, new_tokens = LONG_CONTEXT
+    batch = min(batch, runner.num_blocks * runner.block_size // (prompt_len + new_tokens))
+    dense = ModelRunner.from_model(runner.model, runner.config, runner.num_blocks, runner.block_size)
+    dense.enable_cuda_graphs(max_batch, 4096)
+    times = {}
+    for suffix, r in (("", dense), ("_fp8kv", runner)):
+        d = decode_workload(r, BlockAllocator(r.num_blocks, r.block_size), batch, prompt_len, new_tokens)
+        floor_ms = (weight_bytes(r) + d["kv_read_bytes"]) / (ceil["hbm_copy_TBps"] * 1e12) * 1e3
+        times[suffix] = d["ms_per_step"]
+        row(f"decode_b{batch}_ctx{prompt_len}{suffix}", name, "ms_per_step", d["ms_per_step"], "bandwidth_floor_ms",
+            floor_ms, d["ms_per_step"] / floor_ms)
+    row(f"decode_b{batch}_ctx{prompt_len}_fp8kv", name, "speedup_vs_bf16_kv", times[""] / times["_fp8kv"],
+        "bf16_kv_ms_per_step", times[""], None)
+    del runner, dense, allocator
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -309,6 +363,12 @@ def main(args: argparse.Namespace) -> int:
             except Exception as exc:
                 traceback.print_exc()
                 row("engine_fp8", name, "error", f"{type(exc).__name__}: {exc}"[:300])
+        if args.kv_cache_dtype == "fp8":
+            try:
+                run_model_fp8kv(name, ceil, batches)
+            except Exception as exc:
+                traceback.print_exc()
+                row("engine_fp8kv", name, "error", f"{type(exc).__name__}: {exc}"[:300])
         if anchors and name in anchor_models:
             run_anchors(name, anchors)
         with open(args.out, "w") as f:

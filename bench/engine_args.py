@@ -15,6 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="none", choices=["none", "fp8"],
                         help="fp8: each model again with FP8 weights (its projections quantized per output "
                              "channel), rows suffixed _fp8: weights, decode at --batches, prefill 2048")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: each model again with an FP8 KV cache (bf16 weights), rows suffixed _fp8kv: "
+                             "decode at --batches, prefill 2048, the KV handoff, and decode at 2048 tokens of context")
     parser.add_argument("--guided-tokenizer", default=os.environ.get("TANDEM_BENCH_TOKENIZER"),
                         help="a checkpoint (or tokenizer directory) for the guided decode row "
                              "(default: the default model's; none installed: the row is skipped)")
