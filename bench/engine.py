@@ -194,29 +194,32 @@ def _weights_and_decode(runner, allocator, name: str, ceil: dict, batches: list[
         row(f"decode_b{batch}{suffix}", name, "out_tok_per_s", r["out_tok_per_s"])
 
 
-def run_model_fp8(name: str, ceil: dict, batches: list[int]) -> None:
-    """The same model with FP8 weights: rows suffixed _fp8, each decode step also against the bf16 one."""
+def run_model_fp8(name: str, ceil: dict, batches: list[int], kv_cache_dtype: str = "auto",
+                  suffix: str = "_fp8") -> None:
+    """The same model with FP8 weights (and, with ``kv_cache_dtype`` "fp8", an FP8 KV cache too):
+    rows suffixed ``suffix``, each decode step and the prefill also against the bf16 ones."""
     from tandem.engine.block_allocator import BlockAllocator
 
     max_batch = max(batches)
     runner = build_runner(name, num_tokens=max_batch * 400 + 2 * 2048 + 1024, max_seq_len=4096,
-                          max_batch_size=max_batch, quantization="fp8")
+                          max_batch_size=max_batch, quantization="fp8", kv_cache_dtype=kv_cache_dtype)
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
-    _weights_and_decode(runner, allocator, name, ceil, batches, suffix="_fp8")
+    _weights_and_decode(runner, allocator, name, ceil, batches, suffix=suffix)
     measured = {(r["workload"], r["metric"]): r["value"] for r in ROWS if r["model"] == name}
     for batch in batches:
-        fp8_ms = measured.get((f"decode_b{batch}_fp8", "ms_per_step"))
+        fp8_ms = measured.get((f"decode_b{batch}{suffix}", "ms_per_step"))
         bf16_ms = measured.get((f"decode_b{batch}", "ms_per_step"))
         if isinstance(fp8_ms, float) and isinstance(bf16_ms, float):
-            row(f"decode_b{batch}_fp8", name, "speedup_vs_bf16", bf16_ms / fp8_ms, "bf16_ms_per_step", bf16_ms, None)
+            row(f"decode_b{batch}{suffix}", name, "speedup_vs_bf16", bf16_ms / fp8_ms, "bf16_ms_per_step", bf16_ms,
+                None)
     p = prefill_workload(runner, allocator)
     rate = ceil.get("fp8_matmul_TFLOPs") or ceil["bf16_matmul_TFLOPs"]
-    row("prefill_2048_fp8", name, "ms", p["ms"], "fp8_matmul_floor_ms", p["flops"] / (rate * 1e12) * 1e3,
+    row(f"prefill_2048{suffix}", name, "ms", p["ms"], "fp8_matmul_floor_ms", p["flops"] / (rate * 1e12) * 1e3,
         None)
-    row("prefill_2048_fp8", name, "fraction_of_fp8_matmul_rate", p["flops"] / (p["ms"] / 1e3) / (rate * 1e12))
+    row(f"prefill_2048{suffix}", name, "fraction_of_fp8_matmul_rate", p["flops"] / (p["ms"] / 1e3) / (rate * 1e12))
     bf16_ms = measured.get(("prefill_2048", "ms"))
     if isinstance(bf16_ms, float):
-        row("prefill_2048_fp8", name, "speedup_vs_bf16", bf16_ms / p["ms"], "bf16_ms", bf16_ms, None)
+        row(f"prefill_2048{suffix}", name, "speedup_vs_bf16", bf16_ms / p["ms"], "bf16_ms", bf16_ms, None)
     del runner, allocator
     gc.collect()
     torch.cuda.empty_cache()
@@ -369,6 +372,12 @@ def main(args: argparse.Namespace) -> int:
             except Exception as exc:
                 traceback.print_exc()
                 row("engine_fp8kv", name, "error", f"{type(exc).__name__}: {exc}"[:300])
+        if fp8 and args.kv_cache_dtype == "fp8":  # both: what an FP8 cluster runs
+            try:
+                run_model_fp8(name, ceil, batches, kv_cache_dtype="fp8", suffix="_fp8_fp8kv")
+            except Exception as exc:
+                traceback.print_exc()
+                row("engine_fp8_fp8kv", name, "error", f"{type(exc).__name__}: {exc}"[:300])
         if anchors and name in anchor_models:
             run_anchors(name, anchors)
         with open(args.out, "w") as f:

@@ -13,6 +13,8 @@
 #   bash scripts/gpu.sh two-gpu   (two GPUs) the nccl tests, the handoff against a D2D copy, and the
 #                                 mixed workload disaggregated over both GPUs
 #   bash scripts/gpu.sh record    engine, then mixed: one record for docs/benchmarks/
+#   bash scripts/gpu.sh fp8       the FP8 GPU tests, then llama3-8b's bf16, FP8-weight, FP8-KV and FP8 rows
+#   bash scripts/gpu.sh fp8-serve the mixed workload in bf16 and FP8, then 256 streams of 128/128 in FP8
 set -o pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh || exit 1
@@ -54,5 +56,24 @@ case "${1:-}" in
     timeout 270 python3 -m tandem.bench.cluster_mixed --client-processes 4 --out "$OUT/mixed/mixed.json" \
       > "$OUT/mixed/run.log" 2>&1
     summary "$OUT/bench.log" "$OUT/mixed/run.log" ;;
-  *) sed -n 2,16p "$0" >&2; exit 2 ;;
+  fp8)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_weights.py tests/kernels/test_fp8_kv_cache.py \
+      tests/engine/test_fp8_engine_gpu.py tests/gpu/test_gpu_fp8_llama3_8b.py tests/gpu/test_gpu_fp8_cluster.py \
+      tests/gpu/test_gpu_fp8_kv_transfer.py -m gpu 2>&1 | tee "$OUT/fp8_tests.log" | tail -15
+    timeout 300 python3 -m tandem.bench.engine --models llama3-8b --batches 1,64 --anchors '' --quantization fp8 \
+      --kv-cache-dtype fp8 --out "$OUT/fp8.json" > "$OUT/fp8_bench.log" 2>&1
+    summary "$OUT/fp8_tests.log" "$OUT/fp8_bench.log" ;;
+  fp8-serve)
+    for variant in bf16 fp8; do
+      flags=""; [ $variant = fp8 ] && flags="--quantization fp8 --kv-cache-dtype fp8"
+      timeout 170 python3 -m tandem.bench.cluster_mixed --skip-hf --serve-args "$flags" --label "mixed_128req_$variant" \
+        --out "$OUT/mixed/mixed_$variant.json" > "$OUT/mixed/run_$variant.log" 2>&1
+      tail -3 "$OUT/mixed/run_$variant.log"
+    done
+    timeout 200 python3 -m tandem.bench.cluster_mixed --skip-hf --model-shape llama3-8b --num-prompts 1024 \
+      --input-len-range 128:128 --output-len 128 --max-concurrency 256 --max-batch-size 256 \
+      --serve-args "--quantization fp8 --kv-cache-dtype fp8" --label serve_c256_fp8 \
+      --out "$OUT/mixed/serve_c256_fp8.json" > "$OUT/mixed/run_c256.log" 2>&1
+    tail -3 "$OUT/mixed/run_c256.log" ;;
+  *) sed -n 2,18p "$0" >&2; exit 2 ;;
 esac
