@@ -131,12 +131,25 @@ def _triton_matmul(x, weight, bias, max_rows: int | None = None) -> str | None:
     if x.shape[0] == 1:
         return "gemv" if _triton_impl("gemv") is not None else None
     rows, (num_out, K) = x.shape[0], weight.shape
+    if isinstance(weight, Fp8Weight) and rows > fp8_skinny_max_rows():
+        return None  # FP8 tensor cores (_matmul)
     if max_rows is None:
         max_rows = max(SKINNY_GEMM_LONG_K_MAX_ROWS, SKINNY_GEMM_MAX_ROWS) if K >= 2 * num_out else SKINNY_GEMM_MAX_ROWS
     max_rows = min(max_rows, SKINNY_GEMM_ROWS_LIMIT)
     if rows <= max_rows and _triton_impl("skinny_linear") is not None:
         return "skinny"
     return None
+
+
+# FP8 weights take the weight-only skinny GEMM up to this many rows, FP8 tensor cores past them.
+# At 64 rows the weight-only form made a llama3-8b decode step 0.55x the bf16 one's speed (9.455 against
+# 5.199 ms, one H200, 2026-12-02, tandem bench engine --models llama3-8b --batches 1,64
+# --quantization fp8; docs/benchmarks.md): the dequantizing inner loop is compute-bound there.
+FP8_SKINNY_MAX_ROWS = 16
+
+
+def fp8_skinny_max_rows() -> int:
+    return int(os.environ.get("TANDEM_FP8_SKINNY_MAX_ROWS", FP8_SKINNY_MAX_ROWS))
 
 
 def _triton_layout(x, weight, bias) -> bool:
@@ -174,7 +187,10 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
     On CUDA, for 2 .. FUSED_NORM_MAX_ROWS tokens, one skinny GEMM whose finishing kernel adds and norms."""
     rows = x.shape[0] if x.dim() == 2 else 0
     fused = _triton_impl("skinny_linear_add_rms_norm")
-    if (fused is not None and 2 <= rows <= min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT)
+    limit = min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT)
+    if isinstance(weight, Fp8Weight):
+        limit = min(limit, fp8_skinny_max_rows())
+    if (fused is not None and 2 <= rows <= limit
             and _triton_layout(x, weight, None) and residual is not None
             and residual.shape == (rows, weight.shape[0]) and residual.dtype == x.dtype):
         return fused(x, weight, residual, norm_weight, eps)

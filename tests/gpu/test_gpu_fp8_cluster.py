@@ -32,8 +32,8 @@ def test_gpu_cluster_in_fp8_serves_every_request(tmp_path):
             body = {"model": cluster.settings.model_name, "prompt": prompts[i % 4], "max_tokens": 48,
                     "temperature": 0 if i % 3 else 1.0, "seed": i, "ignore_eos": True}
             if i % 5 == 0:
-                body["structured_outputs"] = {"json": {"type": "array", "items": {"type": "integer"},
-                                                       "minItems": 2, "maxItems": 4}}
+                body["structured_outputs"] = {"json": {"type": "array", "minItems": 2, "maxItems": 4,
+                                                       "items": {"type": "integer", "minimum": 0, "maximum": 99}}}
                 body.pop("ignore_eos")
             r = await client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text

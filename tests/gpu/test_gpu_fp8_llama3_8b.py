@@ -33,28 +33,45 @@ def _logits(runner, prompt: list[int], steps: list[int] | None = None) -> tuple[
     return torch.stack(out), fed
 
 
-@torch.inference_mode()
-def test_llama3_8b_fp8_weights_and_kv_logits_match_bf16():
+@pytest.fixture(scope="module")
+def bf16_reference():
     from tandem.bench.shapes import hf_config_dict
     from tandem.engine.config import ModelConfig
     from tandem.engine.loader import random_model
     from tandem.engine.runner import ModelRunner
 
     config = ModelConfig.from_dict(hf_config_dict("llama3-8b"))
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, config.vocab_size, (200,), generator=g).tolist()
-
-    bf16 = ModelRunner.from_model(random_model(config, torch.bfloat16, "cuda", seed=0), config, num_blocks=64,
-                                  block_size=16)
-    bf16.enable_cuda_graphs(max_batch_size=4, max_seq_len=1024)
-    reference, steps = _logits(bf16, prompt)
+    prompt = torch.randint(3, config.vocab_size, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        bf16 = ModelRunner.from_model(random_model(config, torch.bfloat16, "cuda", seed=0), config, num_blocks=64,
+                                      block_size=16)
+        bf16.enable_cuda_graphs(max_batch_size=4, max_seq_len=1024)
+        reference, steps = _logits(bf16, prompt)
     del bf16
     torch.cuda.empty_cache()
+    return prompt, reference, steps
 
-    fp8 = ModelRunner.from_model(random_model(config, torch.bfloat16, "cuda", seed=0, quantization="fp8"), config,
-                                 num_blocks=64, block_size=16, kv_cache_dtype="fp8")
-    fp8.enable_cuda_graphs(max_batch_size=4, max_seq_len=1024)
-    ours, _ = _logits(fp8, prompt, steps)
+
+@pytest.mark.parametrize("kernels", ["triton", "reference"])
+@pytest.mark.parametrize("quantization, kv_cache_dtype", [("fp8", "auto"), ("none", "fp8"), ("fp8", "fp8")])
+@torch.inference_mode()
+def test_llama3_8b_fp8_logits_match_bf16(bf16_reference, quantization, kv_cache_dtype, kernels, monkeypatch):
+    from tandem.bench.shapes import hf_config_dict
+    from tandem.engine.config import ModelConfig
+    from tandem.engine.loader import random_model
+    from tandem.engine.runner import ModelRunner
+    from tandem.kernels import ops
+
+    monkeypatch.setenv("TANDEM_KERNELS", kernels)
+    ops._triton_impl.cache_clear()
+    prompt, reference, steps = bf16_reference
+    config = ModelConfig.from_dict(hf_config_dict("llama3-8b"))
+    model = random_model(config, torch.bfloat16, "cuda", seed=0, quantization=None if quantization == "none" else quantization)
+    runner = ModelRunner.from_model(model, config, num_blocks=64, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    runner.enable_cuda_graphs(max_batch_size=4, max_seq_len=1024)
+    ours, _ = _logits(runner, prompt, steps)
+    ops._triton_impl.cache_clear()
     cos = torch.nn.functional.cosine_similarity(ours, reference, dim=-1)
-    print(f"cosine FP8 vs bf16 over the prefill and 32 decode steps: min {cos.min():.5f} mean {cos.mean():.5f}")
+    print(f"{quantization} weights, {kv_cache_dtype} KV, {kernels} kernels: cosine to bf16 over the prefill and "
+          f"32 decode steps: prefill {cos[0]:.5f}, decode min {cos[1:].min():.5f} mean {cos[1:].mean():.5f}")
     assert cos.min().item() >= 0.99
