@@ -142,9 +142,10 @@ def _triton_matmul(x, weight, bias, max_rows: int | None = None) -> str | None:
 
 
 # FP8 weights take the weight-only skinny GEMM up to this many rows, FP8 tensor cores past them.
-# At 64 rows the weight-only form made a llama3-8b decode step 0.55x the bf16 one's speed (9.455 against
-# 5.199 ms, one H200, 2026-12-02, tandem bench engine --models llama3-8b --batches 1,64
-# --quantization fp8; docs/benchmarks.md): the dequantizing inner loop is compute-bound there.
+# One H200, 2026-12-02 (tandem bench engine --models llama3-8b --batches 1,16,64 --quantization fp8;
+# docs/benchmarks.md): with the weight-only form at 33-64 rows a llama3-8b b64 step took 9.455 ms
+# (bf16: 5.199); past 16 rows on tensor cores 5.483 (bf16: 5.328). At 16 rows the weight-only form
+# is still slower than bf16 (6.873 against 4.820 ms): its tiles are the bf16 ones, untuned for FP8.
 FP8_SKINNY_MAX_ROWS = 16
 
 
