@@ -111,12 +111,12 @@ class DeviceSteps:
                 continue
             if r.guide is None:  # new here (handed off, resumed or failed over): replays its output
                 r.guide = self.guides.new(r.spec.sampling.grammar, r.output_token_ids)
-            known = r.output_token_ids
+            pending = []
             if r.num_pending:
                 if previous_tokens is None:
                     previous_tokens = previous.tokens.wait()
-                known = known + [previous_tokens[rows[id(r)]]]
-            r.guide.sync(known)
+                pending = [previous_tokens[rows[id(r)]]]
+            r.guide.sync(r.output_token_ids, pending)
             guides.append(r.guide)
         return self.guides.bitmask(guides)
 

@@ -33,20 +33,20 @@ class Guide:
         self.num_accepted = 0
         self.error: str | None = None
 
-    def sync(self, token_ids: list[int]) -> None:
-        """Consume ``token_ids[num_accepted:]`` (the output so far, of which the first
-        ``num_accepted`` were consumed before)."""
-        new = token_ids[self.num_accepted:]
+    def sync(self, token_ids: list[int], pending: list[int] = ()) -> None:
+        """Consume what it has not of ``token_ids`` (the output so far) followed by ``pending``
+        (tokens sampled but not yet in the output; passed apart, so a step copies no output)."""
+        total = len(token_ids) + len(pending)
+        done = self.num_accepted
+        new = token_ids[done:] + list(pending[max(0, done - len(token_ids)):])
+        self.num_accepted = max(done, total)
         if not new or self.error is not None:
-            self.num_accepted = max(self.num_accepted, len(token_ids))
             return
         if self.matcher.is_stopped():  # its end reached: only EOS follows, and nothing after it
-            self.num_accepted = len(token_ids)
             return
         if not self.matcher.consume_tokens(new):
             self.error = self.matcher.get_error() or "a token outside the grammar"
             log.error("guided output left its grammar", error=self.error)
-        self.num_accepted = len(token_ids)
 
     def fill(self, row: torch.Tensor) -> None:
         """This step's allowed tokens into ``row`` ([W] int32, contiguous, on the host). A guide in
