@@ -93,6 +93,9 @@ def linear(x, weight, bias=None):
         return _pick("gemv", x)(x, weight, bias)
     if kind == "skinny":
         return _pick("skinny_linear", x)(x, weight, bias)
+    if kind == "skinny_fp8":
+        x_q, x_scale = quantize_rows_fp8(x)
+        return _pick("skinny_linear", x)(x_q, weight, bias, x_scale=x_scale, out_dtype=x.dtype)
     return _matmul(x, weight, bias)
 
 
@@ -103,6 +106,9 @@ def gate_up_silu_mul(x, weight):
         return _pick("gemv_silu_mul", x)(x, weight)
     if kind == "skinny":
         return _pick("skinny_silu_mul", x)(x, weight)
+    if kind == "skinny_fp8":
+        x_q, x_scale = quantize_rows_fp8(x)
+        return _pick("skinny_silu_mul", x)(x_q, weight, x_scale=x_scale, out_dtype=x.dtype)
     return silu_mul(_matmul(x, weight, None))
 
 
@@ -125,13 +131,19 @@ def quantize_rows_fp8(x):
 def _triton_matmul(x, weight, bias, max_rows: int | None = None) -> str | None:
     """"gemv" (one row) or "skinny" (2 .. SKINNY_GEMM_MAX_ROWS rows, or .. SKINNY_GEMM_LONG_K_MAX_ROWS
     for a weight with K >= 2N, or .. max_rows where given) on CUDA, in the layouts those kernels
-    read (TANDEM_GEMV=0 turns both off); None: F.linear."""
+    read (TANDEM_GEMV=0 turns both off); for an FP8 weight "skinny" up to fp8_skinny_max_rows(), then
+    "skinny_fp8" (x quantized per token, the skinny GEMM on FP8 tensor cores) up to
+    fp8_tensor_skinny_max_rows(); None: F.linear, or for an FP8 weight torch's scaled matmul."""
     if not _triton_layout(x, weight, bias):
         return None
     if x.shape[0] == 1:
         return "gemv" if _triton_impl("gemv") is not None else None
     rows, (num_out, K) = x.shape[0], weight.shape
     if isinstance(weight, Fp8Weight) and rows > fp8_skinny_max_rows():
+        if (rows <= min(fp8_tensor_skinny_max_rows(), SKINNY_GEMM_ROWS_LIMIT) and K % 32 == 0
+                and _triton_impl("skinny_linear") is not None and _triton_impl("quantize_rows_fp8") is not None
+                and fp8_matmul.takes(x, weight)):
+            return "skinny_fp8"
         return None  # FP8 tensor cores (_matmul)
     if max_rows is None:
         max_rows = max(SKINNY_GEMM_LONG_K_MAX_ROWS, SKINNY_GEMM_MAX_ROWS) if K >= 2 * num_out else SKINNY_GEMM_MAX_ROWS
@@ -151,6 +163,15 @@ FP8_SKINNY_MAX_ROWS = 16
 
 def fp8_skinny_max_rows() -> int:
     return int(os.environ.get("TANDEM_FP8_SKINNY_MAX_ROWS", FP8_SKINNY_MAX_ROWS))
+
+
+# Past fp8_skinny_max_rows(), FP8 weights take the skinny GEMM on FP8 tensor cores (x quantized per
+# token) up to this many rows, torch's scaled matmul past them (0: the scaled matmul throughout).
+FP8_TENSOR_SKINNY_MAX_ROWS = 0
+
+
+def fp8_tensor_skinny_max_rows() -> int:
+    return int(os.environ.get("TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS", FP8_TENSOR_SKINNY_MAX_ROWS))
 
 
 def _triton_layout(x, weight, bias) -> bool:
@@ -189,12 +210,15 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
     rows = x.shape[0] if x.dim() == 2 else 0
     fused = _triton_impl("skinny_linear_add_rms_norm")
     limit = min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT)
-    if isinstance(weight, Fp8Weight):
-        limit = min(limit, fp8_skinny_max_rows())
     if (fused is not None and 2 <= rows <= limit
             and _triton_layout(x, weight, None) and residual is not None
             and residual.shape == (rows, weight.shape[0]) and residual.dtype == x.dtype):
-        return fused(x, weight, residual, norm_weight, eps)
+        kind = _triton_matmul(x, weight, None, limit) if isinstance(weight, Fp8Weight) else "skinny"
+        if kind == "skinny":
+            return fused(x, weight, residual, norm_weight, eps)
+        if kind == "skinny_fp8":
+            x_q, x_scale = quantize_rows_fp8(x)
+            return fused(x_q, weight, residual, norm_weight, eps, x_scale=x_scale)
     return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps)
 
 

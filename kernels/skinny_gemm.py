@@ -38,6 +38,7 @@ import triton.language as tl
 
 from tandem.kernels.device_props import num_sms
 from tandem.kernels.dot import dot, upcast_bf16_dot
+from tandem.kernels.fp8_kv import soft_round
 from tandem.kernels.fp8_weight import Fp8Weight
 from tandem.kernels.gemv import _split_weight
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
@@ -54,7 +55,7 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, WORKSPACE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr = False,
-    s_ptr=None, W_SCALED: tl.constexpr = False,
+    s_ptr=None, W_SCALED: tl.constexpr = False, xs_ptr=None, X_SCALED: tl.constexpr = False,
 ):
     """acc[n, m] = sum_k W[n, k] x[m, k] over this program's BLOCK_N rows and its split's K tiles
     [s * tiles_per_split, (s + 1) * tiles_per_split) * BLOCK_K (clipped to K), fp32;
@@ -64,6 +65,9 @@ def _skinny_kernel(
     ws[s, m, num_out + n] = acc_up[n, m], finished by _split_sum_kernel. No split is empty.
     W_SCALED (FP8 weights): W[n, k] = w[n, k] * s[n]; the E4M3 tiles are widened to x's dtype for
     the dot and acc (acc_up) multiplied by s[n] (s[num_out + n]) before it is stored or finished.
+    X_SCALED (with W_SCALED: FP8 activations): x holds E4M3 codes with x[m, k] ≈ x[m, k] * xs[m]; the
+    dot runs on the E4M3 codes of both (FP8 tensor cores, fp32 accumulation) and acc is multiplied
+    by xs[m] too.
 
     As in kernels.gemv, the first weight tile is loaded before waiting for the previous kernel
     (kernels.pdl); x comes from it. The loop's addresses depend only on k0, so Triton can
@@ -96,7 +100,7 @@ def _skinny_kernel(
     if USE_PDL:
         gdc_wait()
     x = tl.load(x_ptrs + k_lo, mask=token_mask[:, None] & kmask[None, :], other=0.0)
-    if W_SCALED:
+    if W_SCALED and not X_SCALED:
         w = w.to(x_ptr.dtype.element_ty)
         u = u.to(x_ptr.dtype.element_ty)
     acc = dot(w, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
@@ -111,7 +115,7 @@ def _skinny_kernel(
             in_k = k0 + cols < K
             w = tl.load(gate_ptrs + k0, mask=in_k[None, :], other=0.0)
             x = tl.load(x_ptrs + k0, mask=token_mask[:, None] & in_k[None, :], other=0.0)
-        if W_SCALED:
+        if W_SCALED and not X_SCALED:
             w = w.to(x_ptr.dtype.element_ty)
         acc += dot(w, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
         if SILU_MUL:
@@ -119,13 +123,18 @@ def _skinny_kernel(
                 u = tl.load(up_ptrs + k0)
             else:
                 u = tl.load(up_ptrs + k0, mask=in_k[None, :], other=0.0)
-            if W_SCALED:
+            if W_SCALED and not X_SCALED:
                 u = u.to(x_ptr.dtype.element_ty)
             acc_up += dot(u, tl.trans(x), DOT_PRECISION, DOT_UPCAST)
     if W_SCALED:  # the rows' scales (masked rows read row 0's, never stored)
         acc *= tl.load(s_ptr + rows)[:, None]
         if SILU_MUL:
             acc_up *= tl.load(s_ptr + rows + num_out)[:, None]
+    if X_SCALED:  # the tokens' scales (padding tokens read token 0's, never stored)
+        x_scale = tl.load(xs_ptr + tl.where(token_mask, tokens, 0))[None, :]
+        acc *= x_scale
+        if SILU_MUL:
+            acc_up *= x_scale
     out_mask = row_mask[:, None] & token_mask[None, :]
     out_ptrs = y_ptr + tokens[None, :] * stride_ym + rows[:, None]
     if WORKSPACE:
@@ -237,14 +246,23 @@ class AddNorm(NamedTuple):
 
 
 def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None, y: torch.Tensor,
-                   silu_mul: bool, config: tuple | None = None, add_norm: AddNorm | None = None) -> None:
+                   silu_mul: bool, config: tuple | None = None, add_norm: AddNorm | None = None,
+                   x_scale: torch.Tensor | None = None) -> None:
     """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) instead of the shape rule
     (tuning, tests). A split count that would leave splits empty runs as fewer, fuller splits.
     ``add_norm``: y gets the normed sum (the finishing kernel runs even for one split).
     ``weight``: a tensor of x's dtype, or an ``Fp8Weight`` (E4M3 rows and their fp32 scales); an
     FP8 weight takes the tiles of x's dtype (its tiles hold half the bytes: the rule's shared
-    memory count is an upper bound)."""
-    weight, scale = _split_weight(weight, x.dtype)
+    memory count is an upper bound).
+    ``x_scale`` (with an ``Fp8Weight``): x holds E4M3 codes, x_scale [M] or [M, 1] fp32 their per-token
+    scales (``ops.quantize_rows_fp8``): the product runs on FP8 tensor cores; y's dtype is the output's."""
+    if x_scale is not None:
+        assert isinstance(weight, Fp8Weight) and x.dtype == weight.data.dtype, "FP8 activations take an FP8 weight"
+        assert x_scale.numel() == x.shape[0] and x_scale.dtype == torch.float32 and x_scale.is_contiguous()
+        weight, scale = weight
+    else:
+        weight, scale = _split_weight(weight, x.dtype)
+    out_dtype = y.dtype
     rows_w, K = weight.shape
     assert x.dim() == 2 and x.shape[1] == K and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
     M = x.shape[0]
@@ -257,7 +275,7 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torc
     if add_norm is not None:
         assert not silu_mul, "the add-norm finish follows a plain projection"
         for t in (add_norm.residual, add_norm.new_residual):
-            assert t.shape == (M, num_out) and t.stride(1) == 1 and t.dtype == x.dtype
+            assert t.shape == (M, num_out) and t.stride(1) == 1 and t.dtype == out_dtype
         assert add_norm.norm_weight.shape == (num_out,) and add_norm.norm_weight.stride(0) == 1
     if M == 0 or num_out == 0:
         return
@@ -274,12 +292,15 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torc
     out = torch.empty((split_k, M, rows_w), dtype=torch.float32, device=y.device) if workspace else y
     dummy_bias = bias if bias is not None else out  # never read without HAS_BIAS
     fp8 = {} if scale is None else {"s_ptr": scale, "W_SCALED": True}
+    if x_scale is not None:
+        fp8.update(xs_ptr=x_scale, X_SCALED=True)
     _skinny_kernel[(triton.cdiv(num_out, block_n), split_k)](
         x, weight, dummy_bias, out, M, num_out, K, x.stride(0), weight.stride(0), out.stride(-2),
         out.stride(0) if workspace else 0, tiles_per_split,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, WORKSPACE=workspace,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT_UPCAST=upcast_bf16_dot(x.dtype),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=upcast_bf16_dot(x.dtype) or (x_scale is not None and soft_round()),
         num_warps=num_warps, num_stages=num_stages, **launch_options(x), **fp8,
     )
     if not workspace:
@@ -300,29 +321,34 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torc
     )
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K] (M <= 128); weight: [N, K] (or its FP8 form) -> x @ weight.T (+ bias): [M, N]."""
-    y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch_skinny(x, weight, bias, y, silu_mul=False)
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
+                  x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x: [M, K] (M <= 128); weight: [N, K] (or its FP8 form) -> x @ weight.T (+ bias): [M, N].
+    ``x_scale``: x is E4M3 codes with per-token scales (FP8 tensor cores); the output is ``out_dtype``."""
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
+    _launch_skinny(x, weight, bias, y, silu_mul=False, x_scale=x_scale)
     return y
 
 
 def skinny_linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, residual: torch.Tensor,
-                               norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                               norm_weight: torch.Tensor, eps: float,
+                               x_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] (M <= 128); weight: [N, K]; residual: [M, N] -> (rms_norm(h) * norm_weight, h) with
-    h = x @ weight.T + residual (each rounded to x's dtype): a projection, the residual add and
-    the next RMSNorm, in the GEMM and its finishing kernel."""
+    h = x @ weight.T + residual (each rounded to the residual's dtype): a projection, the residual add
+    and the next RMSNorm, in the GEMM and its finishing kernel. ``x_scale``: as skinny_linear's."""
     M, num_out = x.shape[0], weight.shape[0]
-    y = torch.empty((M, num_out), dtype=x.dtype, device=x.device)
-    new_residual = torch.empty((M, num_out), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, num_out), dtype=residual.dtype, device=x.device)
+    new_residual = torch.empty((M, num_out), dtype=residual.dtype, device=x.device)
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     _launch_skinny(x, weight, None, y, silu_mul=False,
-                   add_norm=AddNorm(residual, norm_weight.contiguous(), float(eps), new_residual))
+                   add_norm=AddNorm(residual, norm_weight.contiguous(), float(eps), new_residual), x_scale=x_scale)
     return y, new_residual
 
 
-def skinny_silu_mul(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
-    """x: [M, K] (M <= 128); weight: [2I, K] = [gate; up] (or its FP8 form) -> silu(x @ gate.T) * (x @ up.T): [M, I]."""
-    y = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
-    _launch_skinny(x, weight, None, y, silu_mul=True)
+def skinny_silu_mul(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, x_scale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x: [M, K] (M <= 128); weight: [2I, K] = [gate; up] (or its FP8 form) -> silu(x @ gate.T) * (x @ up.T): [M, I].
+    ``x_scale``: as skinny_linear's."""
+    y = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=out_dtype or x.dtype, device=x.device)
+    _launch_skinny(x, weight, None, y, silu_mul=True, x_scale=x_scale)
     return y

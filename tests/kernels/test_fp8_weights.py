@@ -152,6 +152,51 @@ def test_skinny_add_norm_fp8_matches_reference(dtype):
     assert_close(out, ref_out, dtype)
 
 
+# -- the skinny GEMM on FP8 tensor cores (x quantized per token) ---------------------------------------
+
+def _quantized(M, K):
+    x = torch.randn(M, K, device=DEVICE) * torch.logspace(-1, 1, M, device=DEVICE)[:, None]
+    x_q, x_scale = reference.quantize_rows_fp8(x)
+    return x_q, x_scale.contiguous(), x_q.float() * x_scale  # the codes, their scales, what they stand for
+
+
+@pytest.mark.parametrize("M, N, K", [(2, 37, 64), (17, 40, 224), (64, 96, 96)])
+def test_skinny_fp8_activations_match_reference(M, N, K):
+    """E4M3 x (per-token scales) times E4M3 W (per-row scales): the product of both operands'
+    values, fp32-accumulated: linear with a bias, gate/up with SiLU·mul, and the add-norm finish."""
+    x_q, x_scale, x_values = _quantized(M, K)
+    w, b = _fp8(N, K), torch.randn(N, device=DEVICE)
+    out = skinny_linear(x_q, w, b, x_scale=x_scale, out_dtype=torch.float32)
+    assert out.shape == (M, N) and out.dtype == torch.float32
+    assert_close(out, reference.gemv(x_values, w, b), torch.float32)
+    g = _fp8(2 * N, K, scale=2.0)
+    assert_close(skinny_silu_mul(x_q, g, x_scale=x_scale, out_dtype=torch.bfloat16),
+                 reference.gemv_silu_mul(x_values, g), torch.bfloat16)
+    residual, norm_weight = torch.randn(M, N, device=DEVICE).bfloat16(), torch.rand(N, device=DEVICE) + 0.5
+    out, h = skinny_linear_add_rms_norm(x_q, w, residual, norm_weight, 1e-6, x_scale=x_scale)
+    ref_out, ref_h = reference.skinny_linear_add_rms_norm(x_values.bfloat16(), w, residual, norm_weight, 1e-6)
+    assert out.dtype == h.dtype == torch.bfloat16
+    assert_close(h, ref_h, torch.bfloat16, scale=2.0)  # x's bf16 rounding in the reference, not the kernel
+    assert_close(out, ref_out, torch.bfloat16, scale=2.0)
+
+
+@pytest.mark.parametrize("config", [(16, 32, 4, 2, 1), (32, 64, 4, 3, 2), (16, 32, 4, 3, 3)])
+def test_skinny_fp8_activations_split_k(config):
+    x_q, x_scale, x_values = _quantized(17, 224)
+    w, b = _fp8(41, 224), torch.randn(41, device=DEVICE)
+    y = poisoned((17, 41), torch.float32)
+    _launch_skinny(x_q, w, b, y, silu_mul=False, config=config, x_scale=x_scale)
+    assert_close(y, reference.gemv(x_values, w, b), torch.float32)
+
+
+def test_skinny_fp8_activations_are_checked():
+    x_q, x_scale, _ = _quantized(4, 64)
+    with pytest.raises(AssertionError, match="FP8 activations take an FP8 weight"):
+        skinny_linear(x_q, torch.randn(8, 64, device=DEVICE), x_scale=x_scale)
+    with pytest.raises(AssertionError):
+        skinny_linear(x_q, _fp8(8, 64), x_scale=x_scale[:2])
+
+
 # -- per-token activation quantization (the tensor-core path's input) --------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -197,6 +242,27 @@ def test_dispatch_sends_fp8_weights_to_the_gemv_and_the_skinny_gemm(monkeypatch)
     assert kind(_like((2, 16)), Fp8Weight(w.data, _like((12,), stride=(2,), dtype=torch.float32)), None) is None
     assert kind(_like((2, 16)), Fp8Weight(_like((12, 16), stride=(1, 12), dtype=FP8_DTYPE), w.scale), None) is None
     assert kind(_like((2, 16), cuda=False), w, None) is None
+
+
+def test_dispatch_sends_fp8_weights_past_the_weight_only_rows_to_tensor_cores(monkeypatch):
+    """Past fp8_skinny_max_rows(): the skinny GEMM on FP8 tensor cores up to
+    fp8_tensor_skinny_max_rows() (K a multiple of 32), torch's scaled matmul past them."""
+    from tandem.kernels import fp8_matmul
+
+    monkeypatch.delenv("TANDEM_GEMV", raising=False)
+    monkeypatch.setattr(fp8_matmul, "takes", lambda x, weight: True)
+    monkeypatch.setenv("TANDEM_FP8_SKINNY_MAX_ROWS", "8")
+    monkeypatch.setenv("TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS", "64")
+    w = Fp8Weight(_like((12, 64), dtype=FP8_DTYPE), _like((12,), dtype=torch.float32))
+    kind = ops._triton_matmul
+    assert kind(_like((8, 64)), w, None) == "skinny"
+    assert kind(_like((9, 64)), w, None) == "skinny_fp8"
+    assert kind(_like((64, 64)), w, None) == "skinny_fp8"
+    assert kind(_like((65, 64)), w, None) is None
+    w48 = Fp8Weight(_like((12, 48), dtype=FP8_DTYPE), w.scale)
+    assert kind(_like((9, 48)), w48, None) is None  # K not a multiple of the FP8 MMA's 32
+    monkeypatch.setenv("TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS", "0")
+    assert kind(_like((9, 64)), w, None) is None
 
 
 def test_ops_on_the_cpu_dequantize_then_multiply():
@@ -245,6 +311,20 @@ def test_gpu_skinny_fp8_real_shapes(M, N, K, silu):
     y = poisoned((M, N // 2 if silu else N), torch.bfloat16, "cuda")
     _launch_skinny(x, w, None, y, silu)
     assert_close(y, (reference.gemv_silu_mul if silu else reference.gemv)(x.float(), w), torch.bfloat16)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("M", [17, 32, 64, 128])
+@pytest.mark.parametrize("N, K, silu", [(6144, 4096, False), (4096, 14336, False), (28672, 4096, True)])
+def test_gpu_skinny_fp8_activations_real_shapes(M, N, K, silu):
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    x_q, x_scale = quantize_rows_fp8(x)
+    w = _fp8(N, K, scale=2.0, device="cuda")
+    y = poisoned((M, N // 2 if silu else N), torch.bfloat16, "cuda")
+    _launch_skinny(x_q, w, None, y, silu, x_scale=x_scale)
+    ref = (reference.gemv_silu_mul if silu else reference.gemv)(x_q.float() * x_scale, w)
+    assert_close(y, ref, torch.bfloat16)
 
 
 @gpu
@@ -304,10 +384,12 @@ def test_gpu_fp8_through_ops(M):
     b = torch.randn(12288, device="cuda", dtype=torch.bfloat16)
     gate_up = _fp8(28672, 4096, scale=2.0, device="cuda")
     down, xd = _fp8(4096, 14336, device="cuda"), torch.randn(M, 14336, device="cuda", dtype=torch.bfloat16)
-    cases = [(ops.linear(x, qkv, b), reference.gemv(x.float(), qkv, b.float()), M <= ops.SKINNY_GEMM_MAX_ROWS),
+    fp8_rows = ops.fp8_skinny_max_rows()  # past these x is quantized as well
+    cases = [(ops.linear(x, qkv, b), reference.gemv(x.float(), qkv, b.float()),
+              M <= min(ops.SKINNY_GEMM_MAX_ROWS, fp8_rows)),
              (ops.gate_up_silu_mul(x, gate_up), reference.gemv_silu_mul(x.float(), gate_up),
-              M <= ops.SKINNY_SILU_MUL_MAX_ROWS),
-             (ops.linear(xd, down), reference.gemv(xd.float(), down), M <= ops.SKINNY_GEMM_LONG_K_MAX_ROWS)]
+              M <= min(ops.SKINNY_SILU_MUL_MAX_ROWS, fp8_rows)),
+             (ops.linear(xd, down), reference.gemv(xd.float(), down), M <= min(ops.SKINNY_GEMM_LONG_K_MAX_ROWS, fp8_rows))]
     for out, ref, weight_only in cases:
         if weight_only:
             assert_close(out, ref, torch.bfloat16)
