@@ -293,7 +293,8 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     if sliding_window is not None:
         max_context_len = min(max_context_len, sliding_window)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
-    block_n, num_warps, num_stages, ids_in_registers = _tile_config(head_dim, q.dtype, num_seqs * num_kv_heads)
+    block_n, num_warps, num_stages, ids_in_registers = _tile_config(head_dim, q.dtype, num_seqs * num_kv_heads,
+                                                                    is_fp8(k_cache))
     if IDS_IN_REGISTERS is not None:
         ids_in_registers = IDS_IN_REGISTERS
     heads_first = HEADS_FIRST

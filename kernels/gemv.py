@@ -89,16 +89,25 @@ def _gemv_kernel(
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
-def tile_config(num_out: int, K: int, silu_mul: bool) -> tuple[int, int, int, int]:
+def tile_config(num_out: int, K: int, silu_mul: bool, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes only.
 
     From ``tandem.bench.tune_gemv`` on an H200 (cold L2, 14 projection shapes of llama3.2-1b,
     llama2-7b and llama3-8b): 4 whole rows of 1024-wide tiles per program were best or
     within 3% for K <= 8192; the down projections (K of 11008, 14336) want 8 rows; the
     fused gate/up form, two accumulators, 512-wide tiles and 3 stages.
+
+    FP8 weights (``fp8``; one H200, 2026-12-02, ``python3 -m tandem.bench.tune_fp8 --parts gemv``,
+    llama3-8b, docs/kernels.md): 2048-wide tiles of 4 rows (the bf16 rule's bytes per tile) for qkv
+    (10.4 -> 9.8 us) and down (22.4 -> 19.6); 8 rows of 1024 where the weight is at most 4096 x 4096
+    (o: 9.0 -> 6.5); gate/up keeps the bf16 rule (37.0 us, the best of the sweep).
     """
     if silu_mul:
         return 4, min(512, triton.next_power_of_2(K)), 4, 3
+    if fp8:
+        if num_out <= 4096 and K <= 4096:
+            return 8, min(1024, triton.next_power_of_2(K)), 4, 2
+        return 4, min(2048, triton.next_power_of_2(K)), 4, 2
     return (8 if K > 8192 else 4), min(1024, triton.next_power_of_2(K)), 4, 2
 
 
@@ -119,7 +128,7 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.
     if K == 0:  # an empty sum (and silu(0) * 0 = 0)
         y.copy_(bias) if bias is not None else y.zero_()
         return
-    block_n, block_k, num_warps, num_stages = config or tile_config(num_out, K, silu_mul)
+    block_n, block_k, num_warps, num_stages = config or tile_config(num_out, K, silu_mul, scale is not None)
     fp8 = {} if scale is None else {"s_ptr": scale, "W_SCALED": True}
     _gemv_kernel[(triton.cdiv(num_out, block_n),)](
         x, weight, bias if bias is not None else y, y, num_out, K, weight.stride(0), num_out,

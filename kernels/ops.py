@@ -153,12 +153,13 @@ def _triton_matmul(x, weight, bias, max_rows: int | None = None) -> str | None:
     return None
 
 
-# FP8 weights take the weight-only skinny GEMM up to this many rows, FP8 tensor cores past them.
-# One H200, 2026-12-02 (tandem bench engine --models llama3-8b --batches 1,16,64 --quantization fp8;
-# docs/benchmarks.md): with the weight-only form at 33-64 rows a llama3-8b b64 step took 9.455 ms
-# (bf16: 5.199); past 16 rows on tensor cores 5.483 (bf16: 5.328). At 16 rows the weight-only form
-# is still slower than bf16 (6.873 against 4.820 ms): its tiles are the bf16 ones, untuned for FP8.
-FP8_SKINNY_MAX_ROWS = 16
+# FP8 weights take the weight-only skinny GEMM (E4M3 widened to x's dtype in registers) up to this
+# many rows, FP8 tensor cores past them. One H200, 2026-12-02, llama3-8b's projections per step
+# (python3 -m tandem.bench.tune_fp8 --parts skinny; docs/kernels.md): at 16 rows weight-only 3.63 ms
+# at its best tiles (bf16 skinny 3.84), the tensor-core skinny GEMM with x quantized first 2.81,
+# torch's scaled matmul 4.44; at 64 rows 6.12, 3.11 and 4.28 (bf16 4.27). So from 2 rows on: the
+# tensor-core skinny GEMM.
+FP8_SKINNY_MAX_ROWS = 1
 
 
 def fp8_skinny_max_rows() -> int:
@@ -167,7 +168,8 @@ def fp8_skinny_max_rows() -> int:
 
 # Past fp8_skinny_max_rows(), FP8 weights take the skinny GEMM on FP8 tensor cores (x quantized per
 # token) up to this many rows, torch's scaled matmul past them (0: the scaled matmul throughout).
-FP8_TENSOR_SKINNY_MAX_ROWS = 0
+# Measured to 64 rows (above); past them torch's scaled matmul, as for prefill.
+FP8_TENSOR_SKINNY_MAX_ROWS = 64
 
 
 def fp8_tensor_skinny_max_rows() -> int:

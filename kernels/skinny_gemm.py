@@ -187,8 +187,30 @@ def _split_sum_kernel(
     tl.store(y_ptr + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def fp8_tile_config(M: int, N: int, K: int, silu_mul: bool, sms: int = 132) -> tuple[int, int, int, int, int]:
+    """The tiles of the FP8 tensor-core form (E4M3 x and W). One H200, 2026-12-02,
+    ``python3 -m tandem.bench.tune_fp8 --parts skinny`` (llama3-8b at 16 and 64 rows, 24 settings;
+    docs/kernels.md): 64 weight rows a program on 4 warps throughout; 256-wide K tiles (256
+    bytes a row, the bf16 rule's) on up to 5 stages for the plain projections, best or within 4%
+    of it on qkv, o and down (the bf16-tuned rule: 5-20% slower); gate/up with SiLU·mul on
+    128-wide tiles, 3 stages, unsplit (64 rows: 40.2 us against the bf16 rule's 56.3). K split
+    while the grid stays within one program per SM (qkv's 96 programs: unsplit; o's and
+    down's 64: two splits, as the sweep's best)."""
+    block_m = max(16, triton.next_power_of_2(M))
+    block_k = 128 if silu_mul else 256
+    block_k = min(block_k, max(32, triton.next_power_of_2(K)))
+    stage_bytes = ((2 if silu_mul else 1) * 64 + block_m) * block_k
+    num_stages = 3 if silu_mul else max(2, min(5, _SMEM_BYTES // stage_bytes - 1))
+    programs, k_tiles = triton.cdiv(N // 2 if silu_mul else N, 64), triton.cdiv(K, block_k)
+    split_k = 1
+    while (not silu_mul and split_k < 8 and programs * (split_k + 1) <= sms
+           and k_tiles >= (split_k + 1) * num_stages):
+        split_k += 1
+    return 64, block_k, 4, num_stages, split_k
+
+
 def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2,
-                sms: int = 132) -> tuple[int, int, int, int, int]:
+                sms: int = 132, fp8_mma: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) for x [M, K] and a weight of N rows
     (2I for silu_mul) from shapes and the device's SMs (``sms``, 132: an H200's) only. Measured
     on one H200 (torch 2.11, triton 3.6), 2026-11-30, at ea8f9db with
@@ -214,8 +236,12 @@ def tile_config(M: int, N: int, K: int, silu_mul: bool, elem_size: int = 2,
     6.507/6.512 -> 6.455/6.458 ms; docs/kernels.md). 200 KB of shared memory leaves one program
     per SM, so K is split only while the grid stays one wave (7B's 86 and 8B's 112 programs:
     unsplit, as measured; 1B's 64: in two).
+
+    ``fp8_mma`` (E4M3 x and W on FP8 tensor cores): ``fp8_tile_config``.
     """
     block_n, block_m = 64, max(16, triton.next_power_of_2(M))
+    if fp8_mma:
+        return fp8_tile_config(M, N, K, silu_mul, sms)
     if silu_mul and block_m == 64 and (2 * 128 + 64) * 64 * elem_size * 5 <= _SMEM_BYTES:
         # gate/up at 33-64 rows (bf16; fp32 does not fit): see the docstring's last paragraph
         programs, k_tiles = triton.cdiv(N // 2, 128), triton.cdiv(K, 64)
@@ -284,7 +310,7 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torc
         y.copy_(bias.expand(M, num_out)) if bias is not None else y.zero_()
         return
     block_n, block_k, num_warps, num_stages, split_k = config or tile_config(
-        M, rows_w, K, silu_mul, x.element_size(), num_sms(x.device))
+        M, rows_w, K, silu_mul, x.element_size(), num_sms(x.device), fp8_mma=x_scale is not None)
     tiles_per_split = triton.cdiv(triton.cdiv(K, block_k), split_k)
     split_k = triton.cdiv(triton.cdiv(K, block_k), tiles_per_split)  # e.g. 4 tiles in 3 splits: 2 + 2
     workspace = split_k > 1 or add_norm is not None

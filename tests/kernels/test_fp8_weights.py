@@ -231,6 +231,7 @@ def _like(shape, stride=None, cuda=True, dtype=torch.bfloat16):
 
 def test_dispatch_sends_fp8_weights_to_the_gemv_and_the_skinny_gemm(monkeypatch):
     monkeypatch.delenv("TANDEM_GEMV", raising=False)
+    monkeypatch.setenv("TANDEM_FP8_SKINNY_MAX_ROWS", str(ops.SKINNY_GEMM_MAX_ROWS))  # the weight-only form's rows
     w = Fp8Weight(_like((12, 16), dtype=FP8_DTYPE), _like((12,), dtype=torch.float32))
     kind = ops._triton_matmul
     for dtype in DTYPES:  # any activation dtype: the kernels widen E4M3 to it
@@ -251,10 +252,16 @@ def test_dispatch_sends_fp8_weights_past_the_weight_only_rows_to_tensor_cores(mo
 
     monkeypatch.delenv("TANDEM_GEMV", raising=False)
     monkeypatch.setattr(fp8_matmul, "takes", lambda x, weight: True)
-    monkeypatch.setenv("TANDEM_FP8_SKINNY_MAX_ROWS", "8")
-    monkeypatch.setenv("TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS", "64")
     w = Fp8Weight(_like((12, 64), dtype=FP8_DTYPE), _like((12,), dtype=torch.float32))
     kind = ops._triton_matmul
+    for env in ("TANDEM_FP8_SKINNY_MAX_ROWS", "TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS"):
+        monkeypatch.delenv(env, raising=False)
+    assert kind(_like((1, 64)), w, None) == "gemv"  # the rule: the GEMV, then tensor cores from 2 rows to 64
+    assert kind(_like((2, 64)), w, None) == "skinny_fp8"
+    assert kind(_like((64, 64)), w, None) == "skinny_fp8"
+    assert kind(_like((65, 64)), w, None) is None
+    monkeypatch.setenv("TANDEM_FP8_SKINNY_MAX_ROWS", "8")
+    monkeypatch.setenv("TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS", "64")
     assert kind(_like((8, 64)), w, None) == "skinny"
     assert kind(_like((9, 64)), w, None) == "skinny_fp8"
     assert kind(_like((64, 64)), w, None) == "skinny_fp8"
