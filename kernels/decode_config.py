@@ -74,11 +74,13 @@ WIDE_GRID = 1024
 WIDER_GRID = 4096
 
 
-# An FP8 cache (head_dim 128, grids below WIDE_GRID): 128-token tiles on 4 warps (twice the bf16
-# tile's tokens, as many bytes), 3 stages from FP8_STAGES3_GRID programs. One H200, 2026-12-02,
-# ``python3 -m tandem.bench.tune_fp8 --parts attention`` (llama3-8b, 27 tiles at the rule's splits;
-# docs/kernels.md): 64 x 256 tokens 27.9 -> 22.0 us (bf16 cache: 23.4), 8 x 2048 26.6 -> 23.3 (27.1).
-# Wider grids keep the bf16 rule (not measured).
+# An FP8 cache (head_dim 128, FP8_MIN_GRID to WIDE_GRID programs): 128-token tiles on 4 warps (twice
+# the bf16 tile's tokens, as many bytes), 3 stages from FP8_STAGES3_GRID programs. One H200,
+# 2026-12-02, ``python3 -m tandem.bench.tune_fp8 --parts attention`` (llama3-8b, 27 tiles at the
+# rule's splits; docs/kernels.md): 64 x 256 tokens 27.9 -> 22.0 us (bf16 cache: 23.4), 8 x 2048
+# 26.6 -> 23.3 (27.1). Other grids keep the bf16 rule: at batch 1 (8 programs) the 128-token tile
+# made the llama3-8b step slower (tandem bench engine --kv-cache-dtype fp8: 4.146 -> 4.373 ms).
+FP8_MIN_GRID = 64
 FP8_STAGES3_GRID = 512
 
 
@@ -88,7 +90,7 @@ def _tile_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0,
     ``num_programs``: num_seqs * num_kv_heads; ``kv_fp8``: the cache holds E4M3 codes."""
     if _TILE_OVERRIDE is not None:
         return (*_TILE_OVERRIDE, False)
-    if kv_fp8 and head_dim == 128 and num_programs < WIDE_GRID:
+    if kv_fp8 and head_dim == 128 and FP8_MIN_GRID <= num_programs < WIDE_GRID:
         return 128, 4, 3 if num_programs >= FP8_STAGES3_GRID else 2, False
     if dtype in (torch.bfloat16, torch.float16) and head_dim == 128 and num_programs >= WIDE_GRID:
         return 32, 2 if num_programs >= WIDER_GRID else 4, 3, True
