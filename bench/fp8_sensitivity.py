@@ -108,7 +108,7 @@ def main() -> int:
 
         path = str(default_gguf_file())
         real = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                    torch_dtype=torch.float32).to(args.device).eval()
+                                                    dtype=torch.float32).to(args.device).eval()
         ids = torch.randint(3, real.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
         ids = ids.to(args.device)
         show("SmolLM2-135M-Instruct, its weights", compare(real, ids, ("fp8", "shuffled")))

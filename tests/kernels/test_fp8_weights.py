@@ -256,10 +256,10 @@ def test_dispatch_sends_fp8_weights_past_the_weight_only_rows_to_tensor_cores(mo
     kind = ops._triton_matmul
     for env in ("TANDEM_FP8_SKINNY_MAX_ROWS", "TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS"):
         monkeypatch.delenv(env, raising=False)
-    assert kind(_like((1, 64)), w, None) == "gemv"  # the rule: the GEMV, then tensor cores from 2 rows to 64
+    assert kind(_like((1, 64)), w, None) == "gemv"  # the rule: the GEMV, then tensor cores from 2 rows to 128
     assert kind(_like((2, 64)), w, None) == "skinny_fp8"
-    assert kind(_like((64, 64)), w, None) == "skinny_fp8"
-    assert kind(_like((65, 64)), w, None) is None
+    assert kind(_like((128, 64)), w, None) == "skinny_fp8"
+    assert kind(_like((129, 64)), w, None) is None
     monkeypatch.setenv("TANDEM_FP8_SKINNY_MAX_ROWS", "8")
     monkeypatch.setenv("TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS", "64")
     assert kind(_like((8, 64)), w, None) == "skinny"
