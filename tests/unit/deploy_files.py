@@ -41,7 +41,8 @@ SERVICES = ("serve", "gateway", "prefill", "decode")
 WORKERS = ("prefill", "decode")
 # what the entrypoint turns into flags (deploy/docker/entrypoint.sh)
 ENTRYPOINT_FLAGS = {"TANDEM_MODEL": "--model", "TANDEM_SERVED_MODEL_NAME": "--served-model-name",
-                    "TANDEM_KV_TRANSPORT": "--kv-transport", "TANDEM_LOG_LEVEL": "--log-level"}
+                    "TANDEM_KV_TRANSPORT": "--kv-transport", "TANDEM_LOG_LEVEL": "--log-level",
+                    "TANDEM_QUANTIZATION": "--quantization", "TANDEM_KV_CACHE_DTYPE": "--kv-cache-dtype"}
 PACKAGE_DIRS = ("tandem", "cluster", "engine", "kernels", "kvtransfer", "prefill", "decode", "gateway", "bench")
 
 

@@ -37,13 +37,16 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
 
 def test_entrypoint_turns_the_environment_into_flags_before_the_commands_own(tmp_path):
     env = {"TANDEM_MODEL": "/models/a b", "TANDEM_LOG_LEVEL": "debug", "TANDEM_EXTRA_ARGS": "--max-batch-size 8  --max-seq-len *",
-           "TANDEM_SERVED_MODEL_NAME": "", "TANDEM_KV_TRANSPORT": "nccl"}
+           "TANDEM_SERVED_MODEL_NAME": "", "TANDEM_KV_TRANSPORT": "nccl", "TANDEM_QUANTIZATION": "fp8",
+           "TANDEM_KV_CACHE_DTYPE": "fp8"}
     argv = entrypoint_argv(["decode", "--max-batch-size", "4"], env, tmp_path)
-    assert argv == ["decode", "--model", "/models/a b", "--kv-transport", "nccl", "--log-level", "debug",
+    assert argv == ["decode", "--model", "/models/a b", "--kv-transport", "nccl", "--quantization", "fp8",
+                    "--kv-cache-dtype", "fp8", "--log-level", "debug",
                     "--max-batch-size", "8", "--max-seq-len", "*", "--max-batch-size", "4"]
     # the command line's own flag is the last, so it wins
     args = build_parser().parse_args([a if a != "*" else "64" for a in argv])
     assert args.max_batch_size == 4 and args.model == "/models/a b"
+    assert args.quantization == "fp8" and args.kv_cache_dtype == "fp8"
     # empty or unset: nothing added, the CLI's defaults stand
     assert entrypoint_argv(["gateway"], {"TANDEM_MODEL": ""}, tmp_path) == ["gateway"]
     # other commands are passed as they are
