@@ -189,6 +189,23 @@ def test_skinny_fp8_activations_split_k(config):
     assert_close(y, reference.gemv(x_values, w, b), torch.float32)
 
 
+def test_fp8_tile_rule_fits_shared_memory_and_splits_within_one_wave():
+    """The tensor-core skinny rule at llama-family shapes, 2 to 128 rows: its stages (plus the peeled
+    first tile) fit the 220 KB it budgets, K tiles fill every split's stages, and no split grid
+    exceeds one program per SM."""
+    from tandem.kernels.skinny_gemm import _SMEM_BYTES, fp8_tile_config
+
+    for M in (2, 16, 17, 64, 128):
+        for N, K, silu in [(6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False),
+                           (3072, 2048, False), (16384, 2048, True)]:
+            block_n, block_k, warps, stages, split = fp8_tile_config(M, N, K, silu, sms=132)
+            block_m = max(16, 1 << (M - 1).bit_length())
+            stage = ((2 if silu else 1) * block_n + block_m) * block_k
+            assert (stages + 1) * stage <= _SMEM_BYTES and stages >= 2 and warps == 4
+            programs = -(-(N // 2 if silu else N) // block_n)
+            assert split == 1 or (programs * split <= 132 and K // block_k >= split * stages)
+
+
 def test_skinny_fp8_activations_are_checked():
     x_q, x_scale, _ = _quantized(4, 64)
     with pytest.raises(AssertionError, match="FP8 activations take an FP8 weight"):
