@@ -35,7 +35,7 @@ from tandem.bench.tune_gemv import ROTATE_BYTES, projections, time_rotating
 from tandem.kernels import decode_config, fp8_matmul, ops, reference
 from tandem.kernels.decode_attention import _launch_decode_attention
 from tandem.kernels.fp8_quant import quantize_rows_fp8
-from tandem.kernels.fp8_weight import Fp8Weight, dequantize, quantize_weight
+from tandem.kernels.fp8_weight import dequantize, quantize_weight
 from tandem.kernels.gemv import _launch_gemv
 from tandem.kernels.gemv import tile_config as gemv_rule
 from tandem.kernels.skinny_gemm import _launch_skinny
@@ -134,7 +134,6 @@ def gemv_part(model: str, copy_bw: float) -> dict:
             step[k] += r[k] * count
         print(f"gemv {proj:8s} {rows}x{K}: bf16 {r['bf16_of_copy_bw']:.1%}  fp8 rule {r['fp8_rule_of_copy_bw']:.1%}  "
               f"best {r['fp8_best_of_copy_bw']:.1%} {best['config']}", flush=True)
-        del weights, fp8
         torch.cuda.empty_cache()
     print(f"== gemv {model}: projections per step bf16 {step['bf16_ms']:.3f} ms, fp8 rule {step['fp8_rule_ms']:.3f}, "
           f"fp8 best {step['fp8_best_ms']:.3f}", flush=True)
@@ -212,7 +211,6 @@ def skinny_part(model: str, batches: list[int], copy_bw: float) -> dict:
                   f"{r['weight_only_best_config']} | tc rule {us['tensor_core_rule_ms']:.1f} best "
                   f"{us['tensor_core_best_ms']:.1f} {r['tensor_core_best_config']} | scaled_mm {us['scaled_mm_ms']:.1f} "
                   f"(alone {us['scaled_mm_alone_ms']:.1f}, quantize {us['quantize_ms']:.1f}) us", flush=True)
-            del weights, fp8
             torch.cuda.empty_cache()
         print(f"== skinny {model} M={M}: per step (ms) " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in step.items()),
               flush=True)
@@ -237,7 +235,6 @@ def prefill_part(model: str, M: int = 2048) -> dict:
             step[k] += r[k] * count
         print(f"prefill {proj:8s} M={M}: bf16 {bf16 * 1e3:.0f} us ({r['bf16_TFLOPs']:.0f} TFLOP/s), fp8 {fp8 * 1e3:.0f} us "
               f"({r['fp8_TFLOPs']:.0f}), matmul alone {alone * 1e3:.0f} us ({r['fp8_matmul_TFLOPs']:.0f})", flush=True)
-        del w, fw, x
         torch.cuda.empty_cache()
     print(f"== prefill {model} M={M}: projections bf16 {step['bf16_ms']:.2f} ms, fp8 {step['fp8_ms']:.2f} ms "
           f"(matmuls alone {step['fp8_matmul_only_ms']:.2f})", flush=True)
@@ -292,7 +289,6 @@ def attention_part(model: str, copy_bw: float) -> list[dict]:
         print(f"attention b{batch} ctx{context}: bf16 {r['bf16_us']:.1f} us ({r['bf16_of_copy_bw']:.0%}), fp8 rule "
               f"{r['fp8_rule_us']:.1f} ({r['fp8_rule_of_copy_bw']:.0%}), best {r['fp8_best_us']:.1f} "
               f"({r['fp8_best_of_copy_bw']:.0%}) {best['config']}", flush=True)
-        del k, v, k8, v8
         torch.cuda.empty_cache()
     return results
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -56,3 +58,19 @@ def make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device=DE
             values[:seq_len] = torch.randn(seq_len, num_kv_heads, head_dim)
             cache[ids] = values.view(n, block_size, num_kv_heads, head_dim).to(dtype)
     return k_cache.to(device), v_cache.to(device), block_tables.to(device)
+
+
+def random_fp8(rows, K, scale=1.0, device=DEVICE) :
+    """A random weight's FP8 form, rows of different magnitudes (so their scales differ)."""
+    from tandem.kernels.fp8_weight import quantize_weight
+
+    w = scale * torch.randn(rows, K, device=device) / K**0.5 * torch.rand(rows, 1, device=device).add(0.5)
+    return quantize_weight(w)
+
+
+def shaped_like(shape, stride=None, cuda=True, dtype=torch.bfloat16):
+    """A stand-in with a tensor's shape, strides, dtype and device kind (the dispatch rules read only these)."""
+    if stride is None:
+        stride = tuple(int(torch.tensor(shape[i + 1:]).prod()) for i in range(len(shape)))
+    return types.SimpleNamespace(is_cuda=cuda, shape=torch.Size(shape), dtype=dtype, dim=lambda: len(shape),
+                                 stride=lambda i=None: stride if i is None else stride[i])
