@@ -22,7 +22,8 @@ from tandem.gateway.errors import install_error_handlers
 from tandem.gateway.health import GatewayHealth
 from tandem.gateway.choices import Choices
 from tandem.gateway.metrics import CONTENT_TYPE, StatusMiddleware
-from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tandem.gateway.chat_protocol import ChatCompletionRequest
+from tandem.gateway.protocol import CompletionRequest, SamplingFields
 from tandem.gateway.responses import ResponseFormat, sse_events, with_ids
 from tandem.gateway.service import GatewayService
 from tandem.gateway import tools

@@ -33,7 +33,8 @@ from tandem.gateway.errors import ClientDisconnected
 from tandem.gateway.generation import Generation
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.mux import OutputMux
-from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.chat_protocol import ChatCompletionRequest
+from tandem.gateway.protocol import CompletionRequest
 from tandem.gateway.resume import ResumableStreams
 from tandem.gateway.router import ROLES, Router
 from tandem.gateway.stream_log import RetainedRequest, StreamLog

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tandem.cluster.settings import Settings
 from tandem.gateway.errors import InvalidRequest
-from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.chat_protocol import ChatCompletionRequest
+from tandem.gateway.protocol import CompletionRequest
 from tandem.gateway.validation import GenerationInput, Validator
 
 SMALL_PROMPT_CHARS = 16384

@@ -20,8 +20,8 @@ from tandem.cluster.settings import Settings
 from tandem.cluster.tokenizer import vocab_size
 from tandem.gateway import tools
 from tandem.gateway.errors import InvalidRequest, ModelNotFound
-from tandem.gateway.protocol import (INT64_MAX, ChatCompletionRequest, CompletionRequest, SamplingFields,
-                                     StructuredOutputs)
+from tandem.gateway.chat_protocol import ChatCompletionRequest
+from tandem.gateway.protocol import INT64_MAX, CompletionRequest, SamplingFields, StructuredOutputs
 
 
 @dataclass

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from tandem.gateway.errors import InvalidRequest
-from tandem.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.gateway.chat_protocol import ChatCompletionRequest
+from tandem.gateway.protocol import CompletionRequest
 from tandem.gateway.tokenize_lanes import SMALL_PROMPT_CHARS, TokenizeLanes, longest_token_chars
 from tests.gateway.conftest import make_settings
 

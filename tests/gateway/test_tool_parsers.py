@@ -10,7 +10,7 @@ from llguidance import LLMatcher
 from tandem.cluster import grammars
 from tandem.engine.demo_model import make_tiny_tokenizer
 from tandem.gateway import tools
-from tandem.gateway.protocol import ChatCompletionRequest
+from tandem.gateway.chat_protocol import ChatCompletionRequest
 
 CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": 2})]
 
