@@ -16,9 +16,10 @@ from structlog.testing import capture_logs
 
 from tandem.cluster import keys
 from tandem.cluster.messages import (
-    _REGISTRY, INT64_MAX, INT64_MIN, SAMPLING_RULES, VERSION, AbortRequest, GenerateRequest, MessageError,
-    PrefillDone, PrefillJob, TokenBatch, TokenEvent, WorkerInfo, decode, encode,
+    _REGISTRY, VERSION, AbortRequest, GenerateRequest, MessageError, PrefillDone, PrefillJob, TokenBatch, TokenEvent,
+    WorkerInfo, decode, encode,
 )
+from tandem.cluster.wire_rules import INT64_MAX, INT64_MIN, SAMPLING_RULES
 from tandem.cluster.registry import parse_records
 from tandem.cluster.sampling import MAX_LOGPROBS, SamplingParams
 
