@@ -198,8 +198,8 @@ def skinny_part(model: str, batches: list[int], copy_bw: float) -> dict:
             r["scaled_mm_ms"] = rotate(scaled)
             r["scaled_mm_alone_ms"] = rotate(lambda w: scaled(w, quantize=False))
             r["quantize_ms"] = graph_ms([lambda: quantize_rows_fp8(x)] * 20)
-            r["fp8_best_ms"] = min(v for k, v in r.items() if k.endswith("_ms") and v and k.startswith(
-                ("weight_only_best", "tensor_core_best", "scaled_mm_ms")))
+            r["fp8_best_ms"] = min(ms for ms in (r["weight_only_best_ms"], r["tensor_core_best_ms"], r["scaled_mm_ms"])
+                                   if ms)
             r["fp8_bytes_of_copy_bw"] = rows * K / (r["fp8_best_ms"] / 1e3) / copy_bw
             report.append(r)
             for k in ("bf16_cublas_ms", "bf16_skinny_ms", "weight_only_rule_ms", "weight_only_best_ms",
