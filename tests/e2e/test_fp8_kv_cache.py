@@ -164,6 +164,13 @@ def test_a_prefill_worker_without_an_fp8_cache_refuses_the_jobs(cluster):
         time.sleep(0.2)
     assert cluster.worker("prefill", "prefill-auto") is not None
     body = {"model": cluster.settings.model_name, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0.0}
-    resp = httpx.post(f"{cluster.base_url}/v1/completions", json=body, timeout=120)
+    # the gateway's view of the registry lags it by the router's cache TTL: a request in that window
+    # sees no prefill worker (503 no_worker_available) and is retried
+    deadline = time.monotonic() + 30
+    while True:
+        resp = httpx.post(f"{cluster.base_url}/v1/completions", json=body, timeout=120)
+        if "no_worker_available" not in resp.text or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert resp.status_code >= 500 and "--kv-cache-dtype" in resp.text, resp.text
     cluster.wait_blocks_free("decode", "decode-0")
