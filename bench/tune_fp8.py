@@ -43,7 +43,8 @@ from tandem.kernels.skinny_gemm import tile_config as skinny_rule
 
 DEVICE = "cuda"
 SMEM_BYTES = 227 << 10  # sm90
-GEMV_GRID = list(itertools.product((4, 8, 16), (1024, 2048, 4096), (4, 8), (2,)))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch)
+GEMV_GRID = list(itertools.product((4, 8, 16), (512, 1024, 2048, 4096), (4, 8), (2,), (False, True)))
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k)
 SKINNY_GRID = [c for c in itertools.product((64, 128), (128, 256), (4, 8), (3, 5), (1, 2, 4))
                if (c[0] == 128) == (c[2] == 8)]
@@ -120,11 +121,14 @@ def gemv_part(model: str, copy_bw: float) -> dict:
             return _close(y, ref)
 
         bf16 = time_rotating(lambda w: (lambda: _launch_gemv(x, w, None, y, silu)), weights)
+        bf16_rule = gemv_rule(rows // 2 if silu else rows, K, silu)
+        bf16_prefetch = time_rotating(lambda w: (lambda: _launch_gemv(x, w, None, y, silu, (*bf16_rule, True))),
+                                      weights)
         sweep = _sweep([None] + [c for c in GEMV_GRID if not (silu and c[0] > 8)], launch, check,
                        lambda fn: time_rotating(fn, fp8))
         best, rule = _best(sweep), _rule(sweep)
         fp8_bytes = rows * K
-        r = {"proj": proj, "rows": rows, "K": K, "bf16_ms": bf16, "fp8_rule_ms": rule, "fp8_best_ms": best["ms"],
+        r = {"proj": proj, "rows": rows, "K": K, "bf16_ms": bf16, "bf16_prefetch_ms": bf16_prefetch, "fp8_rule_ms": rule, "fp8_best_ms": best["ms"],
              "fp8_rule_config": gemv_rule(rows // 2 if silu else rows, K, silu), "fp8_best_config": best["config"],
              "bf16_of_copy_bw": 2 * fp8_bytes / (bf16 / 1e3) / copy_bw,
              "fp8_rule_of_copy_bw": fp8_bytes / (rule / 1e3) / copy_bw,
@@ -132,7 +136,7 @@ def gemv_part(model: str, copy_bw: float) -> dict:
         report.append(r)
         for k in step:
             step[k] += r[k] * count
-        print(f"gemv {proj:8s} {rows}x{K}: bf16 {r['bf16_of_copy_bw']:.1%}  fp8 rule {r['fp8_rule_of_copy_bw']:.1%}  "
+        print(f"gemv {proj:8s} {rows}x{K}: bf16 {r['bf16_of_copy_bw']:.1%} (prefetched {bf16 / bf16_prefetch * r['bf16_of_copy_bw']:.1%})  fp8 rule {r['fp8_rule_of_copy_bw']:.1%}  "
               f"best {r['fp8_best_of_copy_bw']:.1%} {best['config']}", flush=True)
         torch.cuda.empty_cache()
     print(f"== gemv {model}: projections per step bf16 {step['bf16_ms']:.3f} ms, fp8 rule {step['fp8_rule_ms']:.3f}, "

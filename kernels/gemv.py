@@ -31,7 +31,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, num_out, K, stride_wn, up_offset,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr = False,
-    s_ptr=None, W_SCALED: tl.constexpr = False,
+    s_ptr=None, W_SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """y[n] = sum_k x[k] W[n, k] (+ b[n]) for n in this program's BLOCK_N rows, fp32 accumulation;
     SILU_MUL: y[n] = silu(sum_k x[k] W[n, k]) * sum_k x[k] W[up_offset + n, k].
@@ -59,22 +59,41 @@ def _gemv_kernel(
     if USE_PDL:
         gdc_wait()
     x = tl.load(x_ptr + cols, mask=first, other=0.0).to(tl.float32)
-    acc = w.to(tl.float32) * x[None, :]
-    acc_up = u.to(tl.float32) * x[None, :]
+    if PREFETCH:  # each tile's loads issued before the previous tile's math: two tiles in flight a warp
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = acc
+    else:
+        acc = w.to(tl.float32) * x[None, :]
+        acc_up = u.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
+        if PREFETCH:
+            w_cur, u_cur, x_cur = w, u, x
         if EVEN_K:
             x = tl.load(x_ptr + k0 + cols).to(tl.float32)
             w = tl.load(gate_ptrs + k0)
+            if SILU_MUL and PREFETCH:
+                u = tl.load(up_ptrs + k0)
         else:
             kmask = k0 + cols < K
             x = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0).to(tl.float32)
             w = tl.load(gate_ptrs + k0, mask=kmask[None, :], other=0.0)
+            if SILU_MUL and PREFETCH:
+                u = tl.load(up_ptrs + k0, mask=kmask[None, :], other=0.0)
+        if PREFETCH:
+            acc += w_cur.to(tl.float32) * x_cur[None, :]
+            if SILU_MUL:
+                acc_up += u_cur.to(tl.float32) * x_cur[None, :]
+        else:
+            acc += w.to(tl.float32) * x[None, :]
+            if SILU_MUL:
+                if EVEN_K:
+                    u = tl.load(up_ptrs + k0)
+                else:
+                    u = tl.load(up_ptrs + k0, mask=kmask[None, :], other=0.0)
+                acc_up += u.to(tl.float32) * x[None, :]
+    if PREFETCH:  # the last tile
         acc += w.to(tl.float32) * x[None, :]
         if SILU_MUL:
-            if EVEN_K:
-                u = tl.load(up_ptrs + k0)
-            else:
-                u = tl.load(up_ptrs + k0, mask=kmask[None, :], other=0.0)
             acc_up += u.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if W_SCALED:  # the rows' scales: constants, read once (masked rows read row 0's)
@@ -128,13 +147,13 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.
     if K == 0:  # an empty sum (and silu(0) * 0 = 0)
         y.copy_(bias) if bias is not None else y.zero_()
         return
-    block_n, block_k, num_warps, num_stages = config or tile_config(num_out, K, silu_mul, scale is not None)
+    block_n, block_k, num_warps, num_stages, *prefetch = config or tile_config(num_out, K, silu_mul, scale is not None)
     fp8 = {} if scale is None else {"s_ptr": scale, "W_SCALED": True}
     _gemv_kernel[(triton.cdiv(num_out, block_n),)](
         x, weight, bias if bias is not None else y, y, num_out, K, weight.stride(0), num_out,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=num_warps, num_stages=num_stages,
-        **launch_options(x), **fp8,
+        PREFETCH=bool(prefetch and prefetch[0]), **launch_options(x), **fp8,
     )
 
 

@@ -86,7 +86,7 @@ def test_gemv_fp8_strided_rows_and_tile_overrides():
     q = _fp8(40, 300)
     w = Fp8Weight(q.data[:, :256], q.scale)  # rows 300 apart
     x = torch.randn(256, device=DEVICE)
-    for config in [(4, 64, 4, 1), (16, 128, 4, 2)]:
+    for config in [(4, 64, 4, 1), (16, 128, 4, 2), (4, 64, 4, 2, True), (16, 128, 4, 2, True)]:
         for silu in (False, True):
             y = poisoned((20 if silu else 40,), torch.float32)
             _launch_gemv(x, w, None, y, silu_mul=silu, config=config)

@@ -41,10 +41,21 @@ def test_strided_weight_rows_and_tile_overrides():
     base = torch.randn(40, 300, device=DEVICE) / 256**0.5
     w = base[:, :256]  # rows 300 apart; sums O(1), within the fp32 tolerance
     x = torch.randn(256, device=DEVICE)
-    for config in [(4, 64, 4, 1), (16, 128, 4, 2), (8, 512, 4, 3)]:
+    for config in [(4, 64, 4, 1), (16, 128, 4, 2), (8, 512, 4, 3), (4, 64, 4, 2, True)]:
         y = torch.full((40,), float("nan"), device=DEVICE)
         _launch_gemv(x, w, None, y, silu_mul=False, config=config)
         assert_close(y, reference.gemv(x, w), torch.float32)
+
+
+def test_prefetched_tiles_with_a_partial_last_tile():
+    """PREFETCH (the next tile's loads before this tile's math) over K = 300: two whole tiles and a
+    partial one, both forms."""
+    w = torch.randn(40, 300, device=DEVICE) / 300**0.5
+    x = torch.randn(300, device=DEVICE)
+    for silu in (False, True):
+        y = torch.full((20 if silu else 40,), float("nan"), device=DEVICE)
+        _launch_gemv(x, w, None, y, silu_mul=silu, config=(4, 128, 4, 2, True))
+        assert_close(y, (reference.gemv_silu_mul if silu else reference.gemv)(x, w), torch.float32)
 
 
 def test_bad_shapes_are_refused():
@@ -94,7 +105,7 @@ def test_gemv_silu_mul_strided_weight_and_saturated_gates():
     torch.manual_seed(0)
     w = (2 * torch.randn(14, 300, device=DEVICE) / 256**0.5)[:, :256]  # rows 300 apart; gates O(1)
     x = torch.randn(256, device=DEVICE)
-    for config in [(4, 64, 4, 1), (4, 128, 4, 2), (2, 512, 4, 3)]:
+    for config in [(4, 64, 4, 1), (4, 128, 4, 2), (2, 512, 4, 3), (4, 64, 4, 2, True)]:
         y = torch.full((7,), float("nan"), device=DEVICE)
         _launch_gemv(x, w, None, y, silu_mul=True, config=config)
         assert_close(y, reference.gemv_silu_mul(x, w), torch.float32)
