@@ -36,6 +36,8 @@ def _gemv_kernel(
     """y[n] = sum_k x[k] W[n, k] (+ b[n]) for n in this program's BLOCK_N rows, fp32 accumulation;
     SILU_MUL: y[n] = silu(sum_k x[k] W[n, k]) * sum_k x[k] W[up_offset + n, k].
     W_SCALED (FP8 weights): W[n, k] = w[n, k] * s[n], each row's sum times s[n] before the bias.
+    PREFETCH: tile i+1's loads issued before tile i's math (two tiles in flight a warp, twice
+    the registers); a tuning form (``config``'s fifth field), in no rule yet.
 
     The first weight tile is loaded before waiting for the previous kernel (kernels.pdl):
     weights are constant, only x comes from it (so no kernel that triggers its dependents
@@ -68,17 +70,19 @@ def _gemv_kernel(
     for k0 in range(BLOCK_K, K, BLOCK_K):
         if PREFETCH:
             w_cur, u_cur, x_cur = w, u, x
+        # the weight tiles first: issued before x's move to the tile's layout (FP8: through shared
+        # memory, between barriers), not after it (tests/kernels/gemv_ptx_check.py)
         if EVEN_K:
-            x = tl.load(x_ptr + k0 + cols).to(tl.float32)
             w = tl.load(gate_ptrs + k0)
-            if SILU_MUL and PREFETCH:
+            if SILU_MUL:
                 u = tl.load(up_ptrs + k0)
+            x = tl.load(x_ptr + k0 + cols).to(tl.float32)
         else:
             kmask = k0 + cols < K
-            x = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0).to(tl.float32)
             w = tl.load(gate_ptrs + k0, mask=kmask[None, :], other=0.0)
-            if SILU_MUL and PREFETCH:
+            if SILU_MUL:
                 u = tl.load(up_ptrs + k0, mask=kmask[None, :], other=0.0)
+            x = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0).to(tl.float32)
         if PREFETCH:
             acc += w_cur.to(tl.float32) * x_cur[None, :]
             if SILU_MUL:
@@ -86,10 +90,6 @@ def _gemv_kernel(
         else:
             acc += w.to(tl.float32) * x[None, :]
             if SILU_MUL:
-                if EVEN_K:
-                    u = tl.load(up_ptrs + k0)
-                else:
-                    u = tl.load(up_ptrs + k0, mask=kmask[None, :], other=0.0)
                 acc_up += u.to(tl.float32) * x[None, :]
     if PREFETCH:  # the last tile
         acc += w.to(tl.float32) * x[None, :]
@@ -147,13 +147,14 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.
     if K == 0:  # an empty sum (and silu(0) * 0 = 0)
         y.copy_(bias) if bias is not None else y.zero_()
         return
-    block_n, block_k, num_warps, num_stages, *prefetch = config or tile_config(num_out, K, silu_mul, scale is not None)
+    block_n, block_k, num_warps, num_stages, *forms = config or tile_config(num_out, K, silu_mul, scale is not None)
+    prefetch = bool(forms and forms[0])
     fp8 = {} if scale is None else {"s_ptr": scale, "W_SCALED": True}
     _gemv_kernel[(triton.cdiv(num_out, block_n),)](
         x, weight, bias if bias is not None else y, y, num_out, K, weight.stride(0), num_out,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=num_warps, num_stages=num_stages,
-        PREFETCH=bool(prefetch and prefetch[0]), **launch_options(x), **fp8,
+        PREFETCH=prefetch, **launch_options(x), **fp8,
     )
 
 
