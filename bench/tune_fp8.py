@@ -5,14 +5,16 @@
 
 Per projection of a step (qkv, o, gate_up with its SiLU·mul, down; lm_head stays in the model's
 dtype) and per batch:
-  gemv (1 token):      bf16 GEMV (its rule), FP8 GEMV with its rule and a tile grid;
+  gemv (1 token):      bf16 GEMV (its rule, and with PREFETCH), FP8 GEMV with its rule and a tile
+                       grid, each tile with and without PREFETCH;
   skinny (16, 64):     bf16 cuBLAS and skinny GEMM; FP8 weight-only skinny GEMM (weights widened in
                        registers), FP8 tensor-core skinny GEMM (x quantized per token first, the
                        quantization timed with it), and torch's scaled matmul (with the
                        quantization, and alone), each FP8 form with its rule and a tile grid;
   prefill (2048):      bf16 cuBLAS against the quantization plus torch's scaled matmul;
   attention:           decode attention over a bf16 and an FP8 cache (64 x 256 and 8 x 2048 tokens),
-                       the FP8 one with its rule and a tile grid.
+                       the FP8 one with its rule and a tile grid, each tile with and without
+                       V_DEQUANT (V widened with its scale in the tile).
 Every setting is checked against the fp32 reference of its own numbers before it is timed
 (a wrong one is recorded, not timed). Timings as bench.tune_gemv's: one CUDA graph cycling
 over enough weight copies to leave the L2 cold. Prints per part the best setting and the
@@ -272,7 +274,7 @@ def attention_part(model: str, copy_bw: float) -> list[dict]:
 
         bf16 = graph_ms([run(None, k, v, None, None)] * 10)
         rows = []
-        for config in [None] + [t + (splits, True) for t in ATTENTION_TILES]:
+        for config in [None] + [t + (splits, True, v_dequant) for v_dequant in (False, True) for t in ATTENTION_TILES]:
             try:
                 out.fill_(float("nan"))
                 run(config)()

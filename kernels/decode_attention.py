@@ -73,7 +73,7 @@ def _decode_partial_kernel(
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, IDS_REG: tl.constexpr = 0,
-    KV_FP8: tl.constexpr = False, SOFT_ROUND: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, SOFT_ROUND: tl.constexpr = False, V_DEQUANT: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -192,7 +192,7 @@ def _decode_partial_kernel(
     if PREFETCH:  # attended first (online softmax takes tiles in any order): it holds no registers in the loop
         if end > start:
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
-                                            DOT_PRECISION, DOT_UPCAST, KV_FP8)
+                                            DOT_PRECISION, DOT_UPCAST, KV_FP8, v_scale, V_DEQUANT)
         loop_end = last_tile
     for start_n in range(start, loop_end, BLOCK_N):
         k, v, offs_n, kv_valid = _load_kv_tile(
@@ -200,12 +200,12 @@ def _decode_partial_kernel(
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
             ids, ids_first, IDS_REG)
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST,
-                                        KV_FP8)
+                                        KV_FP8, v_scale, V_DEQUANT)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0
     out = acc / tl.where(no_keys, 1.0, l_i)[:, None]
-    if KV_FP8:
+    if KV_FP8 and not V_DEQUANT:
         out = out * v_scale
     if DIRECT_OUT:
         tl.store(out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :],
@@ -260,8 +260,8 @@ class NewToken(NamedTuple):
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
                              config: tuple | None = None, new_token: NewToken | None = None,
                              k_scale=None, v_scale=None):
-    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first]) instead
-    of the shape rules (tuning only). ``new_token``: rotary and the KV write fused in.
+    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, v_dequant]]) instead
+    of the shape rules (tuning only; v_dequant: an FP8 cache's V widened with its scale, V_DEQUANT). ``new_token``: rotary and the KV write fused in.
     ``k_scale``, ``v_scale``: an FP8 cache's [num_kv_heads] fp32 scales of this layer."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -297,10 +297,11 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
                                                                     is_fp8(k_cache))
     if IDS_IN_REGISTERS is not None:
         ids_in_registers = IDS_IN_REGISTERS
-    heads_first = HEADS_FIRST
+    heads_first, v_dequant = HEADS_FIRST, False
     if config is not None:
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first
+        v_dequant = bool(len(rest) > 1 and rest[1])
     direct = num_splits == 1
     ids_reg = 0
     if ids_in_registers:  # the share's block table entries, rounded up to a power of 2
@@ -336,7 +337,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
         PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH, IDS_REG=ids_reg,
-        KV_FP8=is_fp8(k_cache), SOFT_ROUND=soft_round(),
+        KV_FP8=is_fp8(k_cache), SOFT_ROUND=soft_round(), V_DEQUANT=v_dequant and is_fp8(k_cache),
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
         **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS is not None and q.is_cuda else {}),
     )

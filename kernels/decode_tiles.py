@@ -64,13 +64,22 @@ def _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale,
-                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr = False):
+                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr = False,
+                    v_scale=1.0, V_DEQUANT: tl.constexpr = False):
     """One online-softmax step (log2 domain) of q [GROUP_PAD, HEAD_DIM] over a loaded tile.
     KV_FP8: k and v are E4M3 codes, widened to q's dtype here (exact); the caller has folded the
-    K scale into qk_scale and applies the V scale to the output."""
+    K scale into qk_scale and applies the V scale to the output.
+    V_DEQUANT (with KV_FP8): v instead widened through fp32 times ``v_scale`` to q's dtype (the
+    value a 16-bit cache would hold; the caller leaves the output unscaled). The fp32 step keeps
+    Triton from moving V to P.V's operand layout as 8-bit codes, which it reads back from shared
+    memory a byte at a time (ldmatrix transposes only 16-bit elements); the 16-bit tile goes
+    through ldmatrix as a bf16 cache's does."""
     if KV_FP8:
         k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        if V_DEQUANT:
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        else:
+            v = v.to(q.dtype)
     s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
     s = tl.where(kv_valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -5,6 +5,11 @@ The writes must store the reference's codes bit for bit (given the same rotated 
 are compared with the reference's attention in fp32 over the same codes and scales. The scales
 differ per KV head and include one that is not a power of two (as a checkpoint's may be)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -14,7 +19,7 @@ from kernel_testing import DEVICE, assert_close, gpu, make_paged_kv, poisoned, r
 from tandem.kernels import decode_attention as decode_module
 from tandem.kernels import reference
 from tandem.kernels.block_copy import gather_blocks, scatter_blocks
-from tandem.kernels.decode_attention import decode_attention, decode_attention_new_token
+from tandem.kernels.decode_attention import _launch_decode_attention, decode_attention, decode_attention_new_token
 from tandem.kernels.fp8_kv import quantize_kv_fp8, soft_round
 from tandem.kernels.prefill_attention import prefill_attention
 from tandem.kernels.rotary import rotary_kv_write
@@ -141,6 +146,22 @@ def test_decode_attention_with_block_ids_in_registers(monkeypatch, num_splits):
     out = decode_attention(q, k_cache, v_cache, tables, lens, 64**-0.5, None, k_scale, v_scale)
     expected = _expected_decode(q, k_cache, v_cache, tables, lens, k_scale, v_scale, None)
     assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_with_v_widened_by_its_scale(dtype, num_splits):
+    """V_DEQUANT (a tuning form): V's codes times its scale in q's dtype inside the tile, the output
+    left unscaled; the same answer as the codes-then-scale form, within q's dtype's rounding."""
+    seq_lens = [1, 70, 33, 0, 130]
+    k_cache, v_cache, tables, k_scale, v_scale = _fp8_paged_kv(seq_lens, 16, 2, 64)
+    q = torch.randn(len(seq_lens), 8, 64, device=DEVICE).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = poisoned(q.shape, dtype)
+    _launch_decode_attention(q, k_cache, v_cache, tables, lens, out, 64**-0.5, None, None,
+                             (32, 4, 2, num_splits, True, True), k_scale=k_scale, v_scale=v_scale)
+    expected = _expected_decode(q, k_cache, v_cache, tables, lens, k_scale, v_scale, None)
+    assert_close(out, expected, dtype, ATTN_SCALE[dtype])
 
 
 def _new_token_inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, padded_row):
@@ -348,3 +369,13 @@ def test_gpu_block_copy_fp8_pool():
     other = torch.zeros_like(pool)
     scatter_blocks(other, ids, staging)
     assert torch.equal(_codes(other[:, :, ids]), _codes(pool[:, :, ids]))
+
+
+def test_v_dequant_reads_v_by_ldmatrix_in_the_sm90_ptx():
+    """fp8_attention_ptx_check.py compiles the FP8 cache forms for sm90 (outside the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("fp8_attention_ptx_check.py"))],
+                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok: the FP8 cache's V operand reads" in done.stdout
