@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +78,14 @@ def shaped_like(shape, stride=None, cuda=True, dtype=torch.bfloat16):
         stride = tuple(int(torch.tensor(shape[i + 1:]).prod()) for i in range(len(shape)))
     return types.SimpleNamespace(is_cuda=cuda, shape=torch.Size(shape), dtype=dtype, dim=lambda: len(shape),
                                  stride=lambda i=None: stride if i is None else stride[i])
+
+
+def run_ptx_check(script: str) -> str:
+    """Run ``tests/kernels/<script>`` (a check that compiles kernels for sm90 and reads their PTX)
+    in a process of its own, outside the interpreter; -> its stdout, after asserting it passed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, str(here / script)], cwd=here.parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout

@@ -5,16 +5,12 @@ The writes must store the reference's codes bit for bit (given the same rotated 
 are compared with the reference's attention in fp32 over the same codes and scales. The scales
 differ per KV head and include one that is not a power of two (as a checkpoint's may be)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 import triton.language as tl
-from kernel_testing import DEVICE, assert_close, gpu, make_paged_kv, poisoned, requires_cuda
+from kernel_testing import DEVICE, assert_close, gpu, make_paged_kv, poisoned, requires_cuda, run_ptx_check
 
 from tandem.kernels import decode_attention as decode_module
 from tandem.kernels import reference
@@ -373,9 +369,4 @@ def test_gpu_block_copy_fp8_pool():
 
 def test_v_dequant_reads_v_by_ldmatrix_in_the_sm90_ptx():
     """fp8_attention_ptx_check.py compiles the FP8 cache forms for sm90 (outside the interpreter)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("fp8_attention_ptx_check.py"))],
-                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "ok: the FP8 cache's V operand reads" in done.stdout
+    assert "ok: the FP8 cache's V operand reads" in run_ptx_check("fp8_attention_ptx_check.py")

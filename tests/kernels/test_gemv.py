@@ -1,12 +1,8 @@
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close, gpu, requires_cuda
+from kernel_testing import DEVICE, DTYPES, assert_close, gpu, requires_cuda, run_ptx_check
 
 from tandem.kernels import reference
 from tandem.kernels.gemv import _launch_gemv, gemv, gemv_silu_mul
@@ -177,9 +173,4 @@ def test_dispatch_sends_only_their_layouts_to_the_gemv_and_the_skinny_gemm(monke
 
 def test_fp8_gemv_issues_its_weight_loads_before_the_loops_barriers():
     """gemv_ptx_check.py compiles the FP8 forms for sm90 (outside the interpreter) and reads their PTX."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("gemv_ptx_check.py"))],
-                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "ok: 8 FP8 GEMV forms" in done.stdout
+    assert "ok: 8 FP8 GEMV forms" in run_ptx_check("gemv_ptx_check.py")

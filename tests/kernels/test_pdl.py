@@ -2,14 +2,11 @@
 on any machine (no GPU needed), that every PDL kernel waits for its predecessor in every program
 before it touches anything but its constant weights."""
 
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_testing import run_ptx_check
 
 from tandem.kernels import pdl
 
@@ -49,9 +46,4 @@ def test_on_from_sm90_unless_turned_off(capability, monkeypatch):
 @pytest.mark.skipif(pdl.gdc_wait is None, reason="this Triton has no grid dependency control")
 def test_every_program_waits_before_touching_activations():
     """pdl_ptx_check.py compiles each PDL kernel for sm90 (outside the interpreter) and reads its PTX."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("pdl_ptx_check.py"))], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "ok: 31 kernels wait first" in done.stdout
+    assert "ok: 31 kernels wait first" in run_ptx_check("pdl_ptx_check.py")
