@@ -123,22 +123,26 @@ def gemv_part(model: str, copy_bw: float) -> dict:
             return _close(y, ref)
 
         bf16 = time_rotating(lambda w: (lambda: _launch_gemv(x, w, None, y, silu)), weights)
-        bf16_rule = gemv_rule(rows // 2 if silu else rows, K, silu)
+        out_rows = rows // 2 if silu else rows
+        bf16_rule = gemv_rule(out_rows, K, silu)
         bf16_prefetch = time_rotating(lambda w: (lambda: _launch_gemv(x, w, None, y, silu, (*bf16_rule, True))),
                                       weights)
         sweep = _sweep([None] + [c for c in GEMV_GRID if not (silu and c[0] > 8)], launch, check,
                        lambda fn: time_rotating(fn, fp8))
         best, rule = _best(sweep), _rule(sweep)
         fp8_bytes = rows * K
-        r = {"proj": proj, "rows": rows, "K": K, "bf16_ms": bf16, "bf16_prefetch_ms": bf16_prefetch, "fp8_rule_ms": rule, "fp8_best_ms": best["ms"],
-             "fp8_rule_config": gemv_rule(rows // 2 if silu else rows, K, silu), "fp8_best_config": best["config"],
+        r = {"proj": proj, "rows": rows, "K": K, "bf16_ms": bf16, "bf16_prefetch_ms": bf16_prefetch,
+             "fp8_rule_ms": rule, "fp8_best_ms": best["ms"],
+             "fp8_rule_config": gemv_rule(out_rows, K, silu, fp8=True), "fp8_best_config": best["config"],
              "bf16_of_copy_bw": 2 * fp8_bytes / (bf16 / 1e3) / copy_bw,
              "fp8_rule_of_copy_bw": fp8_bytes / (rule / 1e3) / copy_bw,
              "fp8_best_of_copy_bw": fp8_bytes / (best["ms"] / 1e3) / copy_bw, "sweep": sweep}
         report.append(r)
         for k in step:
             step[k] += r[k] * count
-        print(f"gemv {proj:8s} {rows}x{K}: bf16 {r['bf16_of_copy_bw']:.1%} (prefetched {bf16 / bf16_prefetch * r['bf16_of_copy_bw']:.1%})  fp8 rule {r['fp8_rule_of_copy_bw']:.1%}  "
+        print(f"gemv {proj:8s} {rows}x{K}: bf16 {r['bf16_of_copy_bw']:.1%} "
+              f"(prefetched {bf16 / bf16_prefetch * r['bf16_of_copy_bw']:.1%})  "
+              f"fp8 rule {r['fp8_rule_of_copy_bw']:.1%}  "
               f"best {r['fp8_best_of_copy_bw']:.1%} {best['config']}", flush=True)
         torch.cuda.empty_cache()
     print(f"== gemv {model}: projections per step bf16 {step['bf16_ms']:.3f} ms, fp8 rule {step['fp8_rule_ms']:.3f}, "
@@ -274,7 +278,8 @@ def attention_part(model: str, copy_bw: float) -> list[dict]:
 
         bf16 = graph_ms([run(None, k, v, None, None)] * 10)
         rows = []
-        for config in [None] + [t + (splits, True, v_dequant) for v_dequant in (False, True) for t in ATTENTION_TILES]:
+        tiles = [t + (splits, True, v_dequant) for v_dequant in (False, True) for t in ATTENTION_TILES]
+        for config in [None] + tiles:
             try:
                 out.fill_(float("nan"))
                 run(config)()

@@ -261,7 +261,8 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
                              config: tuple | None = None, new_token: NewToken | None = None,
                              k_scale=None, v_scale=None):
     """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, v_dequant]]) instead
-    of the shape rules (tuning only; v_dequant: an FP8 cache's V widened with its scale, V_DEQUANT). ``new_token``: rotary and the KV write fused in.
+    of the shape rules (tuning only; v_dequant: an FP8 cache's V widened with its scale, V_DEQUANT).
+    ``new_token``: rotary and the KV write fused in.
     ``k_scale``, ``v_scale``: an FP8 cache's [num_kv_heads] fp32 scales of this layer."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
