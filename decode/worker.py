@@ -353,6 +353,12 @@ class DecodeWorker:
 
 
 def _shm_dir() -> str:
+    """Where the shm pool files go: $TANDEM_SHM_DIR (made if missing; another tmpfs than a
+    container's small /dev/shm, say), else /dev/shm, else the temp directory."""
+    configured = os.environ.get("TANDEM_SHM_DIR")
+    if configured:
+        os.makedirs(configured, mode=0o700, exist_ok=True)
+        return configured
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 

@@ -32,7 +32,7 @@ case "${1:-}" in
     timeout 540 python3 -m tandem.bench.check_kernels --quick --out "$OUT/kernels.json" 2>&1 | tee "$OUT/check.log"
     summary "$OUT/check.log" ;;
   tests)
-    timeout 570 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/gpu tests/engine -m gpu 2>&1 \
+    timeout 570 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels tests/gpu tests/engine -m gpu 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -30
     summary "$OUT/gpu_tests.log" ;;
   engine)
@@ -44,7 +44,7 @@ case "${1:-}" in
       | tee "$OUT/mixed/run.log" | tail -12 ;;
   two-gpu)
     nvidia-smi -L | tee "$OUT/gpus.txt"
-    timeout 260 python3 -m pytest -q -p no:cacheprovider tests/kvtransfer/test_nccl_gpu.py \
+    timeout 260 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kvtransfer/test_nccl_gpu.py \
       tests/gpu/test_gpu_two_gpus.py tests/gpu/test_gpu_cluster.py -m gpu 2>&1 | tee "$OUT/x2_tests.log" | tail -20
     timeout 180 python3 -m tandem.bench.nccl_handoff --out "$OUT/nccl_handoff.json" 2>&1 | tee "$OUT/nccl_handoff.log" | tail -10
     timeout 200 python3 -m tandem.bench.cluster_mixed --skip-hf --label mixed_128req_2gpu \
@@ -57,7 +57,7 @@ case "${1:-}" in
       > "$OUT/mixed/run.log" 2>&1
     summary "$OUT/bench.log" "$OUT/mixed/run.log" ;;
   fp8)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_weights.py::test_gpu_quantize_rows_fp8_bit_for_bit tests/kernels/test_fp8_tensor_cores.py tests/kernels/test_fp8_kv_cache.py \
+    timeout 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels/test_fp8_weights.py::test_gpu_quantize_rows_fp8_bit_for_bit tests/kernels/test_fp8_tensor_cores.py tests/kernels/test_fp8_kv_cache.py \
       tests/engine/test_fp8_engine_gpu.py tests/gpu/test_gpu_fp8_llama3_8b.py tests/gpu/test_gpu_fp8_cluster.py \
       tests/gpu/test_gpu_fp8_kv_transfer.py -m gpu 2>&1 | tee "$OUT/fp8_tests.log" | tail -15
     timeout 300 python3 -m tandem.bench.engine --models llama3-8b --batches 1,64 --anchors '' --quantization fp8 \

@@ -12,7 +12,7 @@
 DEPS=.gpu-deps
 PACKAGES="grpcio grpcio-tools grpcio-health-checking grpcio-reflection protobuf redis structlog fastapi starlette pydantic pydantic_core annotated-types
 typing-inspection uvicorn openai distro jiter sniffio annotated-doc opentelemetry-api hiredis httptools gguf llguidance
-jsonschema jsonschema-specifications referencing rpds-py attrs"
+jsonschema jsonschema-specifications referencing rpds-py attrs pytest-xdist execnet"
 
 gpu_env_bundle() {
   set -euo pipefail

@@ -4,12 +4,15 @@ Each host is a namespace with one veth end (``eth0`` inside) and an address that
 only there; the other end of every pair is a port of a bridge in the root namespace,
 which holds the network's last address, so the test process itself reaches every host.
 Names carry a random tag, so runs side by side do not meet, and the /24 is one no route
-of the root namespace covers yet. ``close`` kills the processes started in the hosts and
-removes the bridge, the veth pairs and the namespaces, whatever state they are in.
+of the root namespace covers yet (chosen under a lock file, as networks may be built side
+by side). ``close`` kills the processes started in the hosts and removes the bridge, the
+veth pairs and the namespaces, whatever state they are in.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import os
 import secrets
@@ -18,6 +21,19 @@ import subprocess
 import time
 
 SUBNET_PREFIX = "10.77"  # 10.77.<n>.0/24, n chosen free per run
+SUBNET_LOCK = "/run/lock/tandem-netns.lock"  # held from choosing a /24 until its route exists
+
+
+@contextlib.contextmanager
+def _subnet_lock():
+    """Networks built side by side (tests in two pytest workers) choose their /24 one at a time."""
+    os.makedirs(os.path.dirname(SUBNET_LOCK), exist_ok=True)
+    with open(SUBNET_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -82,12 +98,13 @@ class Network:
         self.procs: list[subprocess.Popen] = []
         self.infra: list[subprocess.Popen] = []  # stopped after self.procs
         try:
-            net = _free_subnet()
-            addresses = list(net.hosts())
-            self.gateway_address = str(addresses[-1])
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.gateway_address}/{net.prefixlen}", "dev", self.bridge)
-            _ip("link", "set", self.bridge, "up")
+            with _subnet_lock():
+                net = _free_subnet()
+                addresses = list(net.hosts())
+                self.gateway_address = str(addresses[-1])
+                _ip("link", "add", self.bridge, "type", "bridge")
+                _ip("addr", "add", f"{self.gateway_address}/{net.prefixlen}", "dev", self.bridge)
+                _ip("link", "set", self.bridge, "up")  # its route exists from here
             for i, name in enumerate(names):
                 ns, veth = f"tandem-{self.tag}-{name}", f"tn{self.tag}{i}"
                 _ip("netns", "add", ns)

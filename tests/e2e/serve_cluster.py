@@ -51,7 +51,10 @@ class Serve:
         self.port, self.admin_port = free_port(), free_port()
         self.model = os.path.basename(model)
         self.err_path = tmp_path / "serve.err"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two cores: workers must not starve each other
+        # its decode pools' files in a directory of its own: another test's cluster may run beside it
+        self.shm_dir = str(tmp_path / "shm")
+        env = {**os.environ, "OMP_NUM_THREADS": "1",  # two cores: workers must not starve each other
+               "TANDEM_SHM_DIR": self.shm_dir}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem", "serve", "--model", model, "--port", str(self.port),
              "--admin-port", str(self.admin_port), "--tokens-per-block", "4", "--max-seq-len", "256",
@@ -64,6 +67,10 @@ class Serve:
             raise RuntimeError(f"tandem serve did not start: {line!r}\n{self.log()}")
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.pids = children(self.proc.pid)
+
+    def pool_files(self) -> set[str]:
+        """Its decode workers' shm pool files."""
+        return set(glob.glob(os.path.join(self.shm_dir, "tandem-kv-*")))
 
     def log(self) -> str:
         return self.err_path.read_text()[-6000:]
@@ -100,10 +107,6 @@ class Serve:
         left = [name for name, p in pids.items() if running(p)]
         assert not left, f"still running after tandem serve exited: {left}"
         return code
-
-
-def pool_files() -> set[str]:
-    return set(glob.glob("/dev/shm/tandem-kv-*"))
 
 
 class Stream(threading.Thread):

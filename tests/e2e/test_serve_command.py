@@ -39,6 +39,20 @@ def _running(pids: list[int], wait_s: float) -> list[int]:
         time.sleep(0.1)
 
 
+def _kill_all(proc: subprocess.Popen, children: list[int]) -> None:
+    """After a test, pass or fail: the launcher and every child it had, killed (a child left
+    running would hold a core and a port through the rest of the suite)."""
+    if proc.poll() is None:
+        children = children + _children(proc.pid)
+        proc.kill()
+        proc.wait()
+    for pid in _running(children, wait_s=0):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _assert_stopped(proc: subprocess.Popen, children: list[int], returncode: int) -> None:
     assert proc.wait(30) == returncode
     leftovers = _running(children, wait_s=10)
@@ -48,10 +62,11 @@ def _assert_stopped(proc: subprocess.Popen, children: list[int], returncode: int
 def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_path):
     port, admin_port = free_port(), free_port()
     proc = _start_serve(tiny_llama, port, tmp_path, admin_port)
+    children = []
     try:
         line = proc.stdout.readline()  # printed once /health answers 200
         assert f"http://127.0.0.1:{port}/v1" in line and f"admin API 127.0.0.1:{admin_port}" in line, line
-        children = _children(proc.pid)
+        children[:] = _children(proc.pid)
         assert len(children) == 4  # redis-server, prefill, decode, gateway
         body = {"model": os.path.basename(tiny_llama), "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
@@ -69,8 +84,7 @@ def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_p
         proc.send_signal(signal.SIGTERM)
         _assert_stopped(proc, children, returncode=0)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill_all(proc, children)
 
 
 def test_sigterm_while_starting_stops_at_once(tiny_llama, tmp_path):
@@ -78,11 +92,12 @@ def test_sigterm_while_starting_stops_at_once(tiny_llama, tmp_path):
     for the cluster to become ready first."""
     port = free_port()
     proc = _start_serve(tiny_llama, port, tmp_path)
+    children = []
     try:
         deadline = time.monotonic() + 60
         while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:  # redis and a prefill worker
             time.sleep(0.05)
-        children = _children(proc.pid)
+        children[:] = _children(proc.pid)
         assert len(children) >= 2
         proc.send_signal(signal.SIGTERM)  # the launcher alone, as a service manager does
         started = time.monotonic()
@@ -92,5 +107,4 @@ def test_sigterm_while_starting_stops_at_once(tiny_llama, tmp_path):
         leftovers = _running(children, wait_s=0.5)
         assert not leftovers, f"children still running: {leftovers}"
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill_all(proc, children)

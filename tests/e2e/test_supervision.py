@@ -17,7 +17,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.serve_cluster import Serve, pool_files, record_fault, running, start_streams, wait_tokens
+from tests.e2e.serve_cluster import Serve, record_fault, running, start_streams, wait_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -64,13 +64,12 @@ def _kill(serve: Serve, name: str) -> int:
 def _serving(model: str, tmp_path, **kwargs):
     """tandem serve for one test; at its end every pool's blocks are free, and no pool file
     and no process is left."""
-    files_before = pool_files()
     serve = Serve(model, tmp_path, **kwargs)
     try:
         yield serve
         serve.wait_blocks_free()
         assert serve.stop() == 0
-        assert pool_files() - files_before == set()
+        assert serve.pool_files() == set()
     finally:
         if serve.proc.poll() is None:
             serve.stop()
@@ -125,9 +124,9 @@ def test_a_killed_redis_server_is_restarted_and_the_streams_complete(tiny_llama,
 
 
 def test_sigterm_lets_the_open_streams_finish_then_stops_everything(tiny_llama, tmp_path, reference):
-    files_before = pool_files()
     serve = Serve(tiny_llama, tmp_path)
     pids = dict(serve.pids)
+    assert [os.path.basename(f) for f in serve.pool_files()] == [f"tandem-kv-decode-0-{pids['decode-0']}"]
     streams = start_streams(serve, PROMPTS, 200)  # still open when the late request comes
     wait_tokens(streams, 8)
     fault_at = time.monotonic()
@@ -140,11 +139,10 @@ def test_sigterm_lets_the_open_streams_finish_then_stops_everything(tiny_llama, 
     _assert_all_equal_hf(streams, reference, "SIGTERM to tandem serve (drain)", fault_at)
     assert serve.proc.wait(60) == 0
     assert not [name for name, pid in pids.items() if running(pid)]
-    assert pool_files() - files_before == set()
+    assert serve.pool_files() == set()
 
 
 def test_a_second_signal_ends_every_stream_with_an_error_event_and_done(tiny_llama, tmp_path):
-    files_before = pool_files()
     serve = Serve(tiny_llama, tmp_path, "--shutdown-timeout-s", "60", "--max-seq-len", "512")
     pids = dict(serve.pids)
     streams = start_streams(serve, PROMPTS, 480)  # long enough to be open at the second signal
@@ -158,4 +156,4 @@ def test_a_second_signal_ends_every_stream_with_an_error_event_and_done(tiny_lla
         assert stream.finish == "error"
     assert serve.proc.wait(60) == 0
     assert not [name for name, pid in pids.items() if running(pid)]
-    assert pool_files() - files_before == set()
+    assert serve.pool_files() == set()

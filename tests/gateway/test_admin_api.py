@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from tandem.cluster import keys
+from tandem.cluster.draining import SETTLE_S, read_marks
 from tandem.gateway.admin import CANCEL_REASON, pb, pb_grpc
 from tests.gateway.conftest import parse_sse, post, register_prefill, token_script, wait_for
 
@@ -97,15 +98,20 @@ def test_drained_only_once_every_router_saw_the_drain_and_nothing_is_held(admin,
     fake_worker(token_script(text_ids[:3]), worker_id="decode-b", ttl_s=0.4)
     _server, stub = admin()
 
+    def listed():
+        return {w.worker_id: w for w in stub.ListWorkers(pb.ListWorkersRequest(role="decode")).workers}
+
     def drained():
-        return {w.worker_id: w.drained for w in stub.ListWorkers(pb.ListWorkersRequest(role="decode")).workers}
+        return {worker_id: w.drained for worker_id, w in listed().items()}
 
     rclient.hset(keys.admitted("decode-b"), "cmpl-on-its-way", 16)  # admitted, not yet in its inbox
     for worker_id in ("decode-a", "decode-b"):
         assert not stub.DrainWorker(pb.DrainWorkerRequest(worker_id=worker_id)).drained
     assert drained() == {"decode-a": False, "decode-b": False}  # a gateway may still hold an old snapshot
     assert wait_for(lambda: drained()["decode-a"], timeout_s=5)
-    assert not drained()["decode-b"]
+    settled_at = read_marks(rclient, "decode")["decode-b"].marked_at + SETTLE_S
+    assert wait_for(lambda: listed()["decode-b"].heartbeat_at >= settled_at, timeout_s=5)
+    assert not drained()["decode-b"]  # every router saw its drain, but a request is on its way to it
     rclient.hdel(keys.admitted("decode-b"), "cmpl-on-its-way")
     assert drained()["decode-b"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -26,6 +27,37 @@ TOLERANCES = {
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (2e-2, 2e-2),
 }
+
+
+# TANDEM_KERNEL_CASES=all: every combination of a pairwise-covered test's settings
+ALL_CASES = os.environ.get("TANDEM_KERNEL_CASES") == "all"
+
+
+def pairwise(axes: dict[str, list]):
+    """pytest.mark.parametrize over cases in which every pair of values of two axes meets at least
+    once (all-pairs): a few cases instead of the whole product. An axis may name several
+    arguments ("num_q_heads, num_kv_heads"), each of its values a tuple of theirs. Cases are
+    chosen greedily (the one covering most of the pairs left, the first such), so the same every
+    run; with TANDEM_KERNEL_CASES=all, every combination."""
+    names, choices = list(axes), [list(v) for v in axes.values()]
+    product = list(itertools.product(*(range(len(c)) for c in choices)))
+    pairs = lambda case: {(i, case[i], j, case[j]) for i, j in itertools.combinations(range(len(case)), 2)}
+    if ALL_CASES:
+        chosen = product
+    else:
+        left, chosen = set().union(*map(pairs, product)), []
+        while left:
+            best = max(product, key=lambda case: len(pairs(case) & left))
+            chosen.append(best)
+            left -= pairs(best)
+
+    def flat(case):
+        out = []
+        for name, c, k in zip(names, choices, case):
+            out.extend(c[k] if "," in name else (c[k],))
+        return tuple(out)
+
+    return pytest.mark.parametrize(", ".join(names), [flat(case) for case in chosen])
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:

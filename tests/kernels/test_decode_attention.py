@@ -1,6 +1,6 @@
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
+from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, pairwise, requires_cuda
 
 from tandem.kernels import decode_attention as decode_module
 from tandem.kernels import decode_config
@@ -25,10 +25,12 @@ def _expected(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
         )
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pairwise({
+    "dtype": DTYPES,
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "window": [None, 20],
+    "num_splits": [1, 3, 8],
+})
 def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
     """Odd lengths, partial blocks, a padded slot (seq_len 0 -> zeros), splits that
     are empty for short sequences; 3 splits is not a power of two."""
@@ -40,11 +42,13 @@ def test_matches_reference(monkeypatch, dtype, num_q_heads, num_kv_heads, head_d
     assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # 32- and 64-token tiles
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 100])
-@pytest.mark.parametrize("num_splits", [1, 2, 3])
-@pytest.mark.parametrize("ids_in_registers", [False, True])
+@pairwise({
+    "dtype": [torch.float32, torch.bfloat16],  # 32- and 64-token tiles
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "window": [None, 100],
+    "num_splits": [1, 2, 3],
+    "ids_in_registers": [False, True],
+})
 def test_tile_edges(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits,
                     ids_in_registers):
     """Contexts at, one past and one short of whole tiles of 32 and 64, shorter than a tile, and empty;

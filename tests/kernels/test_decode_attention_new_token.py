@@ -3,7 +3,7 @@ references run one after the other (rotary_kv_write, then decode_attention)."""
 
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
+from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, pairwise, requires_cuda
 
 from tandem.kernels import decode_attention as decode_module
 from tandem.kernels import reference
@@ -61,10 +61,12 @@ def _check(inputs, dtype, window):
         assert torch.equal(flat(cache)[others].nan_to_num(), flat(before)[others].nan_to_num())
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pairwise({
+    "dtype": DTYPES,
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "window": [None, 20],
+    "num_splits": [1, 3, 8],
+})
 def test_matches_rotary_then_attention(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window,
                                        num_splits):
     """Odd lengths, partial blocks, a padding row, splits empty for short sequences."""
@@ -73,9 +75,11 @@ def test_matches_rotary_then_attention(monkeypatch, dtype, num_q_heads, num_kv_h
     _check(inputs, dtype, window)
 
 
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 100])
-@pytest.mark.parametrize("num_splits", [1, 2, 3])  # 2: a 150-token row's splits hold 2 tiles and 1
+@pairwise({
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "window": [None, 100],
+    "num_splits": [1, 2, 3],  # 2: a 150-token row's splits hold 2 tiles and 1
+})
 def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window, num_splits):
     """PREFETCH: each share's last tile loaded first, the new token's k and v put into it from
     registers (no read-back): same output, same cache writes (every batch size here; by
@@ -88,10 +92,12 @@ def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, 
     _check(inputs, torch.bfloat16, window)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # 32- and 64-token tiles
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 100])
-@pytest.mark.parametrize("num_splits", [1, 2])
+@pairwise({
+    "dtype": [torch.float32, torch.bfloat16],  # 32- and 64-token tiles
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "window": [None, 100],
+    "num_splits": [1, 2],
+})
 def test_block_ids_in_registers(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window,
                                 num_splits):
     """IDS_IN_REGISTERS: each tile's block ids taken from the share's entries loaded once; rows at,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from kernel_testing import DEVICE, assert_close, gpu, make_paged_kv, poisoned, requires_cuda, run_ptx_check
+from kernel_testing import DEVICE, assert_close, gpu, make_paged_kv, pairwise, poisoned, requires_cuda, run_ptx_check
 
 from tandem.kernels import decode_attention as decode_module
 from tandem.kernels import reference
@@ -114,10 +114,12 @@ def _expected_decode(q, k_cache, v_cache, tables, lens, k_scale, v_scale, window
                                           k_scale, v_scale)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pairwise({
+    "dtype": DTYPES,
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "window": [None, 20],
+    "num_splits": [1, 3],
+})
 def test_decode_attention_reads_codes_times_scales(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim,
                                                    block_size, window, num_splits):
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
@@ -204,10 +206,12 @@ def _check_new_token(inputs, dtype, window):
         assert torch.equal(flat(cache)[others], old.view(-1, num_kv_heads, head_dim)[others])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("prefetch", [False, True])
+@pairwise({
+    "dtype": DTYPES,
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "num_splits": [1, 3],
+    "prefetch": [False, True],
+})
 def test_decode_new_token_writes_and_attends_codes(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim,
                                                    block_size, num_splits, prefetch):
     """The fused rotary + KV write + attention: the new token's codes in its slot, and attended
@@ -251,10 +255,12 @@ def _prefill(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, 
     return out, expected
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("chunk", [False, True])
+@pairwise({
+    "dtype": DTYPES,
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "window": [None, 5],
+    "chunk": [False, True],
+})
 def test_prefill_attention_reads_codes_times_scales(dtype, num_q_heads, num_kv_heads, head_dim, block_size,
                                                     window, chunk):
     """Chunked context (284 cached + 16 new), a fresh prompt, single tokens, an empty query."""

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, requires_cuda
+from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, pairwise, requires_cuda
 
 from tandem.kernels import reference
 from tandem.kernels.prefill_attention import prefill_attention
@@ -46,9 +46,11 @@ def _run(seq_lens, q_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtyp
     return out, expected
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 200, 5])
+@pairwise({
+    "dtype": DTYPES,
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "window": [None, 200, 5],
+})
 def test_mixed_batch(dtype, num_q_heads, num_kv_heads, head_dim, block_size, window):
     """Chunked context (300 = 284 cached + 16 new), a fresh odd prompt, decode-like
     single tokens, a sequence with no new tokens, partial last blocks."""
@@ -58,9 +60,11 @@ def test_mixed_batch(dtype, num_q_heads, num_kv_heads, head_dim, block_size, win
     assert_close(out, expected, dtype, ATTN_SCALE[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS)
-@pytest.mark.parametrize("window", [None, 200, 5])
+@pairwise({
+    "dtype": DTYPES,
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "window": [None, 200, 5],
+})
 def test_chunk_keys_read_from_chunk_kv(dtype, num_q_heads, num_kv_heads, head_dim, block_size, window):
     """chunk_kv: the chunk's own keys and values come from it (the cache holds NaN there),
     the cached context's through the block table; the same batch as test_mixed_batch."""
@@ -81,9 +85,11 @@ def test_long_chunk_large_query_tiles(dtype, window, chunk):
     assert_close(out, expected, dtype, ATTN_SCALE[dtype])
 
 
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, block_size", HEAD_CONFIGS[:3])
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("chunk", [False, True])
+@pairwise({
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS[:3],
+    "window": [None, 5],
+    "chunk": [False, True],
+})
 def test_tiles_first_grid_order(monkeypatch, num_q_heads, num_kv_heads, head_dim, block_size, window, chunk):
     """The grid order the rule does not take (query tiles on axis 0, first to last): same answer;
     with chunk_kv, a 130-token chunk whose window starts past its first key tile."""

@@ -2,14 +2,17 @@
 start that fails, must not leave its RAM in /dev/shm for good."""
 
 import os
+import stat
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import redis
 
 from tandem.redis_server import free_port
 from tandem.cluster.settings import Settings
+from tandem.decode import worker as decode_worker
 from tandem.decode.pool_files import remove_stale_pool_files
 
 
@@ -31,7 +34,6 @@ def test_stale_files_of_this_worker_go_and_nothing_else(tmp_path):
 
 
 def test_a_decode_worker_that_fails_to_start_leaves_no_pool_file(tmp_path, monkeypatch):
-    from tandem.decode import worker as decode_worker
     from tandem.engine.demo_model import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "m", "llama")
@@ -45,3 +47,11 @@ def test_a_decode_worker_that_fails_to_start_leaves_no_pool_file(tmp_path, monke
     with pytest.raises(redis.ConnectionError):  # nothing listens there: the start fails after the pool exists
         decode_worker.DecodeWorker(settings)
     assert list(shm.iterdir()) == []
+
+
+def test_the_pool_directory_is_tandem_shm_dir_where_set(tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_SHM_DIR", raising=False)
+    assert decode_worker._shm_dir() == ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    monkeypatch.setenv("TANDEM_SHM_DIR", str(tmp_path / "pools"))
+    assert decode_worker._shm_dir() == str(tmp_path / "pools")
+    assert stat.S_IMODE(os.stat(tmp_path / "pools").st_mode) == 0o700  # made, open to its user only
