@@ -41,8 +41,11 @@ def pairwise(axes: dict[str, list]):
     run; with TANDEM_KERNEL_CASES=all, every combination."""
     names, choices = list(axes), [list(v) for v in axes.values()]
     product = list(itertools.product(*(range(len(c)) for c in choices)))
-    pairs = lambda case: {(i, case[i], j, case[j]) for i, j in itertools.combinations(range(len(case)), 2)}
-    if ALL_CASES:
+
+    def pairs(case: tuple[int, ...]) -> set[tuple[int, int, int, int]]:
+        return {(i, case[i], j, case[j]) for i, j in itertools.combinations(range(len(case)), 2)}
+
+    if ALL_CASES or len(axes) < 2:
         chosen = product
     else:
         left, chosen = set().union(*map(pairs, product)), []
@@ -57,7 +60,10 @@ def pairwise(axes: dict[str, list]):
             out.extend(c[k] if "," in name else (c[k],))
         return tuple(out)
 
-    return pytest.mark.parametrize(", ".join(names), [flat(case) for case in chosen])
+    argnames = ", ".join(names)
+    if "," not in argnames:  # one argument: its values themselves
+        return pytest.mark.parametrize(argnames, [choices[0][case[0]] for case in chosen])
+    return pytest.mark.parametrize(argnames, [flat(case) for case in chosen])
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
