@@ -62,11 +62,11 @@ def _assert_stopped(proc: subprocess.Popen, children: list[int], returncode: int
 def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_path):
     port, admin_port = free_port(), free_port()
     proc = _start_serve(tiny_llama, port, tmp_path, admin_port)
-    children = []
+    children: list[int] = []  # what the finally kills, whatever failed
     try:
         line = proc.stdout.readline()  # printed once /health answers 200
         assert f"http://127.0.0.1:{port}/v1" in line and f"admin API 127.0.0.1:{admin_port}" in line, line
-        children[:] = _children(proc.pid)
+        children = _children(proc.pid)
         assert len(children) == 4  # redis-server, prefill, decode, gateway
         body = {"model": os.path.basename(tiny_llama), "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
@@ -92,12 +92,12 @@ def test_sigterm_while_starting_stops_at_once(tiny_llama, tmp_path):
     for the cluster to become ready first."""
     port = free_port()
     proc = _start_serve(tiny_llama, port, tmp_path)
-    children = []
+    children: list[int] = []  # what the finally kills, whatever failed
     try:
         deadline = time.monotonic() + 60
         while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:  # redis and a prefill worker
             time.sleep(0.05)
-        children[:] = _children(proc.pid)
+        children = _children(proc.pid)
         assert len(children) >= 2
         proc.send_signal(signal.SIGTERM)  # the launcher alone, as a service manager does
         started = time.monotonic()
