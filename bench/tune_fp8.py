@@ -6,7 +6,7 @@
 Per projection of a step (qkv, o, gate_up with its SiLU·mul, down; lm_head stays in the model's
 dtype) and per batch:
   gemv (1 token):      bf16 GEMV (its rule, and with PREFETCH), FP8 GEMV with its rule and a tile
-                       grid, each tile with and without PREFETCH;
+                       grid, each tile plain, with PREFETCH and with F16_PRODUCTS;
   skinny (16, 64):     bf16 cuBLAS and skinny GEMM; FP8 weight-only skinny GEMM (weights widened in
                        registers), FP8 tensor-core skinny GEMM (x quantized per token first, the
                        quantization timed with it), and torch's scaled matmul (with the
@@ -45,8 +45,9 @@ from tandem.kernels.skinny_gemm import tile_config as skinny_rule
 
 DEVICE = "cuda"
 SMEM_BYTES = 227 << 10  # sm90
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch)
-GEMV_GRID = list(itertools.product((4, 8, 16), (512, 1024, 2048, 4096), (4, 8), (2,), (False, True)))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, prefetch, f16 products)
+GEMV_GRID = [(*t, prefetch, f16) for t in itertools.product((4, 8, 16), (512, 1024, 2048, 4096), (4, 8), (2,))
+             for prefetch, f16 in ((False, False), (True, False), (False, True))]
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k)
 SKINNY_GRID = [c for c in itertools.product((64, 128), (128, 256), (4, 8), (3, 5), (1, 2, 4))
                if (c[0] == 128) == (c[2] == 8)]
@@ -320,11 +321,11 @@ def main() -> int:
             json.dump(report, f, indent=1, default=str)
 
     with torch.inference_mode():
-        if "attention" in parts:
-            report["attention"] = attention_part(args.model, copy_bw)
-            save()
         if "gemv" in parts:
             report["gemv"] = gemv_part(args.model, copy_bw)
+            save()
+        if "attention" in parts:
+            report["attention"] = attention_part(args.model, copy_bw)
             save()
         if "prefill" in parts:
             report["prefill"] = prefill_part(args.model)

@@ -298,11 +298,11 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
                                                                     is_fp8(k_cache))
     if IDS_IN_REGISTERS is not None:
         ids_in_registers = IDS_IN_REGISTERS
-    heads_first, v_dequant = HEADS_FIRST, False
+    heads_first, v_dequant = HEADS_FIRST, True  # V_DEQUANT: every FP8 cache (kernels.decode_config)
     if config is not None:
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first
-        v_dequant = bool(len(rest) > 1 and rest[1])
+        v_dequant = bool(len(rest) > 1 and rest[1])  # explicit: False unless given
     direct = num_splits == 1
     ids_reg = 0
     if ids_in_registers:  # the share's block table entries, rounded up to a power of 2

@@ -74,14 +74,15 @@ WIDE_GRID = 1024
 WIDER_GRID = 4096
 
 
-# An FP8 cache (head_dim 128, FP8_MIN_GRID to WIDE_GRID programs): 128-token tiles on 4 warps (twice
-# the bf16 tile's tokens, as many bytes), 3 stages from FP8_STAGES3_GRID programs. One H200,
-# 2026-12-02, ``python3 -m tandem.bench.tune_fp8 --parts attention`` (llama3-8b, 27 tiles at the
-# rule's splits; docs/kernels.md): 64 x 256 tokens 27.9 -> 22.0 us (bf16 cache: 23.4), 8 x 2048
-# 26.6 -> 23.3 (27.1). Other grids keep the bf16 rule: at batch 1 (8 programs) the 128-token tile
-# made the llama3-8b step slower (tandem bench engine --kv-cache-dtype fp8: 4.146 -> 4.373 ms).
+# An FP8 cache (head_dim 128, FP8_MIN_GRID to WIDE_GRID programs): 4 warps, 2 stages, 128-token
+# tiles (twice the bf16 tile's tokens, as many bytes), 64-token tiles from FP8_SMALL_TILE_GRID
+# programs; V is widened with its scale in the tile (V_DEQUANT, every FP8 cache). One H200,
+# 2026-12-02, ``python3 -m tandem.bench.tune_fp8 --parts attention`` (llama3-8b, 54 settings at the
+# rule's splits; docs/kernels.md): 64 x 256 tokens 21.7 -> 17.1 us (bf16 cache: 23.0), 8 x 2048
+# 22.8 -> 19.9 (27.6). Other grids keep the bf16 rule's tile: at batch 1 (8 programs) the 128-token
+# tile made the llama3-8b step slower (tandem bench engine --kv-cache-dtype fp8: 4.146 -> 4.373 ms).
 FP8_MIN_GRID = 64
-FP8_STAGES3_GRID = 512
+FP8_SMALL_TILE_GRID = 512
 
 
 def _tile_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0,
@@ -91,7 +92,7 @@ def _tile_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0,
     if _TILE_OVERRIDE is not None:
         return (*_TILE_OVERRIDE, False)
     if kv_fp8 and head_dim == 128 and FP8_MIN_GRID <= num_programs < WIDE_GRID:
-        return 128, 4, 3 if num_programs >= FP8_STAGES3_GRID else 2, False
+        return 64 if num_programs >= FP8_SMALL_TILE_GRID else 128, 4, 2, False
     if dtype in (torch.bfloat16, torch.float16) and head_dim == 128 and num_programs >= WIDE_GRID:
         return 32, 2 if num_programs >= WIDER_GRID else 4, 3, True
     block_n = 32 if (dtype == torch.float32 and head_dim > 64) or head_dim > 128 else 64

@@ -26,18 +26,51 @@ from tandem.kernels.fp8_weight import FP8_DTYPE, Fp8Weight
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 
+# F16_PRODUCTS' scale of x (exact): a product |x * e4m3| / 64 stays within fp16 up to |x| = 9,362
+# (a normalized activation is at most sqrt(hidden) times its norm weight: 64x at 4096), and stays
+# a normal fp16 number down to |x * e4m3| = 0.004.
+X_F16_SHIFT = tl.constexpr(1.0 / 64)
+
+
+@triton.jit
+def _mac(acc, w, x, F16_PRODUCTS: tl.constexpr):
+    """acc + w * x: fp32, or (F16_PRODUCTS) f16x2 on x already in fp16."""
+    if F16_PRODUCTS:
+        acc = acc + w.to(tl.float16) * x[None, :]
+    else:
+        acc = acc + w.to(tl.float32) * x[None, :]
+    return acc
+
+
+@triton.jit
+def _load_x(ptrs, mask, F16_PRODUCTS: tl.constexpr):
+    """x's tile in the accumulation's form: fp32, or (F16_PRODUCTS) fp16 times X_F16_SHIFT."""
+    if mask is None:
+        x = tl.load(ptrs).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if F16_PRODUCTS:
+        x = (x * X_F16_SHIFT).to(tl.float16)
+    return x
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, num_out, K, stride_wn, up_offset,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr = False,
     s_ptr=None, W_SCALED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    F16_PRODUCTS: tl.constexpr = False,
 ):
     """y[n] = sum_k x[k] W[n, k] (+ b[n]) for n in this program's BLOCK_N rows, fp32 accumulation;
     SILU_MUL: y[n] = silu(sum_k x[k] W[n, k]) * sum_k x[k] W[up_offset + n, k].
     W_SCALED (FP8 weights): W[n, k] = w[n, k] * s[n], each row's sum times s[n] before the bias.
     PREFETCH: tile i+1's loads issued before tile i's math (two tiles in flight a warp, twice
     the registers); a tuning form (``config``'s fifth field), in no rule yet.
+    F16_PRODUCTS (FP8 weights; ``config``'s sixth field): the products and their sum across tiles
+    in f16x2 (one conversion and one FMA per two elements, against a conversion to fp32 and an
+    fp32 FMA per element), x taken as fp16 times X_F16_SHIFT so that no partial sum overflows;
+    the lanes' partials are summed in fp32 at the end. Each partial holds K / BLOCK_K products.
 
     The first weight tile is loaded before waiting for the previous kernel (kernels.pdl):
     weights are constant, only x comes from it (so no kernel that triggers its dependents
@@ -60,15 +93,16 @@ def _gemv_kernel(
         u = tl.load(up_ptrs, mask=first[None, :], other=0.0)
     if USE_PDL:
         gdc_wait()
-    x = tl.load(x_ptr + cols, mask=first, other=0.0).to(tl.float32)
-    if PREFETCH:  # each tile's loads issued before the previous tile's math: two tiles in flight a warp
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = acc
-    else:
-        acc = w.to(tl.float32) * x[None, :]
-        acc_up = u.to(tl.float32) * x[None, :]
+    x = _load_x(x_ptr + cols, first, F16_PRODUCTS)
+    acc_dtype = tl.float16 if F16_PRODUCTS else tl.float32
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=acc_dtype)
+    acc_up = acc
+    if not PREFETCH:
+        acc = _mac(acc, w, x, F16_PRODUCTS)
+        if SILU_MUL:
+            acc_up = _mac(acc_up, u, x, F16_PRODUCTS)
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        if PREFETCH:
+        if PREFETCH:  # each tile's loads issued before the previous tile's math: two tiles in flight a warp
             w_cur, u_cur, x_cur = w, u, x
         # the weight tiles first: issued before x's move to the tile's layout (FP8: through shared
         # memory, between barriers), not after it (tests/kernels/gemv_ptx_check.py)
@@ -76,40 +110,44 @@ def _gemv_kernel(
             w = tl.load(gate_ptrs + k0)
             if SILU_MUL:
                 u = tl.load(up_ptrs + k0)
-            x = tl.load(x_ptr + k0 + cols).to(tl.float32)
+            x = _load_x(x_ptr + k0 + cols, None, F16_PRODUCTS)
         else:
             kmask = k0 + cols < K
             w = tl.load(gate_ptrs + k0, mask=kmask[None, :], other=0.0)
             if SILU_MUL:
                 u = tl.load(up_ptrs + k0, mask=kmask[None, :], other=0.0)
-            x = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0).to(tl.float32)
+            x = _load_x(x_ptr + k0 + cols, kmask, F16_PRODUCTS)
         if PREFETCH:
-            acc += w_cur.to(tl.float32) * x_cur[None, :]
+            acc = _mac(acc, w_cur, x_cur, F16_PRODUCTS)
             if SILU_MUL:
-                acc_up += u_cur.to(tl.float32) * x_cur[None, :]
+                acc_up = _mac(acc_up, u_cur, x_cur, F16_PRODUCTS)
         else:
-            acc += w.to(tl.float32) * x[None, :]
+            acc = _mac(acc, w, x, F16_PRODUCTS)
             if SILU_MUL:
-                acc_up += u.to(tl.float32) * x[None, :]
+                acc_up = _mac(acc_up, u, x, F16_PRODUCTS)
     if PREFETCH:  # the last tile
-        acc += w.to(tl.float32) * x[None, :]
+        acc = _mac(acc, w, x, F16_PRODUCTS)
         if SILU_MUL:
-            acc_up += u.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)
+            acc_up = _mac(acc_up, u, x, F16_PRODUCTS)
+    y = tl.sum(acc.to(tl.float32), axis=1)
+    up = tl.sum(acc_up.to(tl.float32), axis=1)
+    if F16_PRODUCTS:
+        y /= X_F16_SHIFT
+        up /= X_F16_SHIFT
     if W_SCALED:  # the rows' scales: constants, read once (masked rows read row 0's)
         y *= tl.load(s_ptr + rows)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     if SILU_MUL:
         if W_SCALED:
-            y = y / (1.0 + tl.exp(-y)) * (tl.sum(acc_up, axis=1) * tl.load(s_ptr + rows + up_offset))
+            y = y / (1.0 + tl.exp(-y)) * (up * tl.load(s_ptr + rows + up_offset))
         else:
-            y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
+            y = y / (1.0 + tl.exp(-y)) * up
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
-def tile_config(num_out: int, K: int, silu_mul: bool, fp8: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes only.
+def tile_config(num_out: int, K: int, silu_mul: bool, fp8: bool = False) -> tuple:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages[, PREFETCH, F16_PRODUCTS]) from shapes only.
 
     From ``tandem.bench.tune_gemv`` on an H200 (cold L2, 14 projection shapes of llama3.2-1b,
     llama2-7b and llama3-8b): 4 whole rows of 1024-wide tiles per program were best or
@@ -117,22 +155,28 @@ def tile_config(num_out: int, K: int, silu_mul: bool, fp8: bool = False) -> tupl
     fused gate/up form, two accumulators, 512-wide tiles and 3 stages.
 
     FP8 weights (``fp8``; one H200, 2026-12-02, ``python3 -m tandem.bench.tune_fp8 --parts gemv``,
-    llama3-8b, docs/kernels.md): 2048-wide tiles of 4 rows (the bf16 rule's bytes per tile) for qkv
-    (10.4 -> 9.8 us) and down (22.4 -> 19.6); 8 rows of 1024 where the weight is at most 4096 x 4096
-    (o: 9.0 -> 6.5); gate/up keeps the bf16 rule (37.0 us, the best of the sweep).
+    llama3-8b, 72 settings a projection, docs/kernels.md): 1024-wide tiles with f16x2 products
+    (F16_PRODUCTS) for qkv (16 rows on 8 warps: 9.95 -> 8.22 us), gate/up (4 rows: 34.36 -> 33.70)
+    and down (4 rows: 17.98 -> 17.06); o (at most 4096 x 4096) keeps 8 rows of 1024 in fp32
+    (6.03 us, the sweep's best).
     """
-    if silu_mul:
-        return 4, min(512, triton.next_power_of_2(K)), 4, 3
     if fp8:
+        if silu_mul:
+            return 4, min(1024, triton.next_power_of_2(K)), 4, 2, False, True
         if num_out <= 4096 and K <= 4096:
             return 8, min(1024, triton.next_power_of_2(K)), 4, 2
-        return 4, min(2048, triton.next_power_of_2(K)), 4, 2
+        if K > 8192:
+            return 4, min(1024, triton.next_power_of_2(K)), 4, 2, False, True
+        return 16, min(1024, triton.next_power_of_2(K)), 8, 2, False, True
+    if silu_mul:
+        return 4, min(512, triton.next_power_of_2(K)), 4, 3
     return (8 if K > 8192 else 4), min(1024, triton.next_power_of_2(K)), 4, 2
 
 
 def _launch_gemv(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None, y: torch.Tensor,
                  silu_mul: bool, config: tuple | None = None) -> None:
-    """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of the shape rule (tuning only).
+    """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages[, PREFETCH[, F16_PRODUCTS]]) instead of the
+    shape rule (tuning only; F16_PRODUCTS applies to FP8 weights).
     ``weight``: a tensor of x's dtype, or an ``Fp8Weight`` (E4M3 rows and their fp32 scales)."""
     weight, scale = _split_weight(weight, x.dtype)
     rows_w, K = weight.shape
@@ -149,7 +193,9 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.
         return
     block_n, block_k, num_warps, num_stages, *forms = config or tile_config(num_out, K, silu_mul, scale is not None)
     prefetch = bool(forms and forms[0])
-    fp8 = {} if scale is None else {"s_ptr": scale, "W_SCALED": True}
+    # f16x2 products for 16-bit activations; an fp32 model keeps fp32 products under any rule
+    f16 = len(forms) > 1 and bool(forms[1]) and (config is not None or x.dtype != torch.float32)
+    fp8 = {} if scale is None else {"s_ptr": scale, "W_SCALED": True, "F16_PRODUCTS": f16}
     _gemv_kernel[(triton.cdiv(num_out, block_n),)](
         x, weight, bias if bias is not None else y, y, num_out, K, weight.stride(0), num_out,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,

@@ -15,6 +15,8 @@
 #   bash scripts/gpu.sh record    engine, then mixed: one record for docs/benchmarks/
 #   bash scripts/gpu.sh fp8       the FP8 GPU tests, then llama3-8b's bf16, FP8-weight, FP8-KV and FP8 rows
 #   bash scripts/gpu.sh fp8-serve the mixed workload in bf16 and FP8, then 256 streams of 128/128 in FP8
+#   bash scripts/gpu.sh fp8-tune  the FP8 weight kernels' GPU tests, then tandem.bench.tune_fp8's GEMV and
+#                                 attention sweeps -> $OUT/tune_fp8.json (the rules' data)
 set -o pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh || exit 1
@@ -75,5 +77,11 @@ case "${1:-}" in
       --serve-args "--quantization fp8 --kv-cache-dtype fp8" --label serve_c256_fp8 \
       --out "$OUT/mixed/serve_c256_fp8.json" > "$OUT/mixed/run_c256.log" 2>&1
     tail -3 "$OUT/mixed/run_c256.log" ;;
-  *) sed -n 2,18p "$0" >&2; exit 2 ;;
+  fp8-tune)
+    timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels/test_fp8_weights.py -m gpu 2>&1 \
+      | tee "$OUT/fp8_weight_tests.log" | tail -5
+    timeout 420 python3 -m tandem.bench.tune_fp8 --parts gemv,attention --out "$OUT/tune_fp8.json" 2>&1 \
+      | tee "$OUT/tune_fp8.log" | grep -E "^(gemv|==|attention)"
+    summary "$OUT/fp8_weight_tests.log" ;;
+  *) sed -n 2,20p "$0" >&2; exit 2 ;;
 esac

@@ -69,7 +69,12 @@ def test_gemv_fp8_matches_reference(dtype, N, K):
     for bias in (None, b):
         out = gemv(x, w, bias)
         assert out.shape == (1, N) and out.dtype == dtype
-        assert_close(out, reference.gemv(x, w, bias), dtype)
+        assert_close(out, reference.gemv(x, w, bias), dtype, _F16_PRODUCTS_SLACK.get(dtype, 1))
+
+
+# The FP8 rule's f16x2 products (16-bit activations) round each product to fp16: a few of fp16's
+# ulps on the sum, far inside bf16's tolerance, past fp16's own
+_F16_PRODUCTS_SLACK = {torch.float16: 4}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,18 +84,36 @@ def test_gemv_silu_mul_fp8_matches_reference(dtype, inter, K):
     w = _fp8(2 * inter, K, scale=2.0)
     out = gemv_silu_mul(x, w)
     assert out.shape == (1, inter)
-    assert_close(out, reference.gemv_silu_mul(x, w), dtype)
+    assert_close(out, reference.gemv_silu_mul(x, w), dtype, _F16_PRODUCTS_SLACK.get(dtype, 1))
 
 
 def test_gemv_fp8_strided_rows_and_tile_overrides():
     q = _fp8(40, 300)
     w = Fp8Weight(q.data[:, :256], q.scale)  # rows 300 apart
     x = torch.randn(256, device=DEVICE)
-    for config in [(4, 64, 4, 1), (16, 128, 4, 2), (4, 64, 4, 2, True), (16, 128, 4, 2, True)]:
+    for config in [(4, 64, 4, 1), (16, 128, 4, 2), (4, 64, 4, 2, True), (16, 128, 4, 2, True),
+                   (4, 64, 4, 2, False, True), (16, 128, 4, 2, True, True)]:
         for silu in (False, True):
             y = poisoned((20 if silu else 40,), torch.float32)
             _launch_gemv(x, w, None, y, silu_mul=silu, config=config)
-            assert_close(y, (reference.gemv_silu_mul if silu else reference.gemv)(x, w), torch.float32)
+            f16 = len(config) > 5 and config[5]  # fp16 products: bf16's tolerance
+            assert_close(y, (reference.gemv_silu_mul if silu else reference.gemv)(x, w),
+                         torch.bfloat16 if f16 else torch.float32)
+
+
+def test_gemv_fp8_f16_products_keep_large_and_small_activations():
+    """F16_PRODUCTS sums f16x2 products of x * X_F16_SHIFT: activations of thousands (LLMs' outlier
+    channels) neither overflow nor lose the rest of the row, and tiny ones keep their precision."""
+    q = _fp8(32, 1024)
+    for magnitude, outlier in ((1e3, 8e3), (1.0, 64.0), (1e-3, 0.0)):
+        x = torch.randn(1024, device=DEVICE) * magnitude
+        x[7] = outlier  # an outlier channel
+        for silu in (False, True):
+            ref = (reference.gemv_silu_mul if silu else reference.gemv)(x, q)
+            y = poisoned((16 if silu else 32,), torch.float32)
+            _launch_gemv(x, q, None, y, silu_mul=silu, config=(4, 256, 4, 2, False, True))
+            assert torch.isfinite(y).all()
+            torch.testing.assert_close(y, ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
 
 
 def test_fp8_weights_are_checked():
@@ -222,6 +245,18 @@ def test_gpu_gemv_silu_mul_fp8_real_shapes(inter, K):
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     w = _fp8(2 * inter, K, scale=2.0, device="cuda")
     assert_close(gemv_silu_mul(x, w), reference.gemv_silu_mul(x.float(), w), torch.bfloat16)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("N, K, silu", [(n, k, False) for n, k in _SHAPES] + [(2 * i, k, True) for i, k in _GATE_UP])
+def test_gpu_gemv_fp8_f16_products_real_shapes(N, K, silu):
+    """The F16_PRODUCTS form (compiled for the GPU: f16x2 FMAs) against the fp32 reference."""
+    x = torch.randn(K, device="cuda", dtype=torch.bfloat16)
+    w = _fp8(N, K, scale=2.0, device="cuda")
+    y = poisoned((N // 2 if silu else N,), torch.bfloat16, "cuda")
+    _launch_gemv(x, w, None, y, silu, (4, 512 if silu else 2048, 4, 2, False, True))
+    assert_close(y, (reference.gemv_silu_mul if silu else reference.gemv)(x.float(), w), torch.bfloat16)
 
 
 @gpu

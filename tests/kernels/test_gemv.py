@@ -171,6 +171,6 @@ def test_dispatch_sends_only_their_layouts_to_the_gemv_and_the_skinny_gemm(monke
     assert kind(_like((1, 16)), w, None) is None
 
 
-def test_fp8_gemv_issues_its_weight_loads_before_the_loops_barriers():
+def test_fp8_gemv_issues_its_weight_loads_before_the_loops_barriers_and_f16_products_stay_f16x2():
     """gemv_ptx_check.py compiles the FP8 forms for sm90 (outside the interpreter) and reads their PTX."""
-    assert "ok: 8 FP8 GEMV forms" in run_ptx_check("gemv_ptx_check.py")
+    assert "ok: 16 FP8 GEMV forms" in run_ptx_check("gemv_ptx_check.py")
