@@ -12,9 +12,12 @@ dtype) and per batch:
                        quantization timed with it), and torch's scaled matmul (with the
                        quantization, and alone), each FP8 form with its rule and a tile grid;
   prefill (2048):      bf16 cuBLAS against the quantization plus torch's scaled matmul;
-  attention:           decode attention over a bf16 and an FP8 cache (64 x 256 and 8 x 2048 tokens),
-                       the FP8 one with its rule and a tile grid, each tile with and without
-                       V_DEQUANT (V widened with its scale in the tile).
+  attention:           decode attention over a bf16 and an FP8 cache (``--attention-cases``, batch x
+                       tokens; default 64 x 256 and 8 x 2048), the FP8 one with its rule and a tile
+                       grid, each tile with and without V_DEQUANT (V widened with its scale in the
+                       tile), or with ``--attention-ids`` (wide grids: every KV head of a batch of
+                       7B's 32 is a program) V_DEQUANT with the block ids per tile and in registers,
+                       the products in bf16 and in fp16 (F16_DOT), on a smaller tile grid.
 Every setting is checked against the fp32 reference of its own numbers before it is timed
 (a wrong one is recorded, not timed). Timings as bench.tune_gemv's: one CUDA graph cycling
 over enough weight copies to leave the L2 cold. Prints per part the best setting and the
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from tandem.bench.shapes import SHAPES
 from tandem.bench.timing import ceilings, graph_ms
 from tandem.bench.tune_gemv import ROTATE_BYTES, projections, time_rotating
-from tandem.kernels import decode_config, fp8_matmul, ops, reference
+from tandem.kernels import decode_attention, decode_config, fp8_matmul, ops, reference
 from tandem.kernels.decode_attention import _launch_decode_attention
 from tandem.kernels.fp8_quant import quantize_rows_fp8
 from tandem.kernels.fp8_weight import dequantize, quantize_weight
@@ -52,7 +55,12 @@ GEMV_GRID = [(*t, prefetch, f16) for t in itertools.product((4, 8, 16), (512, 10
 SKINNY_GRID = [c for c in itertools.product((64, 128), (128, 256), (4, 8), (3, 5), (1, 2, 4))
                if (c[0] == 128) == (c[2] == 8)]
 ATTENTION_TILES = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)))
-ATTENTION_CASES = [(64, 256), (8, 2048)]
+ATTENTION_CASES = "64:256,8:2048"
+# (V_DEQUANT, block ids in registers (None: the rule's), F16_DOT) per tile
+ATTENTION_FORMS = ((False, None, False), (True, None, False))
+# --attention-ids: V_DEQUANT, ids per tile and in registers, products in bf16 and fp16, on fewer tiles
+ATTENTION_ID_FORMS = tuple((True, ids, f16) for f16 in (False, True) for ids in (False, True))
+ATTENTION_ID_TILES = list(itertools.product((32, 64, 128), (2, 4), (2, 3)))
 
 
 def _weights(rows: int, K: int) -> list[torch.Tensor]:
@@ -252,12 +260,13 @@ def prefill_part(model: str, M: int = 2048) -> dict:
     return {"shapes": report, "step": step}
 
 
-def attention_part(model: str, copy_bw: float) -> list[dict]:
+def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, forms: tuple = ATTENTION_FORMS,
+                   tiles: list = ATTENTION_TILES) -> list[dict]:
     s = SHAPES[model]
     hq, hkv = s["num_attention_heads"], s["num_key_value_heads"]
     d, block_size = s["hidden_size"] // hq, 16
     results = []
-    for batch, context in ATTENTION_CASES:
+    for batch, context in (tuple(int(n) for n in case.split(":")) for case in cases.split(",")):
         blocks = batch * (-(-context // block_size))
         k = torch.randn(blocks + 8, block_size, hkv, d, device=DEVICE, dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -273,34 +282,48 @@ def attention_part(model: str, copy_bw: float) -> list[dict]:
                                          reference.dequantize_kv_fp8(v8, v_scale), tables, lens, scale)
         splits = decode_config.num_kv_splits(batch, hkv, tables.shape[1] * block_size, q.device)
 
-        def run(config, kc=k8, vc=v8, ks=k_scale, vs=v_scale):
-            return lambda: _launch_decode_attention(q, kc, vc, tables, lens, out, scale, None, None, config,
-                                                    k_scale=ks, v_scale=vs)
+        def run(config, kc=k8, vc=v8, ks=k_scale, vs=v_scale, ids=None):
+            def call():
+                decode_attention.IDS_IN_REGISTERS = ids  # None: the rule's
+                try:
+                    _launch_decode_attention(q, kc, vc, tables, lens, out, scale, None, None, config,
+                                             k_scale=ks, v_scale=vs)
+                finally:
+                    decode_attention.IDS_IN_REGISTERS = None
+            return call
 
         bf16 = graph_ms([run(None, k, v, None, None)] * 10)
         rows = []
-        tiles = [t + (splits, True, v_dequant) for v_dequant in (False, True) for t in ATTENTION_TILES]
-        for config in [None] + tiles:
+        settings = [(None, None)] + [(t + (splits, True, v_dequant, f16), ids) for v_dequant, ids, f16 in forms
+                                     for t in tiles]
+        for config, ids in settings:
             try:
                 out.fill_(float("nan"))
-                run(config)()
+                run(config, ids=ids)()
                 if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
                     rows.append({"config": config, "error": "WRONG ANSWER"})
                     continue
-                rows.append({"config": config, "ms": graph_ms([run(config)] * 10)})
+                rows.append({"config": config, "ids_in_registers": ids,
+                             "ms": graph_ms([run(config, ids=ids)] * 10)})
             except Exception as exc:
-                rows.append({"config": config, "error": repr(exc)[:160]})
+                rows.append({"config": config, "ids_in_registers": ids, "error": repr(exc)[:160]})
         best, rule = _best(rows), _rule(rows)
+        by_products = {name: _best([r for r in rows if r["config"] is not None and bool(r["config"][6]) == f16])
+                       for name, f16 in (("bf16", False), ("f16", True))}
         bf16_bytes = 2 * batch * context * hkv * d * 2
         r = {"batch": batch, "context": context, "splits": splits, "bf16_us": bf16 * 1e3, "fp8_rule_us": rule * 1e3,
              "fp8_best_us": best["ms"] * 1e3, "fp8_best_config": best["config"],
+             "fp8_best_ids_in_registers": best["ids_in_registers"],
+             **{f"fp8_best_{name}_products_us": b["ms"] * 1e3 for name, b in by_products.items() if b},
              "bf16_of_copy_bw": bf16_bytes / (bf16 / 1e3) / copy_bw,
              "fp8_rule_of_copy_bw": bf16_bytes / 2 / (rule / 1e3) / copy_bw,
              "fp8_best_of_copy_bw": bf16_bytes / 2 / (best["ms"] / 1e3) / copy_bw, "sweep": rows}
         results.append(r)
         print(f"attention b{batch} ctx{context}: bf16 {r['bf16_us']:.1f} us ({r['bf16_of_copy_bw']:.0%}), fp8 rule "
               f"{r['fp8_rule_us']:.1f} ({r['fp8_rule_of_copy_bw']:.0%}), best {r['fp8_best_us']:.1f} "
-              f"({r['fp8_best_of_copy_bw']:.0%}) {best['config']}", flush=True)
+              f"({r['fp8_best_of_copy_bw']:.0%}) {best['config']} ids in registers {best['ids_in_registers']}; best with "
+              f"bf16 / f16 products {r.get('fp8_best_bf16_products_us', 0):.1f} / "
+              f"{r.get('fp8_best_f16_products_us', 0):.1f}", flush=True)
         torch.cuda.empty_cache()
     return results
 
@@ -310,6 +333,10 @@ def main() -> int:
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--parts", default="gemv,skinny,prefill,attention")
     parser.add_argument("--batches", default="16,64", help="the skinny part's decode batches")
+    parser.add_argument("--attention-cases", default=ATTENTION_CASES, help="the attention part's B:TOKENS,...")
+    parser.add_argument("--attention-ids", action="store_true",
+                        help="the attention grid with V_DEQUANT, block ids per tile and in registers, "
+                             "products in bf16 and in fp16 (F16_DOT)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_fp8.json"))
     args = parser.parse_args()
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
@@ -325,7 +352,9 @@ def main() -> int:
             report["gemv"] = gemv_part(args.model, copy_bw)
             save()
         if "attention" in parts:
-            report["attention"] = attention_part(args.model, copy_bw)
+            forms, tiles = ((ATTENTION_ID_FORMS, ATTENTION_ID_TILES) if args.attention_ids
+                            else (ATTENTION_FORMS, ATTENTION_TILES))
+            report["attention"] = attention_part(args.model, copy_bw, args.attention_cases, forms, tiles)
             save()
         if "prefill" in parts:
             report["prefill"] = prefill_part(args.model)

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.decode_config import DecodeWorkspace, _tile_config, num_kv_splits
-from tandem.kernels.decode_tiles import (_attend_kv_tile, _cache_new_kv, _load_kv_tile, _rotated_new_kv,
-                                  _store_new_kv)
+from tandem.kernels.decode_config import FP8_F16_DOT, DecodeWorkspace, _tile_config, num_kv_splits
+from tandem.kernels.decode_tiles import (_attend_kv_tile, _cache_new_kv, _f16_query, _f16_value_scale,
+                                         _load_kv_tile, _rotated_new_kv, _store_new_kv)
 from tandem.kernels.dot import upcast_bf16_dot
 from tandem.kernels.fp8_kv import check_scales, is_fp8, soft_round
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
@@ -55,6 +55,10 @@ MAX_REGISTERS: int | None = None
 # follows the shape rule (kernels.decode_config._tile_config), True / False force it (tests, A/Bs).
 IDS_IN_REGISTERS: bool | None = None
 IDS_REG_MAX = 512
+# An FP8 cache's products in fp16 (F16_DOT: one conversion per two codes, the score scale folded
+# into q; a 16-bit q only): None follows the rule (kernels.decode_config.FP8_F16_DOT), True / False
+# force it (tests, A/Bs).
+F16_DOT: bool | None = None
 
 
 @triton.jit
@@ -74,6 +78,7 @@ def _decode_partial_kernel(
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, IDS_REG: tl.constexpr = 0,
     KV_FP8: tl.constexpr = False, SOFT_ROUND: tl.constexpr = False, V_DEQUANT: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -94,7 +99,8 @@ def _decode_partial_kernel(
     block; with one split and no window from entry 0, so before seq_len is read) are loaded once.
     KV_FP8: the cache holds E4M3 codes of k / k_scale[kv_head] and v / v_scale[kv_head]; the
     scores are q . code * scale * log2(e) * k_scale, the output is multiplied by v_scale, and
-    the new token (NEW_TOKEN) is written and attended as its codes.
+    the new token (NEW_TOKEN) is written and attended as its codes. F16_DOT (with KV_FP8, a 16-bit
+    q): both products in fp16 (decode_tiles._attend_kv_tile), the score scale folded into q.
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
@@ -177,7 +183,10 @@ def _decode_partial_kernel(
             if writes:
                 _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM)
             is_last = (offs_last == last) & (slot >= 0)  # a padding row (slot -1) reads what is there
-            if KV_FP8:  # the tile widened here, the codes selected in q's dtype
+            if KV_FP8 and F16_DOT:  # the tile widened here, the codes selected in fp16
+                k_last = k_last.to(tl.float16)
+                v_last = v_last.to(tl.float16)
+            elif KV_FP8:  # the tile widened here, the codes selected in q's dtype
                 k_last = k_last.to(q.dtype)
                 v_last = v_last.to(q.dtype)
             k_last = tl.where(is_last[None, :], tl.trans(k_rot).to(k_last.dtype), k_last)
@@ -188,11 +197,17 @@ def _decode_partial_kernel(
                 k_rot, v_new = _cache_new_kv(k_rot, v_new, k_scale, v_scale, KV_FP8, SOFT_ROUND)
                 _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM)
             tl.debug_barrier()  # the stores above are seen by this program's loads below
+    if KV_FP8 and F16_DOT:  # after the new token's k was rotated in q's dtype
+        q = _f16_query(q, qk_scale)
+        v_tile_scale, v_out_scale = _f16_value_scale(v_scale)
+    else:
+        v_tile_scale = v_scale
+        v_out_scale = v_scale
     loop_end = end
     if PREFETCH:  # attended first (online softmax takes tiles in any order): it holds no registers in the loop
         if end > start:
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
-                                            DOT_PRECISION, DOT_UPCAST, KV_FP8, v_scale, V_DEQUANT)
+                                            DOT_PRECISION, DOT_UPCAST, KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
         loop_end = last_tile
     for start_n in range(start, loop_end, BLOCK_N):
         k, v, offs_n, kv_valid = _load_kv_tile(
@@ -200,13 +215,13 @@ def _decode_partial_kernel(
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
             ids, ids_first, IDS_REG)
         acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST,
-                                        KV_FP8, v_scale, V_DEQUANT)
+                                        KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0
     out = acc / tl.where(no_keys, 1.0, l_i)[:, None]
-    if KV_FP8 and not V_DEQUANT:
-        out = out * v_scale
+    if KV_FP8 and (F16_DOT or not V_DEQUANT):
+        out = out * v_out_scale
     if DIRECT_OUT:
         tl.store(out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
@@ -260,8 +275,9 @@ class NewToken(NamedTuple):
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
                              config: tuple | None = None, new_token: NewToken | None = None,
                              k_scale=None, v_scale=None):
-    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, v_dequant]]) instead
-    of the shape rules (tuning only; v_dequant: an FP8 cache's V widened with its scale, V_DEQUANT).
+    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, v_dequant[, f16_dot]]])
+    instead of the shape rules (tuning only; v_dequant: an FP8 cache's V widened with its scale,
+    V_DEQUANT; f16_dot: an FP8 cache's products in fp16, F16_DOT, for a 16-bit q).
     ``new_token``: rotary and the KV write fused in.
     ``k_scale``, ``v_scale``: an FP8 cache's [num_kv_heads] fp32 scales of this layer."""
     num_seqs, num_q_heads, head_dim = q.shape
@@ -299,10 +315,12 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     if IDS_IN_REGISTERS is not None:
         ids_in_registers = IDS_IN_REGISTERS
     heads_first, v_dequant = HEADS_FIRST, True  # V_DEQUANT: every FP8 cache (kernels.decode_config)
+    f16_dot = FP8_F16_DOT if F16_DOT is None else F16_DOT
     if config is not None:
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first
         v_dequant = bool(len(rest) > 1 and rest[1])  # explicit: False unless given
+        f16_dot = bool(len(rest) > 2 and rest[2]) if F16_DOT is None else F16_DOT
     direct = num_splits == 1
     ids_reg = 0
     if ids_in_registers:  # the share's block table entries, rounded up to a power of 2
@@ -339,6 +357,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
         PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH, IDS_REG=ids_reg,
         KV_FP8=is_fp8(k_cache), SOFT_ROUND=soft_round(), V_DEQUANT=v_dequant and is_fp8(k_cache),
+        F16_DOT=f16_dot and is_fp8(k_cache) and q.dtype in (torch.bfloat16, torch.float16),
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
         **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS is not None and q.is_cuda else {}),
     )

@@ -83,6 +83,7 @@ WIDER_GRID = 4096
 # tile made the llama3-8b step slower (tandem bench engine --kv-cache-dtype fp8: 4.146 -> 4.373 ms).
 FP8_MIN_GRID = 64
 FP8_SMALL_TILE_GRID = 512
+FP8_F16_DOT = False  # an FP8 cache's products in fp16 (kernels.decode_attention.F16_DOT)
 
 
 def _tile_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0,

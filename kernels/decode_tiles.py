@@ -63,9 +63,31 @@ def _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _f16_query(q, qk_scale):
+    """F16_DOT: q [GROUP_PAD, HEAD_DIM] times the score scale (softmax's, log2(e) and the K scale)
+    as fp16, so that q . code is the score in its final units: within fp16's normal range every
+    bf16 q keeps its 8 mantissa bits; below it (products too small to matter) the error of a
+    score is at most 2^-25 * 448 a dimension, and a product past fp16's range (a score above
+    65504, whose softmax is one-hot either way) is clamped to it."""
+    q = q.to(tl.float32) * qk_scale
+    q = tl.maximum(q, -65504.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
+    return tl.minimum(q, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
+
+
+@triton.jit
+def _f16_value_scale(v_scale):
+    """F16_DOT: the KV head's V scale as (u, 2^e): u = v_scale * 2^-e in [1/32, 1/16) as fp16
+    (its mantissa rounded to fp16's 11 bits), which V's codes are multiplied by in the tile
+    (|code| * u < 28), and 2^e, which the output is."""
+    e = ((v_scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 122  # v_scale < 2^(e - 4)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return (v_scale * down).to(tl.float16), ((127 + e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale,
                     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr = False,
-                    v_scale=1.0, V_DEQUANT: tl.constexpr = False):
+                    v_scale=1.0, V_DEQUANT: tl.constexpr = False, F16_DOT: tl.constexpr = False):
     """One online-softmax step (log2 domain) of q [GROUP_PAD, HEAD_DIM] over a loaded tile.
     KV_FP8: k and v are E4M3 codes, widened to q's dtype here (exact); the caller has folded the
     K scale into qk_scale and applies the V scale to the output.
@@ -73,14 +95,24 @@ def _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale,
     value a 16-bit cache would hold; the caller leaves the output unscaled). The fp32 step keeps
     Triton from moving V to P.V's operand layout as 8-bit codes, which it reads back from shared
     memory a byte at a time (ldmatrix transposes only 16-bit elements); the 16-bit tile goes
-    through ldmatrix as a bf16 cache's does."""
-    if KV_FP8:
+    through ldmatrix as a bf16 cache's does.
+    F16_DOT (with KV_FP8): q is fp16 with the score scale in it (``_f16_query``; ``qk_scale`` is
+    not used); k and v are widened to fp16, one conversion per two codes (E4M3 -> f16x2; bf16 takes
+    two more a value), and v is multiplied in fp16 by ``v_scale`` (``_f16_value_scale``'s u: a
+    value known only at run time, so that Triton does not move the 8-bit codes into P.V's operand
+    layout); the caller scales the output by the 2^e beside u."""
+    if KV_FP8 and F16_DOT:
+        k = k.to(tl.float16)
+        v = v.to(tl.float16) * v_scale
+    elif KV_FP8:
         k = k.to(q.dtype)
         if V_DEQUANT:
             v = (v.to(tl.float32) * v_scale).to(q.dtype)
         else:
             v = v.to(q.dtype)
-    s = dot(q, k, DOT_PRECISION, DOT_UPCAST) * qk_scale  # [GROUP_PAD, BLOCK_N]
+    s = dot(q, k, DOT_PRECISION, DOT_UPCAST)  # [GROUP_PAD, BLOCK_N]
+    if not (KV_FP8 and F16_DOT):
+        s = s * qk_scale
     s = tl.where(kv_valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)

@@ -1,13 +1,17 @@
 """Compile the decode attention over an FP8 cache for sm90 (no GPU needed) and check in its PTX
 how P.V's V operand leaves shared memory: with V_DEQUANT (V widened to 16 bits with its scale in
 the tile), by transposing ldmatrix and no byte-wide shared-memory load; without it, as 8-bit
-codes, a byte at a time (ldmatrix transposes only 16-bit elements). Run by
+codes, a byte at a time (ldmatrix transposes only 16-bit elements). With F16_DOT (MHA, one KV
+head a program: the wide-grid case) as well: V by transposing ldmatrix, every E4M3 pair widened
+by one cvt.rn.f16x2.e4m3x2 and nothing more (no conversion to bf16 or from fp16 to fp32 in the
+loop; P goes to fp16 from fp32), fp16 MMAs. Run by
 tests/kernels/test_fp8_kv_cache.py in a process of its own (the kernel tests run Triton in the
 interpreter).
 
     python3 tests/kernels/fp8_attention_ptx_check.py      (from the repository root)
 """
 
+import re
 import sys
 
 from pdl_ptx_check import _ptx
@@ -16,6 +20,19 @@ from tandem.kernels.decode_attention import _decode_partial_kernel
 
 FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 STRIDES = ("stride_k_block", "stride_k_slot", "stride_k_head", "stride_v_block", "stride_v_slot", "stride_v_head")
+
+
+def _loop(lines: list[str]) -> list[str]:
+    """The instructions of the basic block holding the most MMAs: the loop over the tiles."""
+    blocks, current = [], []
+    for line in lines:
+        if re.match(r"^\$L__BB\d+_\d+:", line):
+            blocks.append(current)
+            current = []
+        else:
+            current.append(line)
+    blocks.append(current)
+    return max(blocks, key=lambda block: sum(line.startswith("mma.") for line in block))
 
 
 def main() -> int:
@@ -31,6 +48,20 @@ def main() -> int:
             assert byte_reads == 0 and transposed > 0, "V_DEQUANT's V must leave shared memory by ldmatrix"
         else:
             assert byte_reads > 0, "the 8-bit V operand's reads changed: update docs/kernels.md and this check"
+    constexprs = dict(GROUP=1, GROUP_PAD=16, BLOCK_N=64, HEAD_DIM=128, HAS_WINDOW=False, DIRECT_OUT=False,
+                      DOT_PRECISION="tf32", DOT_UPCAST=False, HEADS_FIRST=True, KV_FP8=True, V_DEQUANT=True,
+                      IDS_REG=32, F16_DOT=True)
+    lines, _ = _ptx(_decode_partial_kernel, constexprs, divisible=STRIDES, pointers=FP8_CACHE)
+    loop = _loop(lines)
+    byte_reads = sum(line.startswith("ld.shared.b8") for line in lines)
+    transposed = sum(line.startswith("ldmatrix") and ".trans." in line for line in loop)
+    widened = sum(line.startswith("cvt.rn.f16x2.e4m3x2") for line in loop)
+    other_cvt = [line.split()[0] for line in loop if line.startswith(("cvt.bf16", "cvt.f32", "cvt.rn.bf16"))]
+    f16_mma = sum(line.startswith("mma.") and ".f16.f16." in line for line in loop)
+    print(f"F16_DOT: {byte_reads} byte-wide shared loads, {transposed} transposing ldmatrix, {widened} "
+          f"E4M3 pair conversions, conversions to bf16 or fp32 {sorted(set(other_cvt))}, {f16_mma} fp16 MMAs")
+    assert byte_reads == 0 and transposed > 0, "F16_DOT's V must leave shared memory by ldmatrix"
+    assert widened > 0 and not other_cvt and f16_mma > 0, "F16_DOT widens by cvt.rn.f16x2.e4m3x2 alone"
     print("ok: the FP8 cache's V operand reads")
     return 0
 

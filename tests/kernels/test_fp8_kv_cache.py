@@ -162,6 +162,45 @@ def test_decode_attention_with_v_widened_by_its_scale(dtype, num_splits):
     assert_close(out, expected, dtype, ATTN_SCALE[dtype])
 
 
+@pairwise({
+    "dtype": [torch.float16, torch.bfloat16],
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "num_splits": [1, 3],
+    "ids_in_registers": [False, True],
+})
+def test_decode_attention_with_fp16_products(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size,
+                                             num_splits, ids_in_registers):
+    """F16_DOT (a tuning form): q with the score scale in it, K and V widened to fp16, V times its
+    scale's mantissa in fp16; the reference's answer within q's dtype's rounding."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "F16_DOT", True)
+    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", ids_in_registers)
+    seq_lens = [1, 70, 33, 0, 130]
+    k_cache, v_cache, tables, k_scale, v_scale = _fp8_paged_kv(seq_lens, block_size, num_kv_heads, head_dim)
+    q = torch.randn(len(seq_lens), num_q_heads, head_dim, device=DEVICE).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5, None, k_scale, v_scale)
+    expected = _expected_decode(q, k_cache, v_cache, tables, lens, k_scale, v_scale, None)
+    assert_close(out, expected, dtype, ATTN_SCALE[dtype])
+
+
+@pytest.mark.parametrize("q_scale", [3e4, 1e-3])
+def test_fp16_products_take_a_q_beyond_fp16s_range(monkeypatch, q_scale):
+    """A bf16 q of 3e4 * N(0, 1) (past fp16's 65504 in places) or of 1e-3 * N(0, 1) (fp16's
+    subnormals after the scale): the score scale goes into q before fp16, so the answer is the
+    reference's (one-hot scores at 3e4, near-uniform at 1e-3)."""
+    monkeypatch.setattr(decode_module, "F16_DOT", True)
+    seq_lens = [70, 33]
+    k_cache, v_cache, tables, k_scale, v_scale = _fp8_paged_kv(seq_lens, 16, 2, 64)
+    q = (torch.randn(len(seq_lens), 4, 64, device=DEVICE) * q_scale).to(torch.bfloat16)
+    assert q.float().abs().max() > 65504 or q_scale < 1
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, tables, lens, 64**-0.5, None, k_scale, v_scale)
+    expected = _expected_decode(q, k_cache, v_cache, tables, lens, k_scale, v_scale, None)
+    assert out.isfinite().all()
+    assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
+
+
 def _new_token_inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, padded_row):
     """The caches hold every sequence's earlier tokens as codes; the new token's slot is NaN until written."""
     k_cache, v_cache, tables, k_scale, v_scale = _fp8_paged_kv(seq_lens, block_size, num_kv_heads, head_dim)
@@ -211,12 +250,15 @@ def _check_new_token(inputs, dtype, window):
     "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
     "num_splits": [1, 3],
     "prefetch": [False, True],
+    "f16_dot": [False, True],
 })
 def test_decode_new_token_writes_and_attends_codes(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim,
-                                                   block_size, num_splits, prefetch):
+                                                   block_size, num_splits, prefetch, f16_dot):
     """The fused rotary + KV write + attention: the new token's codes in its slot, and attended
-    as those codes (read back, or with PREFETCH put into the last tile from registers)."""
+    as those codes (read back, or with PREFETCH put into the last tile from registers), with the
+    products in q's dtype or (F16_DOT, a 16-bit q) in fp16."""
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "F16_DOT", f16_dot)
     monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
     monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
     inputs = _new_token_inputs([1, 70, 33, 130, 2], num_q_heads, num_kv_heads, head_dim, block_size, dtype,
@@ -323,10 +365,13 @@ def test_gpu_rotary_real_shapes(num_tokens, num_kv_heads):
 @pytest.mark.parametrize("batch, context, ids_in_registers", [(1, 256, None), (64, 256, None), (128, 416, None),
                                                              (8, 4096, None), (64, 256, True), (8, 1000, False)])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
-def test_gpu_decode_attention_real_shapes(batch, context, num_q_heads, num_kv_heads, ids_in_registers, monkeypatch):
+@pytest.mark.parametrize("f16_dot", [None, False, True])
+def test_gpu_decode_attention_real_shapes(batch, context, num_q_heads, num_kv_heads, ids_in_registers, f16_dot,
+                                          monkeypatch):
     """The shape rule's tiles (None: 64-token tiles, or 32 with the block ids in registers on
-    the wide grids) and each form forced."""
+    the wide grids) and each form forced, the products as the rule says (None) or forced."""
     monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", ids_in_registers)
+    monkeypatch.setattr(decode_module, "F16_DOT", f16_dot)
     lens = [context - 7 * i % 50 for i in range(batch)]
     k_cache, v_cache, tables, k_scale, v_scale = _fp8_paged_kv(lens, 16, num_kv_heads, 128, "cuda")
     q = torch.randn(batch, num_q_heads, 128, device="cuda", dtype=torch.bfloat16)
@@ -341,8 +386,10 @@ def test_gpu_decode_attention_real_shapes(batch, context, num_q_heads, num_kv_he
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("batch, context", [(1, 256), (8, 1000), (64, 256)])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
-def test_gpu_decode_new_token_real_shapes(batch, context, num_q_heads, num_kv_heads, prefetch, monkeypatch):
+@pytest.mark.parametrize("f16_dot", [False, True])
+def test_gpu_decode_new_token_real_shapes(batch, context, num_q_heads, num_kv_heads, prefetch, f16_dot, monkeypatch):
     monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
+    monkeypatch.setattr(decode_module, "F16_DOT", f16_dot)
     monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
     lens = [context - 7 * i % 50 for i in range(batch)]
     inputs = _new_token_inputs(lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16, padded_row=None)
@@ -374,5 +421,7 @@ def test_gpu_block_copy_fp8_pool():
 
 
 def test_v_dequant_reads_v_by_ldmatrix_in_the_sm90_ptx():
-    """fp8_attention_ptx_check.py compiles the FP8 cache forms for sm90 (outside the interpreter)."""
+    """fp8_attention_ptx_check.py compiles the FP8 cache forms for sm90 (outside the interpreter):
+    V_DEQUANT and F16_DOT read V by transposing ldmatrix, F16_DOT widens with one conversion per
+    two codes and multiplies on fp16 tensor cores."""
     assert "ok: the FP8 cache's V operand reads" in run_ptx_check("fp8_attention_ptx_check.py")
