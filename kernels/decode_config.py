@@ -74,16 +74,22 @@ WIDE_GRID = 1024
 WIDER_GRID = 4096
 
 
-# An FP8 cache (head_dim 128, FP8_MIN_GRID to WIDE_GRID programs): 4 warps, 2 stages, 128-token
-# tiles (twice the bf16 tile's tokens, as many bytes), 64-token tiles from FP8_SMALL_TILE_GRID
-# programs; V is widened with its scale in the tile (V_DEQUANT, every FP8 cache). One H200,
-# 2026-12-02, ``python3 -m tandem.bench.tune_fp8 --parts attention`` (llama3-8b, 54 settings at the
-# rule's splits; docs/kernels.md): 64 x 256 tokens 21.7 -> 17.1 us (bf16 cache: 23.0), 8 x 2048
-# 22.8 -> 19.9 (27.6). Other grids keep the bf16 rule's tile: at batch 1 (8 programs) the 128-token
-# tile made the llama3-8b step slower (tandem bench engine --kv-cache-dtype fp8: 4.146 -> 4.373 ms).
+# An FP8 cache (head_dim 128, from FP8_MIN_GRID programs): 4 warps, 2 stages, 128-token tiles (twice
+# the bf16 tile's tokens, as many bytes), 64-token tiles from FP8_SMALL_TILE_GRID programs, the block
+# ids in registers from WIDE_GRID; V is widened with its scale in the tile (V_DEQUANT, every FP8
+# cache) and, with a 16-bit q, the products run in fp16 (FP8_F16_DOT: one E4M3 -> f16x2 conversion
+# per two codes). One H200, 2026-12-02, ``python3 -m tandem.bench.tune_fp8 --parts attention``
+# (llama3-8b, 54 settings at the rule's splits): 64 x 256 tokens 21.7 -> 17.1 us, 8 x 2048 22.8 ->
+# 19.9. 2026-12-03 at de2551d, ``--attention-ids --attention-cases`` (48 settings each; fp8 rule
+# before -> this rule, bf16 cache): llama2-7b 128 x 384 (4096 programs) 179.1 -> 163.1 us (191.1),
+# 64 x 384 99.9 -> 87.0 (106.7); llama3-8b 128 x 256 (1024 programs) 41.4 -> 34.4 (38.8), 64 x 256
+# 17.1 -> 15.7 (23.4), 8 x 2048 20.0 -> 18.0 (27.6), 1 x 2048 8.6 -> 8.0 (8.3). The bf16 wide
+# rule's 32-token tile on 2 warps was 157.8 us at 4096 MHA programs but 43.7 at 1024 GQA ones.
+# Below FP8_MIN_GRID the bf16 rule's tile stays: at batch 1 (8 programs) the 128-token tile made the
+# llama3-8b step slower (tandem bench engine --kv-cache-dtype fp8: 4.146 -> 4.373 ms).
 FP8_MIN_GRID = 64
 FP8_SMALL_TILE_GRID = 512
-FP8_F16_DOT = False  # an FP8 cache's products in fp16 (kernels.decode_attention.F16_DOT)
+FP8_F16_DOT = True  # an FP8 cache's products in fp16 (kernels.decode_attention.F16_DOT)
 
 
 def _tile_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0,
@@ -92,8 +98,8 @@ def _tile_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0,
     ``num_programs``: num_seqs * num_kv_heads; ``kv_fp8``: the cache holds E4M3 codes."""
     if _TILE_OVERRIDE is not None:
         return (*_TILE_OVERRIDE, False)
-    if kv_fp8 and head_dim == 128 and FP8_MIN_GRID <= num_programs < WIDE_GRID:
-        return 64 if num_programs >= FP8_SMALL_TILE_GRID else 128, 4, 2, False
+    if kv_fp8 and head_dim == 128 and num_programs >= FP8_MIN_GRID:
+        return 64 if num_programs >= FP8_SMALL_TILE_GRID else 128, 4, 2, num_programs >= WIDE_GRID
     if dtype in (torch.bfloat16, torch.float16) and head_dim == 128 and num_programs >= WIDE_GRID:
         return 32, 2 if num_programs >= WIDER_GRID else 4, 3, True
     block_n = 32 if (dtype == torch.float32 and head_dim > 64) or head_dim > 128 else 64

@@ -23,11 +23,12 @@ gpu_env_bundle() {
       --implementation cp --platform "${GPU_PLATFORM:-manylinux_2_28_x86_64}" --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 -d "$DEPS/whl" "${spec}${version:+==$version}"
   done
-  # a real tokenizer for the guided-decoding benchmark (the default model's; its weights stay here)
-  tokenizer=$(python3 -c "from tandem.models import default_gguf_file; from tandem.cluster.tokenizer import gguf_tokenizer_dir; print(gguf_tokenizer_dir(str(default_gguf_file())))" | tail -n 1)
-  mkdir -p "$DEPS/tokenizers" && rm -rf "$DEPS/tokenizers/smollm2" && cp -r "$tokenizer" "$DEPS/tokenizers/smollm2"
   cp "$(readlink -f "$(command -v redis-server)")" "$DEPS/bin/redis-server"
   cp -L /lib/x86_64-linux-gnu/liblzf.so.1 /lib/x86_64-linux-gnu/libjemalloc.so.2 "$DEPS/lib/"
+  # a real tokenizer for the guided-decoding benchmark (the default model's; its weights stay here;
+  # needs the project installed here: pip install -e .)
+  tokenizer=$(python3 -c "from tandem.models import default_gguf_file; from tandem.cluster.tokenizer import gguf_tokenizer_dir; print(gguf_tokenizer_dir(str(default_gguf_file())))" | tail -n 1)
+  mkdir -p "$DEPS/tokenizers" && rm -rf "$DEPS/tokenizers/smollm2" && cp -r "$tokenizer" "$DEPS/tokenizers/smollm2"
   du -sh "$DEPS"
 }
 

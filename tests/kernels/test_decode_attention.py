@@ -114,6 +114,21 @@ def test_tile_rule_by_grid_width():
     assert rule(128, torch.float32, 4096) == (32, 4, 2, False)
 
 
+def test_tile_rule_of_an_fp8_cache():
+    """An FP8 cache (head_dim 128) from FP8_MIN_GRID programs: 4 warps, 2 stages, 128-token tiles,
+    64-token ones from FP8_SMALL_TILE_GRID, the block ids in registers from WIDE_GRID; below
+    FP8_MIN_GRID the 16-bit rule's tile; its products in fp16 by rule."""
+    rule = decode_config._tile_config
+    assert decode_config.FP8_F16_DOT is True
+    for dtype in (torch.bfloat16, torch.float16):
+        assert rule(128, dtype, 128 * 32, kv_fp8=True) == (64, 4, 2, True)  # llama2-7b batch 128
+        assert rule(128, dtype, 128 * 8, kv_fp8=True) == (64, 4, 2, True)  # llama3-8b batch 128
+        assert rule(128, dtype, 64 * 8, kv_fp8=True) == (64, 4, 2, False)  # llama3-8b batch 64
+        assert rule(128, dtype, 8 * 8, kv_fp8=True) == (128, 4, 2, False)  # llama3-8b batch 8
+        assert rule(128, dtype, 1 * 8, kv_fp8=True) == rule(128, dtype, 1 * 8)  # batch 1
+        assert rule(64, dtype, 256 * 8, kv_fp8=True) == rule(64, dtype, 256 * 8)  # head_dim 64: not measured
+
+
 def test_tile_override_is_checked(monkeypatch):
     monkeypatch.setenv("TANDEM_DECODE_TILE", "32,4,2")
     assert decode_config._tile_override() == (32, 4, 2)
