@@ -19,6 +19,7 @@ from tandem.launcher import free_port, service_argv, stop_all, wait_healthy
 pytestmark = pytest.mark.slow
 
 PASSWORD = "pw-7f3a9c1e5b"
+AMBIENT_REDIS_URL = os.environ.get("TANDEM_REDIS_URL")  # as this process was started
 
 
 @pytest.fixture(params=["redis", "rediss"])
@@ -55,7 +56,11 @@ def protected_redis(request, tmp_path):
 
 def test_a_cluster_on_a_password_protected_redis(tiny_llama, tmp_path, protected_redis, monkeypatch):
     port, url, client = protected_redis
-    monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)  # service_argv sets it; put back afterwards
+    # service_argv sets it in os.environ; setenv first so that monkeypatch records its state and
+    # puts it back afterwards (a delenv of an absent variable records nothing, and the URL of this
+    # test's stopped redis-server would be every later `tandem serve`'s --redis-url default)
+    monkeypatch.setenv("TANDEM_REDIS_URL", "")
+    monkeypatch.delenv("TANDEM_REDIS_URL")
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(url.replace(PASSWORD, "wrong")).set("tandem:probe", 1)  # the password is needed
     settings = Settings(model=tiny_llama, redis_url=url, port=free_port(), admin_port=free_port(),
@@ -81,3 +86,9 @@ def test_a_cluster_on_a_password_protected_redis(tiny_llama, tmp_path, protected
     finally:
         stop_all(procs)
     assert os.environ.get("TANDEM_REDIS_URL") == url  # how the children got it
+
+
+def test_the_password_test_leaves_no_redis_url_behind():
+    """Runs after the test above in the same process (same file): the URL it handed the children
+    is gone again."""
+    assert os.environ.get("TANDEM_REDIS_URL") == AMBIENT_REDIS_URL
