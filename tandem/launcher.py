@@ -161,6 +161,31 @@ def _check_free(settings: Settings) -> str | None:
     return None
 
 
+def _check_redis(url: str, wait_s: float = 10.0) -> str | None:
+    """Before starting anything: the Redis of --redis-url (or TANDEM_REDIS_URL) answers, with its
+    password (one starting beside us gets ``wait_s``); otherwise every worker would fail on it and
+    be restarted until the cluster gives up, with the reason only in their tracebacks."""
+    import redis
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+            try:
+                client.ping()
+            finally:
+                client.close()
+            return None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:  # AuthenticationError is a ConnectionError
+            retry, problem = not isinstance(exc, redis.AuthenticationError), exc
+        except (redis.RedisError, OSError, ValueError) as exc:  # a bad URL, a refused command
+            retry, problem = False, exc
+        if not retry or time.monotonic() >= deadline:
+            source = "TANDEM_REDIS_URL" if os.environ.get("TANDEM_REDIS_URL") == url else "--redis-url"
+            return f"cannot reach the Redis of {source} ({masked_url(url)}): {problem}"
+        time.sleep(0.25)
+
+
 def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace, signals: Signals) -> bool:
     """Start the workers (prefill first: on a shared GPU the decode workers then size their pools
     from the memory the prefill workers left free) and the gateway; False if told to stop meanwhile."""
@@ -253,6 +278,11 @@ def serve(args: argparse.Namespace) -> int:
                 print("tandem: redis-server did not start", file=sys.stderr)
                 return 1
             settings.redis_url = f"redis://127.0.0.1:{port}/0"
+        else:
+            problem = _check_redis(args.redis_url)
+            if problem:
+                print(f"tandem: {problem}", file=sys.stderr)
+                return 1
         if not _start(supervisor, settings, args, signals):
             if signals.is_set():
                 return 0  # told to stop while starting

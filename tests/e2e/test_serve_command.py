@@ -108,3 +108,18 @@ def test_sigterm_while_starting_stops_at_once(tiny_llama, tmp_path):
         assert not leftovers, f"children still running: {leftovers}"
     finally:
         _kill_all(proc, children)
+
+
+def test_an_unreachable_redis_url_is_refused_before_anything_starts(tiny_llama, tmp_path):
+    """TANDEM_REDIS_URL (a password in it) naming a Redis that is not there: `tandem serve` says
+    which setting and where, the password masked, and starts no child."""
+    dead_port = free_port()  # nothing listens on it
+    env = {**os.environ, "TANDEM_REDIS_URL": f"redis://:sekrit-9d1@127.0.0.1:{dead_port}/0"}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "tandem", "serve", "--model", tiny_llama, "--port", str(free_port()),
+                           "--admin-port", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot reach the Redis of TANDEM_REDIS_URL (redis://:***@127.0.0.1:{dead_port}/0)" in done.stderr
+    assert "sekrit" not in done.stderr + done.stdout
+    assert "starting prefill" not in done.stderr and "serving" not in done.stdout
+    assert time.monotonic() - started < 60  # the 10 s wait, not a worker's restarts
