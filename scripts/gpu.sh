@@ -59,7 +59,7 @@ case "${1:-}" in
       > "$OUT/mixed/run.log" 2>&1
     summary "$OUT/bench.log" "$OUT/mixed/run.log" ;;
   fp8)
-    timeout 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels/test_fp8_weights.py::test_gpu_quantize_rows_fp8_bit_for_bit tests/kernels/test_fp8_tensor_cores.py tests/kernels/test_fp8_kv_cache.py \
+    timeout 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels/test_fp8_weights.py::test_gpu_quantize_rows_fp8_bit_for_bit tests/kernels/test_fp8_tensor_cores.py tests/kernels/test_fp8_kv_cache.py tests/kernels/test_fp8_decode_attention.py \
       tests/engine/test_fp8_engine_gpu.py tests/gpu/test_gpu_fp8_llama3_8b.py tests/gpu/test_gpu_fp8_cluster.py \
       tests/gpu/test_gpu_fp8_kv_transfer.py -m gpu 2>&1 | tee "$OUT/fp8_tests.log" | tail -15
     timeout 300 python3 -m tandem.bench.engine --models llama3-8b --batches 1,64 --anchors '' --quantization fp8 \

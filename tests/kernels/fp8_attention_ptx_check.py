@@ -5,7 +5,7 @@ codes, a byte at a time (ldmatrix transposes only 16-bit elements). With F16_DOT
 head a program: the wide-grid case) as well: V by transposing ldmatrix, every E4M3 pair widened
 by one cvt.rn.f16x2.e4m3x2 and nothing more (no conversion to bf16 or from fp16 to fp32 in the
 loop; P goes to fp16 from fp32), fp16 MMAs. Run by
-tests/kernels/test_fp8_kv_cache.py in a process of its own (the kernel tests run Triton in the
+tests/kernels/test_fp8_decode_attention.py in a process of its own (the kernel tests run Triton in the
 interpreter).
 
     python3 tests/kernels/fp8_attention_ptx_check.py      (from the repository root)
