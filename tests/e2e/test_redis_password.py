@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import httpx
@@ -88,7 +89,37 @@ def test_a_cluster_on_a_password_protected_redis(tiny_llama, tmp_path, protected
     assert os.environ.get("TANDEM_REDIS_URL") == url  # how the children got it
 
 
+def test_serve_refuses_a_wrong_password_at_once(tiny_llama, protected_redis):
+    """`tandem serve` on that Redis with a wrong password: exit 1 before any worker starts, the
+    reason (the server's) printed and no password, right or wrong."""
+    port, url, _ = protected_redis
+    if url.startswith("rediss"):
+        pytest.skip("the password check is the same over TLS")
+    env = {**os.environ, "TANDEM_REDIS_URL": url.replace(PASSWORD, "wrong-4e2b")}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "tandem", "serve", "--model", tiny_llama, "--port", str(free_port()),
+                           "--admin-port", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot reach the Redis of TANDEM_REDIS_URL (redis://:***@127.0.0.1:{port}/0)" in done.stderr
+    assert "password" in done.stderr.lower() and "wrong-4e2b" not in done.stderr and PASSWORD not in done.stderr
+    assert "starting prefill" not in done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_a_wrong_password_is_not_retried(protected_redis):
+    """The launcher's check waits for a Redis that does not answer yet, not for a password that
+    will not get better: a wrong one is refused at once, the right one passes."""
+    from tandem.launcher import _check_redis
+
+    port, url, _ = protected_redis
+    started = time.monotonic()
+    problem = _check_redis(url.replace(PASSWORD, "wrong-4e2b"), wait_s=10.0)
+    assert problem is not None and "password" in problem.lower() and "wrong-4e2b" not in problem
+    assert time.monotonic() - started < 5
+    assert _check_redis(url, wait_s=10.0) is None
+
+
 def test_the_password_test_leaves_no_redis_url_behind():
-    """Runs after the test above in the same process (same file): the URL it handed the children
+    """Runs after the cluster test above in the same process (same file): the URL it handed the children
     is gone again."""
     assert os.environ.get("TANDEM_REDIS_URL") == AMBIENT_REDIS_URL
