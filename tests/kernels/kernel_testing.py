@@ -102,6 +102,28 @@ def make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device=DE
     return k_cache.to(device), v_cache.to(device), block_tables.to(device)
 
 
+
+def new_token_rows(seq_lens, tables, k_cache, v_cache, block_size, num_q_heads, head_dim, dtype, padded_row,
+                   device=DEVICE):
+    """One decode row per sequence for the new-token kernels: its position (the last of its
+    length), its cache slot (NaN in both caches until written; -1 for ``padded_row``, a CUDA-graph
+    padding row that reads what is there and writes nothing), and random q, k, v in ``dtype``.
+    Returns (q, k, v, positions, slots, lens)."""
+    num_kv_heads = k_cache.shape[-2]
+    n = len(seq_lens)
+    positions = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64, device=device)
+    slots = tables[torch.arange(n), positions // block_size].long() * block_size + positions % block_size
+    for row, slot in enumerate(slots.tolist()):
+        if row == padded_row:
+            slots[row] = -1
+        else:
+            k_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
+            v_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
+    q = torch.randn(n, num_q_heads, head_dim, device=device).to(dtype)
+    k = torch.randn(n, num_kv_heads, head_dim, device=device).to(dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, device=device).to(dtype)
+    return q, k, v, positions, slots, torch.tensor(seq_lens, dtype=torch.int32, device=device)
+
 def random_fp8(rows, K, scale=1.0, device=DEVICE) :
     """A random weight's FP8 form, rows of different magnitudes (so their scales differ)."""
     from tandem.kernels.fp8_weight import quantize_weight

@@ -3,7 +3,7 @@ references run one after the other (rotary_kv_write, then decode_attention)."""
 
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, pairwise, requires_cuda
+from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, new_token_rows, pairwise, requires_cuda
 
 from tandem.kernels import decode_attention as decode_module
 from tandem.kernels import reference
@@ -22,19 +22,8 @@ def _cos_sin(max_position, head_dim, device):
 def _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, padded_row):
     """The caches hold every sequence's earlier tokens; the new token's slot is NaN until written."""
     k_cache, v_cache, tables = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, DEVICE)
-    n = len(seq_lens)
-    positions = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64, device=DEVICE)
-    slots = tables[torch.arange(n), positions // block_size].long() * block_size + positions % block_size
-    for row, slot in enumerate(slots.tolist()):
-        if row == padded_row:
-            slots[row] = -1  # a CUDA-graph padding row: reads what is there, writes nothing
-        else:
-            k_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
-            v_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
-    q = torch.randn(n, num_q_heads, head_dim, device=DEVICE).to(dtype)
-    k = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    v = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q, k, v, positions, slots, lens = new_token_rows(seq_lens, tables, k_cache, v_cache, block_size, num_q_heads,
+                                                     head_dim, dtype, padded_row)
     return q, k, v, positions, _cos_sin(512, head_dim, DEVICE), k_cache, v_cache, slots, tables, lens
 
 

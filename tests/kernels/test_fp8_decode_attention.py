@@ -4,7 +4,7 @@ compiled on a GPU, every form (V_DEQUANT, F16_DOT, block ids in registers, split
 
 import pytest
 import torch
-from kernel_testing import DEVICE, assert_close, gpu, pairwise, poisoned, requires_cuda, run_ptx_check
+from kernel_testing import DEVICE, assert_close, gpu, new_token_rows, pairwise, poisoned, requires_cuda, run_ptx_check
 
 from tandem.kernels import decode_attention as decode_module
 from tandem.kernels import reference
@@ -109,19 +109,8 @@ def test_fp16_products_take_a_q_beyond_fp16s_range(monkeypatch, q_scale):
 def _new_token_inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, padded_row):
     """The caches hold every sequence's earlier tokens as codes; the new token's slot is NaN until written."""
     k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_kv(seq_lens, block_size, num_kv_heads, head_dim)
-    n = len(seq_lens)
-    positions = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64, device=DEVICE)
-    slots = tables[torch.arange(n), positions // block_size].long() * block_size + positions % block_size
-    for row, slot in enumerate(slots.tolist()):
-        if row == padded_row:
-            slots[row] = -1  # reads what is there, writes nothing
-        else:
-            k_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
-            v_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
-    q = torch.randn(n, num_q_heads, head_dim, device=DEVICE).to(dtype)
-    k = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    v = torch.randn(n, num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q, k, v, positions, slots, lens = new_token_rows(seq_lens, tables, k_cache, v_cache, block_size, num_q_heads,
+                                                     head_dim, dtype, padded_row)
     rotary = rotary_table(max(512, max(seq_lens)), head_dim)  # a row for every position written
     return q, k, v, positions, rotary, k_cache, v_cache, slots, tables, lens, k_scale, v_scale
 
