@@ -28,6 +28,7 @@ import torch
 
 from tandem.bench import cluster_timeline
 from tandem.bench.shapes import SHAPES, hf_config_dict
+from tandem.import_guard import python_argv
 
 
 def write_checkpoint(name: str, path: str) -> str:
@@ -84,7 +85,7 @@ def hf_continuous_batching(name: str) -> float:
 def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, serve_args: list[str],
                    client_processes: int = 1, input_len_range: str = "64:511", output_len: int = 256,
                    max_concurrency: int | None = None, max_batch_size: int = 128) -> dict:
-    serve_cmd = [sys.executable, "-m", "tandem", "serve", "--model", model_path, "--port", str(port),
+    serve_cmd = [*python_argv("-m", "tandem"), "serve", "--model", model_path, "--port", str(port),
                  "--max-batch-size", str(max_batch_size), "--max-num-tokens", "8192", "--max-seq-len", "1024",
                  "--max-input-len", "768", "--log-level", "info", *serve_args]
     log = open(os.path.join(out_dir, "cluster.log"), "w")
@@ -97,7 +98,7 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, s
             if "serving" in line or time.monotonic() > deadline:
                 break
         result_json = os.path.join(out_dir, "serve_result.json")
-        load_cmd = [sys.executable, "-m", "tandem.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
+        load_cmd = [*python_argv("-m", "tandem.bench.serve"), "--base-url", f"http://127.0.0.1:{port}",
                     "--num-prompts", str(num_prompts), "--input-len-range", input_len_range,
                     "--output-len", str(output_len), *(["--max-concurrency", str(max_concurrency)]
                                                        if max_concurrency else []),

@@ -30,13 +30,14 @@ import httpx
 from tandem.bench.datasets import synthetic_requests
 from tandem.bench.serve import BenchConfig, compute_metrics, fetch_model, run_benchmark
 from tandem.cluster.policies import CAPACITY_POLICY_NAMES
+from tandem.import_guard import python_argv
 from tandem.launcher import free_port, wait_healthy
 
 POLICIES = CAPACITY_POLICY_NAMES
 
 
 def serve_argv(args: argparse.Namespace, policy: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "tandem", "serve", "--model", args.model, "--port", str(port),
+    return [*python_argv("-m", "tandem"), "serve", "--model", args.model, "--port", str(port),
             "--device", "cpu", "--capacity-scheduler-policy", policy,
             "--max-tokens-in-paged-kv-cache", str(args.pool_tokens), "--tokens-per-block", "16",
             "--max-seq-len", str(args.max_seq_len), "--max-input-len", str(args.max_input_len),

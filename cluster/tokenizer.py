@@ -83,7 +83,7 @@ def auto_tokenizer_class(path: Path) -> str | None:
         return cached.read_text().strip() or None
     except OSError:
         pass
-    done = subprocess.run([sys.executable, "-m", "tandem.cluster.tokenizer", "--auto-class", str(path)],
+    done = subprocess.run([sys.executable, "-P", "-m", "tandem.cluster.tokenizer", "--auto-class", str(path)],
                           capture_output=True, text=True, timeout=600)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -109,7 +109,7 @@ def gguf_tokenizer_dir(gguf_path: str) -> str:
     out = _cache_root() / "gguf-tokenizers" / f"{Path(real).stem}-{key}"
     if not (out / "tokenizer.json").is_file():
         log.info("building the GGUF file's tokenizer", gguf=real, cache=str(out))
-        done = subprocess.run([sys.executable, "-m", "tandem.cluster.tokenizer", real, str(out)],
+        done = subprocess.run([sys.executable, "-P", "-m", "tandem.cluster.tokenizer", real, str(out)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]

@@ -21,6 +21,7 @@ they always match the installed protobuf runtime.
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
 import os
 import re
@@ -45,12 +46,32 @@ from tandem.gateway.router import ROLES, live_workers
 
 log = structlog.get_logger(__name__)
 
-PROTO = "gateway/admin.proto"
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if not any(os.path.isfile(os.path.join(entry or ".", PROTO)) for entry in sys.path):
-    # grpc resolves the .proto against sys.path; an editable install reaches our packages
-    # through an import hook instead, so the directory above them goes at the end
-    sys.path.append(_ROOT)
+PROTO = "tandem/gateway/admin.proto"  # its import path: the stubs are tandem.gateway.admin_pb2(_grpc)
+
+
+def _put_proto_on_path() -> None:
+    """grpc finds the .proto through sys.path, as PROTO under one of its entries. An installed
+    tandem has it there (site-packages); an editable install maps tandem.gateway onto the
+    checkout's gateway/ folder through an import hook, so a directory holding only a copy of
+    the file at PROTO goes at the end of sys.path. (Never the checkout root: its folders would
+    be found as top-level packages, tandem.import_guard.)"""
+    if any(isinstance(entry, str) and os.path.isfile(os.path.join(entry or ".", PROTO)) for entry in sys.path):
+        return
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "admin.proto"), "rb") as f:
+        data = f.read()
+    cache = os.environ.get("TANDEM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+    root = os.path.join(cache, "protos", hashlib.sha256(data).hexdigest()[:16])
+    target = os.path.join(root, PROTO)
+    if not os.path.isfile(target):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = f"{target}.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)  # whole or not at all: services start side by side
+    sys.path.append(root)
+
+
+_put_proto_on_path()
 pb, pb_grpc = grpc.protos_and_services(PROTO)
 
 _CAPACITY = pb.CapacitySchedulerPolicy

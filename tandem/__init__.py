@@ -16,4 +16,8 @@ setuptools' package-dir mapping, see pyproject.toml):
 Each layer imports only the layers below it (tests/unit/test_layers.py holds it).
 """
 
+from tandem import import_guard
+
+import_guard.install()  # before anything of tandem runs: the checkout's folders are never top-level modules
+
 __version__ = "0.1.0"

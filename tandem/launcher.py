@@ -28,6 +28,7 @@ import time
 import urllib.request
 
 from tandem.cluster.settings import Settings
+from tandem.import_guard import python_argv
 from tandem.models import resolve_model
 from tandem.placement import count_gpus, plan
 from tandem.redis_server import RedisServer, free_port, private_dir, redis_argv, wait_redis
@@ -68,7 +69,7 @@ def service_argv(role: str, settings: Settings, worker_id: str | None = None) ->
 
     # field -> the variable its flag defaults to; a Redis URL is a secret when it holds a password
     secrets = {"admin_token": "TANDEM_ADMIN_TOKEN", "api_keys": "TANDEM_API_KEY", "redis_url": "TANDEM_REDIS_URL"}
-    argv = [sys.executable, "-m", "tandem", role]
+    argv = python_argv("-m", "tandem", role)
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
         if field.name in secrets:

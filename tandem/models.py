@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from tandem.cluster.settings import Settings, SettingsError
+from tandem.import_guard import python_argv
 
 DEMO = "demo"
 DEFAULT_MODEL = Settings.model  # "SmolLM2-135M-Instruct"
@@ -35,7 +36,7 @@ def demo_model_path() -> str:
     root = cache_root() / "demo-llama"
     if not (root / "config.json").is_file():
         # built in a child so the launcher itself never imports torch
-        subprocess.run([sys.executable, "-m", "tandem", "demo-model", str(root)], check=True,
+        subprocess.run(python_argv("-m", "tandem", "demo-model", str(root)), check=True,
                        stdout=subprocess.DEVNULL)
     return str(root)
 

@@ -6,7 +6,14 @@ The suite runs in pytest-xdist workers (pyproject's addopts: at most two, a file
 tests in one worker). Each worker gets its share of the cores for torch's threads,
 and the processes its tests start (workers of a local cluster) inherit that bound
 through OMP_NUM_THREADS: a CPU test's threads otherwise spin against the other
-worker's and its cluster's."""
+worker's and its cluster's.
+
+tandem is imported first: pytest puts the repository root on sys.path (to import tests/),
+and tandem's import guard keeps the root's folders (kernels/, engine/, ...) from being
+found as top-level modules by what the tests import (transformers imports the PyPI
+package `kernels`)."""
+
+import tandem  # noqa: F401  (first: tandem.import_guard)
 
 import os
 

@@ -58,10 +58,10 @@ def test_compose_prepares_the_default_model_the_cli_serves(tmp_path):
     # the default model resolved once in the `model` service is the one every service's CLI defaults to
     assert build_parser().parse_args(["decode"]).model == Settings().model
     model = load_yaml(COMPOSE)["services"]["model"]
-    assert model["entrypoint"][:2] == ["python3", "-c"]
+    assert model["entrypoint"][:3] == ["python3", "-P", "-c"]  # -P: the working directory is not on its path
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
-    out = subprocess.run([sys.executable, "-c", model["entrypoint"][2]], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-P", "-c", model["entrypoint"][3]], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "TANDEM_MODEL": str(checkpoint)}, check=True)
     assert out.stdout.strip() == str(checkpoint)
 
