@@ -1,5 +1,6 @@
 """The installed layout: one `tandem` namespace over the repository's folders."""
 
+import os
 import re
 import subprocess
 import sys
@@ -32,9 +33,24 @@ def test_the_image_copies_every_package_folder():
 
 
 def test_transformers_does_not_take_a_package_of_ours_for_the_hub_kernels_one():
+    """transformers finds the PyPI package ``kernels`` where it is installed (transformers 5.25
+    requires it), never the checkout's kernels/ folder (tandem.import_guard)."""
+    import importlib.metadata
+    import importlib.util
+
     from transformers.utils import import_utils
 
-    assert not import_utils.is_kernels_available()
+    try:
+        importlib.metadata.distribution("kernels")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    spec = importlib.util.find_spec("kernels")
+    assert (spec is not None) == installed
+    if spec is not None:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert not os.path.realpath(spec.origin).startswith(os.path.realpath(root) + os.sep), spec.origin
+        assert import_utils.is_kernels_available()
 
 
 def test_gateway_and_schedulers_do_not_import_torch():

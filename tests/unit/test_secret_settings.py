@@ -25,7 +25,7 @@ def _child_settings(argv: list[str]) -> Settings:
     """What the child process started with ``argv`` parses (its flags read the environment now)."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return Settings.from_args(parser.parse_args(argv[4:]))  # after: python -m tandem <role>
+    return Settings.from_args(parser.parse_args(argv[5:]))  # after: python -P -m tandem <role>
 
 
 def test_the_admin_token_goes_to_the_child_through_the_environment(clean_env):
