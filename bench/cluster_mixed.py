@@ -27,6 +27,7 @@ import time
 import torch
 
 from tandem.bench import cluster_timeline
+from tandem.bench import throughput as bench_throughput
 from tandem.bench.shapes import SHAPES, hf_config_dict
 from tandem.import_guard import python_argv
 
@@ -39,6 +40,14 @@ def write_checkpoint(name: str, path: str) -> str:
     os.makedirs(path, exist_ok=True)
     shape = SHAPES[name]
     config = {**hf_config_dict(name), "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+    try:  # written by an earlier run of the same shape (the weights are seeded): kept
+        with open(os.path.join(path, "config.json")) as f:
+            if json.load(f) == config and os.path.isfile(os.path.join(path, "tokenizer.json")):
+                return path
+    except (OSError, ValueError):
+        pass
+    if os.path.exists(os.path.join(path, "tokenizer.json")):  # written last: a whole checkout has it
+        os.remove(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -82,12 +91,30 @@ def hf_continuous_batching(name: str) -> float:
         torch.cuda.empty_cache()
 
 
+def sequence_limits(input_len_range: str, output_len: int, block: int = 16) -> tuple[int, int]:
+    """(--max-input-len, --max-seq-len) that the workload needs: its longest prompt, and that
+    plus its output, in whole blocks (at least the 768 / 1024 the mixed workload always ran with)."""
+    longest = max(int(x) for x in input_len_range.split(":"))
+    max_seq_len = -(-(longest + output_len) // block) * block
+    return max(768, longest), max(1024, max_seq_len)
+
+
+def dtypes(serve_args: list[str]) -> tuple[str, str]:
+    """(weights, KV cache) as the serve flags choose them."""
+    def flag(name, default):
+        return serve_args[serve_args.index(name) + 1] if name in serve_args[:-1] else default
+    return ("fp8" if flag("--quantization", None) == "fp8" else "bf16",
+            "fp8" if flag("--kv-cache-dtype", "auto") == "fp8" else "bf16")
+
+
 def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, serve_args: list[str],
                    client_processes: int = 1, input_len_range: str = "64:511", output_len: int = 256,
                    max_concurrency: int | None = None, max_batch_size: int = 128) -> dict:
+    max_input_len, max_seq_len = sequence_limits(input_len_range, output_len)
     serve_cmd = [*python_argv("-m", "tandem"), "serve", "--model", model_path, "--port", str(port),
-                 "--max-batch-size", str(max_batch_size), "--max-num-tokens", "8192", "--max-seq-len", "1024",
-                 "--max-input-len", "768", "--log-level", "info", *serve_args]
+                 "--max-batch-size", str(max_batch_size), "--max-num-tokens", "8192",
+                 "--max-seq-len", str(max_seq_len), "--max-input-len", str(max_input_len),
+                 "--log-level", "info", *serve_args]
     log = open(os.path.join(out_dir, "cluster.log"), "w")
     cluster = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
                                env={**os.environ, "TANDEM_STATS_INTERVAL_S": "0.25"})  # bench.cluster_timeline
@@ -142,13 +169,15 @@ def main() -> int:
     metrics = result.get("metrics", result)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, indent=1))
     tok_s = metrics.get("output_throughput")
-    rows = [dict(workload=args.label, model=name, metric="out_tok_per_s", value=tok_s, anchor=None,
-                 anchor_value=None, ratio=None)]
+    dtype, kv_dtype = dtypes(args.serve_args.split())
+    common = dict(workload=args.label, model=name, dtype=dtype, kv_dtype=kv_dtype,
+                  refused=bench_throughput.refused(metrics))
+    rows = [dict(common, metric="out_tok_per_s", value=tok_s, anchor=None, anchor_value=None, ratio=None)]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         stats = metrics.get(key) or {}
         for pct in ("p50", "p99"):
             if pct in stats:
-                rows.append(dict(workload=args.label, model=name, metric=f"{key}_{pct}", value=stats[pct],
+                rows.append(dict(common, metric=f"{key}_{pct}", value=stats[pct],
                                  anchor=None, anchor_value=None, ratio=None))
 
     with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "cluster.log")) as f:

@@ -71,8 +71,8 @@ class Settings:
     decode_batch_wait_ms: float = 200.0  # decode sharing its GPU with prefill: longest hold for joiners
     decode_run_ahead: str = "auto"  # launch step N+1 before step N's tokens are read: auto (CUDA), on, off
     request_timeout_s: float = 600.0
-    max_queue_len: int = 1024  # gateway: requests waiting for room on a decode worker, then 429
-    queue_timeout_s: float = 60.0  # gateway: longest wait for room, then 429
+    max_queue_len: int | None = None  # gateway: requests waiting for room on a decode worker, then 429 (None: no bound)
+    queue_timeout_s: float | None = None  # gateway: longest wait for room, then 429 (None: no bound)
     stream_retention_s: float = 300.0  # gateway: how long a resumable stream's events stay after its last one
     shutdown_timeout_s: float = 30.0  # gateway: on SIGTERM, how long in-flight streams may run on
     failover_wait_s: float = 60.0  # gateway: how long a request whose decode worker died waits for another
@@ -127,8 +127,10 @@ class Settings:
         _check(self.shutdown_timeout_s >= 0, f"--shutdown-timeout-s must be >= 0, got {self.shutdown_timeout_s}")
         _check(self.decode_run_ahead in RUN_AHEAD_MODES,
                f"--decode-run-ahead must be one of {RUN_AHEAD_MODES}, got {self.decode_run_ahead!r}")
-        _check(self.max_queue_len >= 0, f"--max-queue-len must be >= 0, got {self.max_queue_len}")
-        _check(self.queue_timeout_s >= 0, f"--queue-timeout-s must be >= 0, got {self.queue_timeout_s}")
+        _check(self.max_queue_len is None or self.max_queue_len >= 0,
+               f"--max-queue-len must be >= 0, got {self.max_queue_len}")
+        _check(self.queue_timeout_s is None or self.queue_timeout_s >= 0,
+               f"--queue-timeout-s must be >= 0, got {self.queue_timeout_s}")
         _check(self.stream_retention_s > 0, f"--stream-retention-s must be > 0, got {self.stream_retention_s}")
         _check(self.capacity_scheduler_policy in CAPACITY_POLICY_NAMES,
                f"--capacity-scheduler-policy must be one of {CAPACITY_POLICY_NAMES}")
@@ -362,11 +364,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
                "prefer TANDEM_API_KEY (comma-separated): a flag shows in ps")
         a("--metrics-require-auth", nargs="?", const=True, default=d.metrics_require_auth, type=_parse_bool,
           help="/metrics needs an API key too (/health never does)")
-        a("--request-timeout-s", type=float, default=d.request_timeout_s)
+        a("--request-timeout-s", type=float, default=d.request_timeout_s,
+          help="longest a request runs once admitted (its wait for room is --queue-timeout-s's)")
         a("--max-queue-len", type=int, default=d.max_queue_len,
-          help="requests the gateway holds while no decode worker has room; more get 429")
+          help="requests the gateway holds while no decode worker has room; more get 429 with Retry-After "
+               "(default: no bound, every request waits its turn; 0: none held)")
         a("--queue-timeout-s", type=float, default=d.queue_timeout_s,
-          help="longest a request waits in the gateway for room before it gets 429")
+          help="longest a request waits in the gateway for room before it gets 429 (default: no bound)")
         a("--stream-retention-s", type=float, default=d.stream_retention_s,
           help="how long a resumable stream's events stay in Redis after its last event, for "
                "GET /v1/streams/<id> on any gateway")

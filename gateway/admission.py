@@ -1,16 +1,19 @@
-"""Waiting for room: requests no decode worker can take now queue here, bounded in length and time.
+"""Waiting for room: requests no decode worker can take now queue here, in order, until one can.
 
     arrive --a worker takes it, nobody queued--> ADMITTED
-       |--queue holds max_queue_len already--> REJECTED (429, code queue_full)
+       |--an operator's max_queue_len is reached--> REJECTED (429, code queue_full)
        +--> QUEUED --at the head, a worker takes it--> ADMITTED
-                 +--waited queue_timeout_s--> REJECTED (429, code queue_timeout)
+                 +--an operator's queue_timeout_s passed--> REJECTED (429, code queue_timeout)
 
-The queue is ordered by (priority, arrival) like the workers' own queues. Only
-its head asks Redis (``Router.reserve``, every ``poll_s``), so requests are
-admitted in order and a waiting crowd costs one Redis call per poll. A waiter
-that is cancelled, or whose ``client_gone`` says its client went away (asked
-every ``CLIENT_CHECK_S``: ClientDisconnected), just leaves the queue. With no
-decode worker alive at all, ``NoWorkerAvailable`` (503) is raised at once instead.
+By default the queue has neither bound: an offline batch sent at once is served whole, each
+request when memory frees up, as in vLLM; refusal is an operator's explicit choice
+(``--max-queue-len``, ``--queue-timeout-s``). The queue is ordered by (priority, arrival) like
+the workers' own queues. Only its head asks Redis (``Router.reserve``, every ``poll_s``), so
+requests are admitted in order and a waiting crowd costs one Redis call per poll and nothing
+in Redis; the others sleep on their own event, set when they reach the head, and wake every
+``QUEUED_CHECK_S`` only to ask whether their client went away (``client_gone``:
+ClientDisconnected) or their deadline passed. With no decode worker alive at all,
+``NoWorkerAvailable`` (503) is raised at once instead.
 """
 
 from __future__ import annotations
@@ -25,18 +28,35 @@ from tandem.cluster.messages import WorkerInfo
 from tandem.gateway.errors import ClientDisconnected, RequestTimeout, ServerBusy
 from tandem.gateway.router import Router
 
-POLL_S = 0.01
-CLIENT_CHECK_S = 0.1  # how often a waiter asks whether its client is still there
+POLL_S = 0.01  # the head's retry interval
+CLIENT_CHECK_S = 0.1  # how often the head asks whether its client is still there
+QUEUED_CHECK_S = 1.0  # how often a waiter behind the head does (and looks at its deadlines)
 RESUMED_FIRST = 1 << 60  # subtracted from a resumed request's arrival number: ahead of new ones, FIFO among themselves
 
 
+class _Ticket:
+    """A place in the queue: its order key and the event that says it reached the head."""
+
+    __slots__ = ("key", "turn")
+
+    def __init__(self, key: tuple[int, int]):
+        self.key = key
+        self.turn = asyncio.Event()
+
+    def __lt__(self, other: _Ticket) -> bool:
+        return self.key < other.key
+
+
 class AdmissionQueue:
-    def __init__(self, router: Router, *, max_queue_len: int, queue_timeout_s: float, poll_s: float = POLL_S):
+    def __init__(self, router: Router, *, max_queue_len: int | None = None, queue_timeout_s: float | None = None,
+                 poll_s: float = POLL_S):
+        """``max_queue_len``: requests held at most (0: none, refused at once when no worker has
+        room; None: no bound); ``queue_timeout_s``: longest wait (None: no bound)."""
         self.router = router
         self.max_queue_len = max_queue_len
         self.queue_timeout_s = queue_timeout_s
         self.poll_s = poll_s
-        self._waiting: list[tuple[int, int]] = []  # (priority, arrival number), sorted
+        self._waiting: list[_Ticket] = []  # sorted by (priority, arrival number)
         self._arrivals = itertools.count()
 
     @property
@@ -58,31 +78,45 @@ class AdmissionQueue:
             worker = await self.router.reserve(*reserve)
             if worker is not None:
                 return worker
-        if len(self._waiting) >= self.max_queue_len and not resumed:
+        if self.max_queue_len is not None and len(self._waiting) >= self.max_queue_len and not resumed:
             raise ServerBusy(f"all decode workers are full and {len(self._waiting)} requests are queued; "
                              "retry later", code="queue_full")
-        ticket = (priority, next(self._arrivals) - (RESUMED_FIRST if resumed else 0))
+        ticket = _Ticket((priority, next(self._arrivals) - (RESUMED_FIRST if resumed else 0)))
         bisect.insort(self._waiting, ticket)
-        queue_deadline = time.monotonic() + self.queue_timeout_s
+        self._waiting[0].turn.set()  # a ticket that went ahead of the head is the head now
+        now = time.monotonic()
+        queue_deadline = float("inf") if self.queue_timeout_s is None else now + self.queue_timeout_s
         request_deadline = float("inf") if deadline is None else deadline
-        next_client_check = time.monotonic() + CLIENT_CHECK_S
+        next_client_check = now + CLIENT_CHECK_S
         try:
             while True:
-                if self._waiting[0] == ticket:
+                head = self._waiting[0] is ticket
+                if head:
                     worker = await self.router.reserve(*reserve)
                     if worker is not None:
                         return worker
+                else:
+                    ticket.turn.clear()
                 now = time.monotonic()
                 if client_gone is not None and now >= next_client_check:
                     if await client_gone():
                         raise ClientDisconnected("client disconnected while queued")
-                    next_client_check = now + CLIENT_CHECK_S
+                    next_client_check = now + (CLIENT_CHECK_S if head else QUEUED_CHECK_S)
                 if now >= request_deadline:
                     raise RequestTimeout("request timed out waiting for room on a decode worker")
-                remaining_s = min(queue_deadline, request_deadline) - now
                 if queue_deadline <= now:
                     raise ServerBusy(f"no decode worker had room within {self.queue_timeout_s:g} s; retry later",
                                      code="queue_timeout")
-                await asyncio.sleep(min(self.poll_s, remaining_s))
+                wake_s = min(min(queue_deadline, request_deadline) - now, next_client_check - now)
+                if head:
+                    await asyncio.sleep(max(0.0, min(self.poll_s, wake_s)))
+                elif self._waiting[0] is not ticket:  # (the head may have left during the client check)
+                    try:
+                        async with asyncio.timeout(max(0.0, min(QUEUED_CHECK_S, wake_s))):
+                            await ticket.turn.wait()
+                    except TimeoutError:
+                        pass
         finally:
             self._waiting.remove(ticket)
+            if self._waiting:
+                self._waiting[0].turn.set()

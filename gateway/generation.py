@@ -88,8 +88,9 @@ class Generation:
     def __init__(self, request_id: str, inp: GenerationInput, worker: WorkerInfo, *, backend: Backend,
                  mux: OutputMux, metrics: GatewayMetrics, text: TextStream, timeout_s: float,
                  arrived_at: float | None = None, wire_seq: int = 0):
-        """``arrived_at`` (monotonic): when the request reached the gateway; TTFT, E2E and the
-        deadline (``timeout_s`` later) count from it. ``wire_seq`` > 0: the first wire id is
+        """``arrived_at`` (monotonic): when the request reached the gateway; TTFT and E2E count
+        from it. The deadline is ``timeout_s`` after now, the request's admission (the wait for
+        room is the admission queue's to bound). ``wire_seq`` > 0: the first wire id is
         ``<request_id>.<wire_seq>`` (a request continued from another gateway's, whose wire ids
         are not to be reused)."""
         self._backend = backend
@@ -108,7 +109,7 @@ class Generation:
         self.status = Status.SUBMITTED
         self.num_cached_tokens = 0
         self._started_at = time.monotonic() if arrived_at is None else arrived_at
-        self._deadline = self._started_at + timeout_s
+        self._deadline = time.monotonic() + timeout_s
         self._first_token_at: float | None = None
         self._worker_done = False  # the worker sent its last event: nothing to abort
         self._abort_reason = "client disconnected"

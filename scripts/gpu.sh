@@ -17,6 +17,8 @@
 #   bash scripts/gpu.sh fp8-serve the mixed workload in bf16 and FP8, then 256 streams of 128/128 in FP8
 #   bash scripts/gpu.sh fp8-tune  the FP8 weight kernels' GPU tests, then tandem.bench.tune_fp8's GEMV and
 #                                 attention sweeps -> $OUT/tune_fp8.json (the rules' data)
+#   bash scripts/gpu.sh offline   llama3-8b through tandem serve: 3,072 requests of 128/128 sent at once in
+#                                 FP8 and bf16, 256 streams of 128/128 (OFFLINE_RUNS=long: 1,000 of 1000/1000)
 set -o pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh || exit 1
@@ -83,5 +85,24 @@ case "${1:-}" in
     timeout 420 python3 -m tandem.bench.tune_fp8 --parts gemv,attention --out "$OUT/tune_fp8.json" 2>&1 \
       | tee "$OUT/tune_fp8.log" | grep -E "^(gemv|==|attention)"
     summary "$OUT/fp8_weight_tests.log" ;;
+  offline)  # TensorRT-LLM's offline shapes and 256 streams, llama3-8b, through tandem serve
+    # OFFLINE_RUNS picks among fp8, bf16, c256 and long (1000/1000, 1,000 requests); default the first three
+    ckpt=/tmp/tandem-bench-llama3-8b
+    for run in ${OFFLINE_RUNS:-fp8 bf16 c256}; do
+      case $run in
+        fp8) args=(--num-prompts 3072 --input-len-range 128:128 --output-len 128 --max-batch-size 1024
+                   --serve-args "--quantization fp8 --kv-cache-dtype fp8" --label offline_128_128_3072) ;;
+        bf16) args=(--num-prompts 3072 --input-len-range 128:128 --output-len 128 --max-batch-size 1024
+                    --label offline_128_128_3072) ;;
+        c256) args=(--num-prompts 1024 --input-len-range 128:128 --output-len 128 --max-concurrency 256
+                    --max-batch-size 256 --serve-args "--quantization fp8 --kv-cache-dtype fp8" --label serve_c256_128_128) ;;
+        long) args=(--num-prompts 1000 --input-len-range 1000:1000 --output-len 1000 --max-batch-size 1024
+                    --serve-args "--quantization fp8 --kv-cache-dtype fp8" --label offline_1000_1000_1000) ;;
+      esac
+      mkdir -p "$OUT/$run"
+      timeout "${OFFLINE_TIMEOUT:-240}" python3 -m tandem.bench.cluster_mixed --skip-hf --model-shape llama3-8b \
+        --checkpoint "$ckpt" --client-processes 4 "${args[@]}" --out "$OUT/$run/result.json" > "$OUT/$run/run.log" 2>&1
+      echo "== $run (exit $?)"; grep -E "out_tok_per_s|refused|ttft_ms_p50|tpot_ms_p50|tpot_ms_p99|ttft_ms_p99" "$OUT/$run/run.log" | cut -c1-220 | tail -8
+    done ;;
   *) sed -n 2,20p "$0" >&2; exit 2 ;;
 esac

@@ -9,6 +9,7 @@
     tandem admin ...         the gRPC admin API: workers, policies, drain, cancel
     tandem status            the cluster's workers, load and restarts at a glance
     tandem bench serve ...   streaming load client against an OpenAI-compatible URL
+    tandem bench throughput  offline: N requests sent at once against a running cluster
     tandem bench engine ...  engine workloads vs ceilings and HF anchors (GPU)
     tandem bench grammar     structured-output engines: setup and per-step mask time
 """
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.bench import serve as bench_serve
 
     bench_serve.add_arguments(bench_sub.add_parser("serve", help="streaming load client (like vllm bench serve)"))
+    from tandem.bench import throughput as bench_throughput
+
+    bench_throughput.add_arguments(bench_sub.add_parser(
+        "throughput", help="offline: N requests sent at once (like trtllm-bench / vllm bench throughput)"))
     from tandem.bench import grammar as bench_grammar
 
     bench_grammar.add_arguments(bench_sub.add_parser("grammar", help="structured-output engines: setup and mask time"))
@@ -115,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             from tandem.bench import engine as bench_engine
 
             return bench_engine.main(args)
+        if args.command == "bench" and args.bench_command == "throughput":
+            from tandem.bench import throughput as bench_throughput
+
+            return bench_throughput.main(args)
         if args.command == "bench":
             from tandem.bench import serve as bench_serve
 

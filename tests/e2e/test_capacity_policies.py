@@ -153,3 +153,34 @@ def test_second_gateway_without_a_queue_answers_429(small_pool):
         assert_nothing_held(small_pool)
         assert http.post(busy_url + "/v1/completions", json=body).status_code == 200
     assert_nothing_held(small_pool)
+
+
+OFFLINE_REQUESTS = 2000
+OFFLINE_MAX_TOKENS = 4
+
+
+def test_an_offline_batch_far_past_the_pool_is_served_whole(small_pool, expected):
+    """2,000 requests sent at once to a gateway with the default queue (no bound) while the
+    96-token pool holds about 8 of them: every one is served, in HF's greedy output, none is
+    refused, and afterwards the pool, the reservations and the queue hold nothing."""
+    set_policy(small_pool, "GUARANTEED_NO_EVICT")
+    model = small_pool.settings.model_name
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(OFFLINE_REQUESTS)]
+
+    async def run() -> list[httpx.Response]:
+        async def one(client, prompt):
+            body = {"model": model, "prompt": prompt, "max_tokens": OFFLINE_MAX_TOKENS, "temperature": 0,
+                    "return_token_ids": True}
+            return await client.post("/v1/completions", json=body)
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=small_pool.base_url, timeout=600, limits=limits) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    responses = asyncio.run(run())
+    statuses = sorted({r.status_code for r in responses})
+    assert statuses == [200], [r.text for r in responses if r.status_code != 200][:3]
+    for prompt, response in zip(prompts, responses):
+        assert response.json()["choices"][0]["token_ids"] == expected[prompt][:OFFLINE_MAX_TOKENS], prompt
+    assert_nothing_held(small_pool)
+    assert "tandem_gateway_requests_queued 0.0" in httpx.get(small_pool.base_url + "/metrics").text
