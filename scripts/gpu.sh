@@ -100,9 +100,17 @@ case "${1:-}" in
                     --serve-args "--quantization fp8 --kv-cache-dtype fp8" --label offline_1000_1000_1000) ;;
       esac
       mkdir -p "$OUT/$run"
+      # each process's CPU share every 2 s (the gateway, the workers, the load clients)
+      top -b -d 2 -c -w 180 | grep --line-buffered -E "^top -|tandem|bench" > "$OUT/$run/top.log" &
+      sampler=$!
       timeout "${OFFLINE_TIMEOUT:-240}" python3 -m tandem.bench.cluster_mixed --skip-hf --model-shape llama3-8b \
-        --checkpoint "$ckpt" --client-processes 4 "${args[@]}" --out "$OUT/$run/result.json" > "$OUT/$run/run.log" 2>&1
-      echo "== $run (exit $?)"; grep -E "out_tok_per_s|refused|ttft_ms_p50|tpot_ms_p50|tpot_ms_p99|ttft_ms_p99" "$OUT/$run/run.log" | cut -c1-220 | tail -8
+        --checkpoint "$ckpt" --client-processes "${CLIENTS:-4}" "${args[@]}" --out "$OUT/$run/result.json" \
+        > "$OUT/$run/run.log" 2>&1
+      status=$?
+      kill $sampler 2>/dev/null
+      rm -f "$OUT/$run/serve_result.json"  # also inside result.json
+      echo "== $run (exit $status)"
+      python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['serve']['metrics']; print({k: m.get(k) for k in ('completed','failed','output_throughput','duration')})" "$OUT/$run/result.json"
     done ;;
   *) sed -n 2,20p "$0" >&2; exit 2 ;;
 esac
