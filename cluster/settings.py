@@ -23,6 +23,7 @@ from tandem.cluster.quantization import QUANTIZATIONS, checkpoint_fp8
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("auto", "console", "json")
 RUN_AHEAD_MODES = ("auto", "on", "off")
+POOLS = ("auto", "colocated", "separate")  # tandem serve: one worker running both pools, or two pools
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: E4M3 codes with per-layer, per-head scales
 CPU_DEFAULT_KV_TOKENS = 16384
 
@@ -62,6 +63,7 @@ class Settings:
     max_seq_len: int | None = None
     max_input_len: int | None = None
     kv_transport: str = "auto"  # auto: cuda_ipc on a GPU, shm on the CPU
+    pools: str = "auto"  # tandem serve: auto (colocated when the pools would share a device), colocated, separate
     capacity_scheduler_policy: str = GUARANTEED_NO_EVICT
     context_chunking_policy: str = FIRST_COME_FIRST_SERVED
     worker_id: str | None = None
@@ -125,6 +127,7 @@ class Settings:
         _check(self.decode_batch_wait_ms >= 0, f"--decode-batch-wait-ms must be >= 0, got {self.decode_batch_wait_ms}")
         _check(self.failover_wait_s >= 0, f"--failover-wait-s must be >= 0, got {self.failover_wait_s}")
         _check(self.shutdown_timeout_s >= 0, f"--shutdown-timeout-s must be >= 0, got {self.shutdown_timeout_s}")
+        _check(self.pools in POOLS, f"--pools must be one of {POOLS}, got {self.pools!r}")
         _check(self.decode_run_ahead in RUN_AHEAD_MODES,
                f"--decode-run-ahead must be one of {RUN_AHEAD_MODES}, got {self.decode_run_ahead!r}")
         _check(self.max_queue_len is None or self.max_queue_len >= 0,
@@ -325,7 +328,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
       help="attend to the last W tokens only and free KV blocks that fall out of that window "
            "(a model's own smaller sliding window wins)")
     a("--max-batch-size", type=int, default=d.max_batch_size)
-    a("--max-num-tokens", type=int, default=d.max_num_tokens, help="token budget of one prefill forward")
+    a("--max-num-tokens", type=int, default=d.max_num_tokens,
+      help="token budget of one prefill forward; with --pools colocated, of one step (decode rows + prompt chunks)")
     a("--max-seq-len", type=int, help="prompt + output tokens (default: the model's max positions)")
     a("--max-input-len", type=int, help="longest prompt accepted (default: max_seq_len - 1)")
     a("--kv-transport", default=d.kv_transport, choices=["auto", "shm", "cuda_ipc", "nccl"],
@@ -339,6 +343,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
     a("--decode-batch-wait-ms", type=float, default=d.decode_batch_wait_ms,
       help="a decode worker sharing its GPU with a prefill worker holds a step up to this long while "
            "requests in prefill would grow its batch by a quarter or more (0: never hold)")
+    a("--pools", default=d.pools, choices=POOLS,
+      help="tandem serve: 'colocated' runs one worker per device whose every step carries the running decode "
+           "rows and prompt chunks under --max-num-tokens; 'separate' runs prefill and decode workers that hand "
+           "KV over (cuda_ipc, nccl); auto: colocated when the pools would share a device (one GPU, the CPU)")
     a("--decode-run-ahead", default=d.decode_run_ahead, choices=RUN_AHEAD_MODES,
       help="launch each decode step before the previous step's tokens reach the host, feeding them on "
            "the device (auto: on CUDA; never with a sliding-window model)")

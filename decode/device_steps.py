@@ -21,21 +21,34 @@ from tandem.decode.request import DecodeRequest
 from tandem.engine.attention import SeqChunk
 from tandem.engine import logprobs
 from tandem.engine.block_allocator import BlockAllocator
-from tandem.engine.guide import Guides, apply_bitmask
-from tandem.engine.sampler import sample_async
+from tandem.engine.guide import Guides
+from tandem.engine.sampling_pipeline import FirstToken, sample_first_tokens, sample_rows
 from tandem.engine.step_tokens import StepTokens, TokenFeed
 
 log = structlog.get_logger(__name__)
 
 
+class PromptRow(NamedTuple):
+    """A prompt chunk a step carries after its decode rows (a worker running both pools on one
+    device: ``tandem.colocated``)."""
+
+    chunk: SeqChunk
+    first_token: FirstToken | None  # the prompt's last chunk: the row samples its first output token
+    scores: bool = False  # wants its tokens' final hidden states (the prompt's own logprobs)
+    owner: object = None  # the caller's record of the prompt
+
+
 class DeviceStep(NamedTuple):
-    """A decode step on the device."""
+    """A step on the device: decode rows, then any prompt chunks."""
 
     step_id: int
     batch: list[DecodeRequest]
     indices: list[int]  # the output index each row samples
     tokens: StepTokens
     launched_at: float
+    prompts: tuple[PromptRow, ...] = ()
+    first_tokens: StepTokens | None = None  # of the prompt rows with a first_token, in order
+    hidden: torch.Tensor | None = None  # [T, hidden] every new token's final state, when a prompt row scores
 
 
 class DeviceSteps:
@@ -49,12 +62,15 @@ class DeviceSteps:
         self._step_seq = 0
         self._read_at = time.perf_counter()
 
-    def launch(self, batch: list[DecodeRequest], previous: DeviceStep | None) -> Exception | None:
-        """Start one decode step on the device; its tokens are read by ``read``.
+    def launch(self, batch: list[DecodeRequest], previous: DeviceStep | None,
+               prompts: list[PromptRow] = ()) -> Exception | None:
+        """Start one step on the device; its tokens are read by ``read``.
 
         A request with a token pending in ``previous`` (still on the device) gets it fed
-        from there; the others feed their last known token. Returns the engine's error,
-        if any: the caller reads ``previous`` before failing the running requests.
+        from there; the others feed their last known token. ``prompts``: chunks of prompts
+        computed in the same forward, after the decode rows (their first tokens are sampled
+        in the step too). Returns the engine's error, if any: the caller reads ``previous``
+        before failing the running requests.
         """
         launched = time.perf_counter()
         indices = [len(r.output_token_ids) + r.num_pending for r in batch]
@@ -68,32 +84,58 @@ class DeviceSteps:
                 else:
                     chunks.append(SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids))
                     feed_rows.append(-1)
+            chunks += [p.chunk for p in prompts]
             feed = None
             if previous is not None and any(src >= 0 for src in feed_rows):
                 feed = TokenFeed(previous.tokens.device_tokens, feed_rows)
-            logits = self.runner.forward(chunks, feed)
-            raw_logits = logits  # logprobs are the model's own distribution, before any mask
-            bitmask = self._guide_masks(batch, previous, rows)  # filled while the forward runs
-            if bitmask is not None:
-                logits = apply_bitmask(logits, bitmask)
-            params = [r.spec.sampling for r in batch]
-            banned = None
-            if any(p.min_tokens > i for p, i in zip(params, indices)):
-                banned = [banned_token_ids(r.spec.sampling, i, r.spec.stop_token_ids, self.eos_token_ids,
-                                           r.spec.ignore_eos) for r, i in zip(batch, indices)]
-            sample_logits, counting = self.penalties.process(logits, batch, indices, feed)
-            sampled = sample_async(sample_logits, params, indices, banned)
-            self.penalties.count(counting, sampled)  # on the device: the next step may launch first
-            extra = logprobs.compute(raw_logits, sampled, params) if logprobs.wanted(params) else None
-            tokens = StepTokens(sampled, extra)
+            hidden = None
+            if any(p.scores for p in prompts):
+                logits, hidden = self.runner.forward_hidden(chunks, feed)
+            else:
+                logits = self.runner.forward(chunks, feed)
+            tokens = self._sample_decode(logits[: len(batch)], batch, indices, previous, rows, feed)
+            first_tokens = self._sample_first(logits, len(batch), prompts)
         except Exception as exc:
             return exc
         self._step_seq += 1
         self.allocator.step_launched(self._step_seq)
         for r in batch:
             r.num_pending += 1
-        self.in_flight = DeviceStep(self._step_seq, batch, indices, tokens, launched)
+        self.in_flight = DeviceStep(self._step_seq, batch, indices, tokens, launched, tuple(prompts), first_tokens,
+                                    hidden)
         return None
+
+    def _sample_decode(self, logits, batch: list[DecodeRequest], indices: list[int], previous: DeviceStep | None,
+                       rows: dict[int, int], feed: TokenFeed | None) -> StepTokens:
+        """The decode rows through the sampling pipeline (``tandem.engine.sampling_pipeline``)."""
+        if not batch:
+            return StepTokens(torch.empty(0, dtype=torch.int64, device=logits.device))
+        bitmask = self._guide_masks(batch, previous, rows)  # filled while the forward runs
+        params = [r.spec.sampling for r in batch]
+        banned = None
+        if any(p.min_tokens > i for p, i in zip(params, indices)):
+            banned = [banned_token_ids(r.spec.sampling, i, r.spec.stop_token_ids, self.eos_token_ids,
+                                       r.spec.ignore_eos) for r, i in zip(batch, indices)]
+        counting = None
+
+        def process(out):
+            nonlocal counting
+            out, counting = self.penalties.process(out, batch, indices, feed)
+            return out
+
+        sampled = sample_rows(logits, params, indices, bitmask=bitmask, banned=banned, process=process)
+        self.penalties.count(counting, sampled.tokens)  # on the device: the next step may launch first
+        return StepTokens(sampled.tokens, sampled.logprobs)
+
+    def _sample_first(self, logits, num_decode: int, prompts: list[PromptRow]) -> StepTokens | None:
+        """The first tokens of the prompts this step completes (the same pipeline)."""
+        rows = [num_decode + i for i, p in enumerate(prompts) if p.first_token is not None]
+        if not rows:
+            return None
+        firsts = [prompts[i - num_decode].first_token for i in rows]
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        sampled = sample_first_tokens(logits[index], firsts, self.eos_token_ids, self.guides)
+        return StepTokens(sampled.tokens, sampled.logprobs)
 
     def _guide_masks(self, batch: list[DecodeRequest], previous: DeviceStep | None,
                      rows: dict[int, int]) -> "torch.Tensor | None":
@@ -127,7 +169,8 @@ class DeviceSteps:
         token_ids = step.tokens.wait()
         self.allocator.step_done(step.step_id)
         now = time.perf_counter()
-        self.stats.record(len(step.batch), now - step.launched_at, now - self._read_at)
+        num_tokens = len(step.batch) + sum(len(p.chunk.token_ids) for p in step.prompts)
+        self.stats.record(num_tokens, now - step.launched_at, now - self._read_at)
         self._read_at = now
         return token_ids
 
@@ -135,6 +178,16 @@ class DeviceSteps:
         """After ``read``: one engine.logprobs entry per row of ``step`` (None: no row asked)."""
         host = step.tokens.extra()
         return None if host is None else logprobs.entries(host, [r.spec.sampling for r in step.batch])
+
+    def first_tokens(self, step: DeviceStep) -> tuple[list[int], list[list | None]]:
+        """After ``read``: the first tokens ``step`` sampled for the prompts it completed, with
+        their logprob entries (None where a row did not ask)."""
+        if step.first_tokens is None:
+            return [], []
+        token_ids = step.first_tokens.wait()
+        params = [p.first_token.params for p in step.prompts if p.first_token is not None]
+        host = step.first_tokens.extra()
+        return token_ids, [None] * len(params) if host is None else logprobs.entries(host, params)
 
     def idle(self) -> None:
         self._read_at = time.perf_counter()  # an idle turn is not a step's time

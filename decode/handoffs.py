@@ -190,25 +190,7 @@ class PrefillHandoffs:
             request.receiver.fail(f"could not hand the request to a prefill worker: {exc}")
 
     def _prefill_job(self, request: DecodeRequest) -> PrefillJob:
-        spec = request.spec
-        resume = request.is_resuming  # recompute the KV of all but the last token, which decoding feeds next
-        return PrefillJob(
-            request_id=spec.request_id,
-            prompt_token_ids=spec.prompt_token_ids + request.output_token_ids[:-1] if resume
-            else spec.prompt_token_ids,
-            sampling=spec.sampling,
-            max_tokens=spec.max_tokens,
-            dst_block_ids=request.block_ids,
-            kv_endpoint=self.kv_endpoint,
-            decode_worker_id=self.worker_id,
-            stop_token_ids=spec.stop_token_ids,
-            ignore_eos=spec.ignore_eos,
-            priority=spec.priority,
-            arrival_time=spec.arrival_time,
-            reply_to=spec.reply_to,
-            resume=resume,
-            handoff_id=request.handoff_id or "",
-        )
+        return prefill_job(request, self.worker_id, self.kv_endpoint)
 
     def _cached_prefixes(self, request: DecodeRequest, workers: list[WorkerInfo]) -> dict[str, int]:
         """prefill worker id -> leading full blocks of the prompt it has cached (0 without prefix caching)."""
@@ -241,3 +223,26 @@ class PrefillHandoffs:
         if request.handoff_id is not None:
             self.transport.revoke(request.handoff_id)
             request.handoff_id = None
+
+
+def prefill_job(request: DecodeRequest, worker_id: str, kv_endpoint: dict) -> PrefillJob:
+    """The job that computes a request's prompt into its reserved blocks (a paused one's prompt
+    and output but the last token: its KV is recomputed, no first token sampled)."""
+    spec = request.spec
+    resume = request.is_resuming
+    return PrefillJob(
+        request_id=spec.request_id,
+        prompt_token_ids=spec.prompt_token_ids + request.output_token_ids[:-1] if resume else spec.prompt_token_ids,
+        sampling=spec.sampling,
+        max_tokens=spec.max_tokens,
+        dst_block_ids=request.block_ids,
+        kv_endpoint=kv_endpoint,
+        decode_worker_id=worker_id,
+        stop_token_ids=spec.stop_token_ids,
+        ignore_eos=spec.ignore_eos,
+        priority=spec.priority,
+        arrival_time=spec.arrival_time,
+        reply_to=spec.reply_to,
+        resume=resume,
+        handoff_id=request.handoff_id or "",
+    )

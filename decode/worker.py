@@ -30,7 +30,7 @@ from tandem.cluster.settings import Settings
 from tandem.cluster.step_stats import StepStats
 from tandem.decode.batch_wait import BatchWait, shares_gpu
 from tandem.decode.pool_files import remove_stale_pool_files
-from tandem.decode.device_steps import DeviceStep, DeviceSteps, run_ahead
+from tandem.decode.device_steps import DeviceStep, DeviceSteps, PromptRow, run_ahead
 from tandem.decode.handoffs import PrefillHandoffs
 from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
@@ -50,6 +50,7 @@ RECONCILE_INTERVAL_S = 5.0  # how often admission entries of requests never seen
 class DecodeWorker:
     role = "decode"
     vocab_size: int | None = None  # the model's (set at start): token ids from the inbox must be below it
+    computes_prompts = False  # prompts go to prefill workers (tandem.colocated computes its own)
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -133,7 +134,10 @@ class DecodeWorker:
         events = [] if ahead else self._collect(previous)
         self.scheduler.set_policy(policy)
         batch, held = self._schedule()
-        failure = self.steps.launch(batch, previous) if batch else None
+        prompts = self._prompt_rows(len(batch))
+        failure = self.steps.launch(batch, previous, prompts) if batch or prompts else None
+        if prompts:
+            self._prompts_launched(prompts, failure)
         if ahead:
             events = self._collect(previous)  # read even if the launch failed: its tokens are good
         if failure is not None:
@@ -162,6 +166,18 @@ class DecodeWorker:
         held = self.batch_wait.hold(self.scheduler.num_running, joining, now)
         return ([] if held else self.scheduler.schedule_decode()), held
 
+    def _prompt_rows(self, num_decode: int) -> list[PromptRow]:
+        """Prompt chunks the next step carries after its ``num_decode`` decode rows: none here
+        (prompts are computed by prefill workers); a worker running both pools on one device
+        computes them in its own steps (``tandem.colocated``)."""
+        return []
+
+    def _prompts_launched(self, prompts: list[PromptRow], failure: Exception | None) -> None:
+        """After the launch of a step that carries ``prompts`` (``failure``: its error, if any)."""
+
+    def _prompts_read(self, step: DeviceStep) -> None:
+        """After ``step`` was read: what it computed of its prompts (their first tokens)."""
+
     def serve(self, stop) -> None:
         self.heartbeat.start()
         log.info("decode worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total,
@@ -184,6 +200,7 @@ class DecodeWorker:
             max_batch_size=self.settings.max_batch_size,
             num_preemptions=self.scheduler.num_preemptions,
             device=self._device_identity,
+            computes_prompts=self.computes_prompts,
         )
 
     # ---- helpers --------------------------------------------------------------------
@@ -325,6 +342,8 @@ class DecodeWorker:
         events = self.scheduler.on_step(step.batch, token_ids, step.indices)
         by_request = None if entries is None else {id(r): e for r, e in zip(step.batch, entries)}
         self.outbox.keep(self._token_events(events, logprobs=by_request))
+        if step.prompts:
+            self._prompts_read(step)
         return events
 
     def _engine_failed(self, exc: Exception) -> None:

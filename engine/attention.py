@@ -35,6 +35,15 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] int64, num_computed + i
     logits_indices: torch.Tensor  # [B] int64, index in T of each sequence's last new token
     is_decode: bool  # every sequence has exactly one new token
+    # a mixed step: its leading one-token sequences (decode rows) take the decode attention,
+    # the rest (prompt chunks) the prefill attention, over the same GEMMs
+    num_decode: int = 0  # the leading sequences with one new token (all of them when is_decode)
+    prefill_query_start_loc: torch.Tensor | None = None  # [B - num_decode + 1] int32, from 0: a mixed step's
+
+    @property
+    def is_mixed(self) -> bool:
+        """Decode rows first, then at least one sequence of several new tokens."""
+        return 0 < self.num_decode < self.num_seqs
 
     @property
     def num_seqs(self) -> int:
@@ -62,6 +71,11 @@ def build_metadata(seqs: list[SeqChunk], block_size: int, device: torch.device |
             slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
     max_blocks = max(len(seq.block_ids) for seq in seqs)
     block_tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in seqs]
+    num_decode = next((i for i, seq in enumerate(seqs) if len(seq.token_ids) != 1), len(seqs))
+    prefill_starts = None
+    if 0 < num_decode < len(seqs):
+        prefill_starts = torch.tensor([q - num_decode for q in query_start_loc[num_decode:]], dtype=torch.int32,
+                                      device=device)
     return AttentionMetadata(
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
@@ -69,7 +83,9 @@ def build_metadata(seqs: list[SeqChunk], block_size: int, device: torch.device |
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         logits_indices=torch.tensor([end - 1 for end in query_start_loc[1:]], dtype=torch.int64, device=device),
-        is_decode=all(len(seq.token_ids) == 1 for seq in seqs),
+        is_decode=num_decode == len(seqs),
+        num_decode=num_decode,
+        prefill_query_start_loc=prefill_starts,
     )
 
 

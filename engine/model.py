@@ -98,6 +98,16 @@ class DecoderLayer(nn.Module):
                     q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
                     k_scale, v_scale,
                 )
+            elif meta.is_mixed:  # decode rows and prompt chunks in one step: each part its own kernel
+                d = meta.num_decode
+                out = torch.cat([
+                    ops.decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d],
+                                         self.scale, self.sliding_window, k_scale, v_scale),
+                    ops.prefill_attention(q[d:], k_cache, v_cache, meta.block_tables[d:],
+                                          meta.prefill_query_start_loc, meta.seq_lens[d:], self.scale,
+                                          self.sliding_window, chunk_kv=(k[d:], v[d:]),
+                                          k_scale=k_scale, v_scale=v_scale),
+                ])
             else:
                 out = ops.prefill_attention(
                     q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,

@@ -85,27 +85,37 @@ class ModelRunner:
     def forward(self, chunks: list[SeqChunk], feed: TokenFeed | None = None) -> torch.Tensor:
         """-> [B, vocab] fp32 logits of each chunk's last new token; writes the chunks' K/V.
 
-        ``feed`` (decode steps, one token per chunk): rows whose input token is one the
-        previous step sampled on the device; their chunks' own token ids are ignored.
+        ``feed``: the leading chunks' input tokens as the previous step sampled them on the device
+        (decode rows, one token each; their chunks' own token ids are ignored). A step may carry
+        prompt chunks after its decode rows (a mixed step: the decode rows take the decode
+        attention, the chunks the prefill attention); the feed covers the decode rows only.
         """
-        if feed is not None:
-            feed.check(len(chunks))
-            if any(len(chunk.token_ids) != 1 for chunk in chunks):
-                raise ValueError("a token feed needs one new token per chunk (a decode step)")
-            if feed.tokens.device.type != self.device.type:
-                raise ValueError(f"fed tokens are on {feed.tokens.device}, the model on {self.device}")
+        self._check_feed(chunks, feed)
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.forward(chunks, feed)
         hidden, meta = self._hidden(chunks, feed)
         return self.model.compute_logits(hidden[meta.logits_indices])  # [B, vocab]
 
     @torch.inference_mode()
-    def forward_hidden(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_hidden(self, chunks: list[SeqChunk], feed: TokenFeed | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits [B, vocab] of each chunk's last new token, as ``forward``; final-normed hidden
         states [T, hidden] of every new token, the chunks' tokens in order). A prompt's own
         logprobs are computed from the latter (``tandem.engine.prompt_logprobs``); never a CUDA graph."""
-        hidden, meta = self._hidden(chunks, None)
+        self._check_feed(chunks, feed)
+        hidden, meta = self._hidden(chunks, feed)
         return self.model.compute_logits(hidden[meta.logits_indices]), hidden
+
+    def _check_feed(self, chunks: list[SeqChunk], feed: TokenFeed | None) -> None:
+        if feed is None:
+            return
+        if len(feed.rows) > len(chunks):
+            raise ValueError(f"token feed has {len(feed.rows)} rows for a step of {len(chunks)}")
+        feed.check(len(feed.rows))
+        if any(len(chunk.token_ids) != 1 for chunk in chunks[: len(feed.rows)]):
+            raise ValueError("a token feed needs one new token per fed chunk (decode rows)")
+        if feed.tokens.device.type != self.device.type:
+            raise ValueError(f"fed tokens are on {feed.tokens.device}, the model on {self.device}")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] final-normed states -> [N, vocab] fp32 logits."""
@@ -118,8 +128,9 @@ class ModelRunner:
         if longest > self.max_position:
             raise ValueError(f"a sequence reaches {longest} tokens, beyond the rotary table's {self.max_position}")
         input_ids = build_input_ids(chunks, self.device)
-        if feed is not None:
-            src = torch.tensor(feed.rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        if feed is not None:  # the fed rows lead, one token each: row i is token i
+            rows = feed.rows + [-1] * (input_ids.shape[0] - len(feed.rows))
+            src = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
             gather_fed(input_ids, src, feed.tokens)
         return self.model(input_ids, meta.positions, self.kv_pool, meta), meta  # [T, hidden]
 

@@ -58,10 +58,11 @@ class Dispatcher:
                     resumed: bool = False, deadline: float | None = None,
                     client_gone: Callable[[], Awaitable[bool]] | None = None) -> WorkerInfo:
         """Reserve room on a decode worker (waiting in the admission queue while none has it).
-        A new request needs a live prefill worker too: without one it gets 503 at once, as without
-        a decode worker. A resumed one waits for a decode worker (``failover_wait_s``)."""
+        A new request needs a live prefill worker too (or a decode worker that computes its own
+        prompts): without one it gets 503 at once, as without a decode worker. A resumed one waits for a decode worker (``failover_wait_s``)."""
         if not resumed:
-            if not await self._router.workers("prefill"):
+            if not await self._router.workers("prefill") and not any(
+                    w.computes_prompts for w in await self._router.workers("decode")):
                 raise NoWorkerAvailable("no prefill worker is alive; retry later")
             worker = await self._admission.admit(wire_id, num_prompt_tokens, max_tokens, priority,
                                                  deadline=deadline, client_gone=client_gone)

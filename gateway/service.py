@@ -199,15 +199,18 @@ class GatewayService:
     # ---- cluster state --------------------------------------------------------------
     async def health(self) -> tuple[bool, dict]:
         """(healthy, report): not draining, Redis answers and at least one decode and one prefill
-        worker is alive."""
+        worker is alive (or a decode worker that runs both pools)."""
         if self.drain.draining:
             return False, {"status": "draining", "reason": "the gateway is shutting down"}
         try:
             await self.redis.ping()
-            counts = {role: len(await self.router.workers(role, max_age_s=0.0)) for role in ROLES}
+            workers = {role: await self.router.workers(role, max_age_s=0.0) for role in ROLES}
         except Exception as exc:  # any Redis failure means unhealthy, whatever its type
             return False, {"status": "unavailable", "reason": f"redis unreachable: {exc}"}
+        counts = {role: len(found) for role, found in workers.items()}
         report = {"status": "ok", "decode_workers": counts["decode"], "prefill_workers": counts["prefill"]}
+        if any(w.computes_prompts for w in workers["decode"]):
+            counts["prefill"] = max(counts["prefill"], 1)  # a worker running both pools needs no other
         missing = [role for role in ROLES if counts[role] == 0]
         if missing:
             report.update(status="unavailable", reason=f"no live {' or '.join(missing)} worker")

@@ -13,6 +13,9 @@ class PrefillState:
     job: PrefillJob
     status: RequestStatus = RequestStatus.QUEUED
     block_ids: list[int] = field(default_factory=list)  # in this worker's own pool
+    # the blocks are lent by the pool's owner (the decode side, on one device: tandem.colocated):
+    # given at the start, computed into directly, never allocated, cached or freed here
+    borrowed: bool = False
     num_computed: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the prompt's full blocks
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

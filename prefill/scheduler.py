@@ -13,6 +13,10 @@ full is cached. Sliding window: between chunks, blocks no later query of the
 prompt attends to are given back (``release_out_of_window``).
 
 Chunking policies: ``tandem.cluster.policies`` (FIRST_COME_FIRST_SERVED, EQUAL_PROGRESS).
+
+A job whose blocks are lent (``PrefillState.borrowed``: one device running both pools) is
+admitted with them as they are and never caches or frees them; ``max_num_tokens`` is then
+the part of each step's token budget the decode rows leave (``tandem.colocated``).
 """
 
 from __future__ import annotations
@@ -72,6 +76,11 @@ class PrefillScheduler:
         block_size = self.allocator.block_size
         while self.waiting and len(self.prefilling) < self.max_batch_size:
             state = self.waiting[0]
+            if state.borrowed:  # its blocks came with it
+                self.waiting.pop(0)
+                state.status = RequestStatus.PREFILLING
+                self.prefilling.append(state)
+                continue
             # a job scoring its prompt takes no cached blocks: their positions would have no logits
             cached = [] if state.scores_prompt else self.cache.match(
                 state.block_hashes[: num_reusable_blocks(state.num_prompt_tokens, block_size)])
@@ -105,7 +114,7 @@ class PrefillScheduler:
 
         The caller makes sure no transfer still reads them.
         """
-        if self.attention_window is None or state.status is not RequestStatus.PREFILLING:
+        if self.attention_window is None or state.status is not RequestStatus.PREFILLING or state.borrowed:
             return 0
         # the next chunk's first query sits at num_computed and reads keys from num_computed - window + 1 on
         end = max(state.num_computed - self.attention_window + 1, 0) // self.allocator.block_size
@@ -129,9 +138,9 @@ class PrefillScheduler:
         for queue in (self.waiting, self.prefilling, self.transferring):
             if state in queue:
                 queue.remove(state)
-        if state.block_ids:
+        if state.block_ids and not state.borrowed:
             self.cache.release(state.block_ids[state.num_released_blocks :])
-            state.block_ids = []
+        state.block_ids = []
         state.status = status
         self.jobs.pop(state.request_id, None)
 

@@ -29,7 +29,7 @@ from tandem.cluster.worker_loop import run_steps, worker_info
 from tandem.cluster.live_policies import LivePolicies
 from tandem.cluster.prefix_index import PrefixIndex
 from tandem.cluster.registry import Heartbeat
-from tandem.cluster.request_state import RequestStatus, banned_token_ids, finish_reason
+from tandem.cluster.request_state import RequestStatus, finish_reason
 from tandem.cluster.settings import Settings
 from tandem.cluster.step_stats import StepStats
 from tandem.engine.attention import SeqChunk
@@ -37,10 +37,9 @@ from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.warmup import warm_up_prefill
 from tandem.engine.placement import build_runner, device_identity, resolve_transport
 from tandem.engine.prefix_cache import PrefixCache
-from tandem.engine import logits_process, logprobs
 from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
-from tandem.engine.guide import Guides, apply_bitmask
-from tandem.engine.sampler import sample_async
+from tandem.engine.guide import Guides
+from tandem.engine.sampling_pipeline import FirstToken, host_entries, sample_first_tokens
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
 from tandem.kvtransfer.sender import kv_format_mismatch, pool_num_blocks
 from tandem.kvtransfer.base import TransferError
@@ -304,7 +303,7 @@ class PrefillWorker:
             offset += num_tokens
 
     def _after_forward(self, chunks: list[tuple[PrefillState, int]], logits) -> None:
-        completed, rows, scored = [], [], []
+        completed, rows_of_completed, scored = [], [], []
         for row, (state, num_tokens) in enumerate(chunks):
             start = state.num_computed
             # a job's first chunk also sends the blocks it took from the prefix cache
@@ -322,26 +321,17 @@ class PrefillWorker:
                     scored.append(self._scored(state))
                     continue
                 completed.append(state)
-                rows.append(row)
+                rows_of_completed.append(row)
         if scored:
             self.outbox.send(scored)
         if not completed:
             return
         params = [s.job.sampling for s in completed]
-        first_logits = logits[rows]
-        banned = [banned_token_ids(s.job.sampling, 0, s.job.stop_token_ids, self.eos_token_ids, s.job.ignore_eos)
-                  for s in completed]
-        guides = [self.guides.new(p.grammar) if p.grammar else None for p in params]
-        sample_logits = first_logits
-        bitmask = self.guides.bitmask(guides)  # structured outputs: the grammar's first tokens only
-        if bitmask is not None:
-            sample_logits = apply_bitmask(sample_logits, bitmask)
-        # logit_bias, and the repetition penalty over the prompt (no output token to count yet)
-        sample_logits = logits_process.first_token(sample_logits, params, [s.job.prompt_token_ids for s in completed])
-        sampled = sample_async(sample_logits, params, [0] * len(completed), banned)
-        token_ids = sampled.tolist()
-        entries = (logprobs.entries(tuple(t.cpu() for t in logprobs.compute(first_logits, sampled, params)), params)
-                   if logprobs.wanted(params) else [None] * len(completed))
+        rows = [FirstToken(s.job.sampling, s.job.prompt_token_ids, s.job.stop_token_ids, s.job.ignore_eos)
+                for s in completed]
+        sampled = sample_first_tokens(logits[rows_of_completed], rows, self.eos_token_ids, self.guides)
+        token_ids = sampled.tokens.tolist()
+        entries = host_entries(sampled, params)
         queued = []
         for state, token_id, entry in zip(completed, token_ids, entries):
             job = state.job

@@ -1,10 +1,12 @@
 """The ``tandem`` command.
 
     tandem serve     the whole cluster on this machine (redis-server unless
-                     --redis-url, one prefill and one decode worker, the gateway)
+                     --redis-url, the workers, the gateway; on one device one
+                     worker runs both pools, --pools separate keeps two)
     tandem gateway   the HTTP gateway alone
     tandem prefill   one prefill worker
     tandem decode    one decode worker
+    tandem colocated one worker running both pools on its device (mixed steps)
     tandem demo-model PATH   write the tiny random Llama that --model demo serves
     tandem admin ...         the gRPC admin API: workers, policies, drain, cancel
     tandem status            the cluster's workers, load and restarts at a glance
@@ -42,6 +44,8 @@ def _service(role: str, args: argparse.Namespace) -> int:
     stop = stop_on_signals()
     if role == "prefill":
         from tandem.prefill.worker import main as run
+    elif role == "colocated":
+        from tandem.colocated import main as run
     else:
         from tandem.decode.worker import main as run
     run(settings, stop)
@@ -62,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     settings_mod.add_arguments(serve)
     serve.add_argument("--num-prefill-workers", type=_positive_int, default=1)
     serve.add_argument("--num-decode-workers", type=_positive_int, default=1)
-    for role in ("gateway", "prefill", "decode"):
+    for role in ("gateway", "prefill", "decode", "colocated"):
         settings_mod.add_arguments(sub.add_parser(role, help=f"run one {role} service"))
     demo = sub.add_parser("demo-model", help="write the tiny random demo Llama to PATH")
     demo.add_argument("path")

@@ -192,9 +192,9 @@ def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace,
     from the memory the prefill workers left free) and the gateway; False if told to stop meanwhile."""
     num_gpus = count_gpus()
     placements = plan(num_gpus, settings.device, settings.kv_transport,
-                      args.num_prefill_workers, args.num_decode_workers)
+                      args.num_prefill_workers, args.num_decode_workers, settings.pools)
     threads = cpu_threads_per_worker(settings, num_gpus, len(placements))
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "colocated"):
         for place in (p for p in placements if p.role == role):
             worker_settings = dataclasses.replace(settings, kv_transport=place.kv_transport or settings.kv_transport,
                                                   cpu_threads=threads)

@@ -1,5 +1,9 @@
 """Where `tandem serve` puts each worker on this machine's GPUs (torch-free).
 
+Colocated pools (``--pools colocated``, or auto where the pools would share a device):
+one worker per ``--num-decode-workers`` runs both pools (``tandem.colocated``), each on a
+GPU of its own where there are several. Separate pools:
+
 One GPU (or none): every worker shares it; the handoff is cuda_ipc (shm on the
 CPU). Two or more: prefill workers take the first half of the GPUs and decode
 workers the rest, round robin within each half, each process seeing only its
@@ -37,13 +41,28 @@ def count_gpus() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
-def plan(num_gpus: int, device: str, kv_transport: str, num_prefill: int, num_decode: int) -> list[Placement]:
-    """One Placement per worker: prefill workers first, then decode workers."""
+def colocated(pools: str, num_gpus: int, device: str) -> bool:
+    """Whether one worker runs both pools: asked for, or (auto) the pools would share a device."""
+    if pools != "auto":
+        return pools == "colocated"
+    return device == "cpu" or device.startswith("cuda:") or num_gpus < 2
+
+
+def plan(num_gpus: int, device: str, kv_transport: str, num_prefill: int, num_decode: int,
+         pools: str = "separate") -> list[Placement]:
+    """One Placement per worker: prefill workers first, then decode workers; with colocated pools,
+    ``num_decode`` workers that each run both, one GPU each where there are several."""
+    if colocated(pools, num_gpus, device):
+        workers = [Placement("colocated", i) for i in range(num_decode)]
+        if device != "cpu" and not device.startswith("cuda:") and num_gpus >= 2:
+            ids = _visible_ids(num_gpus)
+            for worker in workers:
+                worker.env = {"CUDA_VISIBLE_DEVICES": ids[worker.index % len(ids)]}
+        return workers
     workers = [Placement("prefill", i) for i in range(num_prefill)] + [Placement("decode", i) for i in range(num_decode)]
     if device == "cpu" or device.startswith("cuda:") or num_gpus < 2:
         return workers
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(num_gpus)]
+    ids = _visible_ids(num_gpus)
     half = max(len(ids) // 2, 1)
     prefill_gpus, decode_gpus = ids[:half], ids[half:]
     for worker in workers:
@@ -52,3 +71,8 @@ def plan(num_gpus: int, device: str, kv_transport: str, num_prefill: int, num_de
         if kv_transport == "auto":
             worker.kv_transport = "nccl"
     return workers
+
+
+def _visible_ids(num_gpus: int) -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(num_gpus)]

@@ -1,7 +1,10 @@
 """A real local cluster for end-to-end tests: redis-server, decode, prefill, gateway.
 
 Every piece is the production process started the way `tandem serve` starts
-it; tests talk to it over HTTP and read worker state from Redis.
+it; tests talk to it over HTTP and read worker state from Redis. ``layout``:
+"separate" (a prefill and a decode worker, the disaggregated design) or
+"colocated" (one worker running both pools, ``tandem.colocated``, registered as
+decode-0; there is no prefill worker whose blocks could be checked).
 """
 
 from __future__ import annotations
@@ -20,8 +23,13 @@ from tandem.cluster.messages import WorkerInfo, decode
 from tandem.cluster.settings import Settings
 
 
+LAYOUTS = ("separate", "colocated")
+
+
 class LocalCluster:
-    def __init__(self, model: str, log_dir: str, **overrides):
+    def __init__(self, model: str, log_dir: str, layout: str = "separate", **overrides):
+        assert layout in LAYOUTS, layout
+        self.layout = layout
         self.redis_server = RedisServer()
         self.settings = Settings(
             model=model,
@@ -51,8 +59,11 @@ class LocalCluster:
         return proc
 
     def start(self, timeout_s: float = 180.0) -> "LocalCluster":
-        self.start_service("decode", "decode-0")
-        self.start_service("prefill", "prefill-0")
+        if self.layout == "colocated":
+            self.start_service("colocated", "decode-0")
+        else:
+            self.start_service("decode", "decode-0")
+            self.start_service("prefill", "prefill-0")
         self.start_service("gateway")
         if not wait_healthy(f"{self.base_url}/health", list(self.procs.values()), timeout_s):
             self.stop()
@@ -98,7 +109,9 @@ class LocalCluster:
             time.sleep(0.02)
         return None
 
-    def wait_blocks_free(self, role: str, worker_id: str, timeout_s: float = 15.0) -> WorkerInfo:
+    def wait_blocks_free(self, role: str, worker_id: str, timeout_s: float = 15.0) -> WorkerInfo | None:
+        if role == "prefill" and self.layout == "colocated":
+            return None  # no prefill worker: its prompts' blocks are decode-0's, checked there
         deadline = time.monotonic() + timeout_s
         info = None
         while time.monotonic() < deadline:

@@ -10,11 +10,20 @@ def tiny_llama(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
+def pytest_generate_tests(metafunc):
+    """A test module naming ``LAYOUTS`` runs its ``cluster`` tests in each of them."""
+    layouts = getattr(metafunc.module, "LAYOUTS", None)
+    if layouts and "cluster" in metafunc.fixturenames:
+        metafunc.parametrize("cluster", layouts, indirect=True, scope="module")
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory):
-    # small blocks and a small prefill budget so prompts span several chunks and blocks;
-    # decode steps run ahead (each launched before the previous one is read), as on a GPU
-    c = LocalCluster(tiny_llama, str(tmp_path_factory.mktemp("logs")), tokens_per_block=4,
+def cluster(tiny_llama, tmp_path_factory, request):
+    # small blocks and a small prefill budget so prompts span several chunks and blocks (and,
+    # colocated, share steps with decode rows); decode steps run ahead (each launched before
+    # the previous one is read), as on a GPU
+    layout = getattr(request, "param", "separate")
+    c = LocalCluster(tiny_llama, str(tmp_path_factory.mktemp("logs")), layout, tokens_per_block=4,
                      max_num_tokens=16, max_seq_len=256, max_input_len=200, decode_run_ahead="on").start()
     yield c
     c.stop()

@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+LAYOUTS = ("separate", "colocated")  # each test runs against both (tests/e2e/conftest.py)
+
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
 
 

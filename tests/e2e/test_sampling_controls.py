@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 from tests.engine.test_logits_process import OpenAIPenalties
 
 pytestmark = pytest.mark.slow
+LAYOUTS = ("separate", "colocated")  # each test runs against both (tests/e2e/conftest.py)
 
 PROMPTS = [
     "Hello world!",

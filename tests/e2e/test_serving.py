@@ -14,6 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.slow
+LAYOUTS = ("separate", "colocated")  # each test runs against both (tests/e2e/conftest.py)
 
 PROMPTS = [
     "Hello world!",

@@ -73,8 +73,8 @@ def test_a_bad_feed_is_refused_before_anything_runs(tiny_checkpoints):
     before = runner.kv_pool.kv.clone()
     chunks = [SeqChunk([5], 3, [0]), SeqChunk([6], 2, [1])]
     previous = torch.tensor([9, 10])
-    with pytest.raises(ValueError, match="rows"):
-        runner.forward(chunks, TokenFeed(previous, [0]))
+    with pytest.raises(ValueError, match="rows"):  # a feed covers the leading rows, never more
+        runner.forward(chunks, TokenFeed(previous, [0, 1, 0]))
     with pytest.raises(ValueError, match="outside"):
         runner.forward(chunks, TokenFeed(previous, [0, 2]))
     with pytest.raises(ValueError, match="one new token"):
