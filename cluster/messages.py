@@ -265,6 +265,7 @@ class WorkerInfo:
     num_preemptions: int = 0  # decode: requests paused since it started (monotonic)
     device: str = ""  # what it computes on, the same string for the same GPU in any process ("" unknown)
     computes_prompts: bool = False  # decode: runs both pools (tandem.colocated), needs no prefill worker
+    num_mixed_steps: int = 0  # decode, computing its prompts: steps that carried decode rows and prompt chunks
     pid_namespace: int = 0  # its PID namespace (0 unknown): ``pid`` means something only within it
     num_restarts: int = 0  # times its supervisor restarted it (TANDEM_RESTARTS)
     heartbeat_ttl_s: float = 0.0  # how long its record lives without a beat (0 unknown)
@@ -275,5 +276,5 @@ class WorkerInfo:
         "num_total_blocks": integer(), "num_free_blocks": integer(), "num_running": integer(),
         "num_waiting": integer(), "block_size": integer(1), "max_seq_len": integer(), "kv_endpoint": STR_MAP,
         "capacity_scheduler_policy": text(), "max_batch_size": integer(), "num_preemptions": integer(),
-        "device": text(), "computes_prompts": BOOL, "pid_namespace": integer(), "num_restarts": integer(), "heartbeat_ttl_s": number(),
+        "device": text(), "computes_prompts": BOOL, "num_mixed_steps": integer(0), "pid_namespace": integer(), "num_restarts": integer(), "heartbeat_ttl_s": number(),
     }

@@ -51,6 +51,7 @@ class DecodeWorker:
     role = "decode"
     vocab_size: int | None = None  # the model's (set at start): token ids from the inbox must be below it
     computes_prompts = False  # prompts go to prefill workers (tandem.colocated computes its own)
+    num_mixed_steps = 0  # steps that carried decode rows and prompt chunks (tandem.colocated)
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -201,6 +202,7 @@ class DecodeWorker:
             num_preemptions=self.scheduler.num_preemptions,
             device=self._device_identity,
             computes_prompts=self.computes_prompts,
+            num_mixed_steps=self.num_mixed_steps,
         )
 
     # ---- helpers --------------------------------------------------------------------

@@ -199,6 +199,9 @@ class ColocatedWorker(DecodeWorker):
         return self.handoffs.rows(num_decode, self.policies.context_chunking_policy)
 
     def _prompts_launched(self, prompts: list[PromptRow], failure: Exception | None) -> None:
+        step = self.steps.in_flight
+        if failure is None and step.batch:
+            self.num_mixed_steps += 1
         self.handoffs.launched(prompts, self.steps.in_flight if failure is None else None, failure)
 
     def _prompts_read(self, step: DeviceStep) -> None:

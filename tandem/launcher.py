@@ -203,8 +203,9 @@ def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace,
             supervisor.add(ChildSpec(name, service_argv(role, worker_settings, name), WORKERS, env))
             print(f"tandem: starting {name}" + (f" ({threads} CPU threads)" if threads else ""),
                   file=sys.stderr, flush=True)
-        if role == "prefill" and not _wait(lambda: wait_registered(
-                settings.redis_url, "prefill", args.num_prefill_workers, 2.0, signals), supervisor, signals):
+        num_prefill = sum(p.role == "prefill" for p in placements)
+        if role == "prefill" and num_prefill and not _wait(lambda: wait_registered(
+                settings.redis_url, "prefill", num_prefill, 2.0, signals), supervisor, signals):
             return False
     supervisor.add(ChildSpec("gateway", service_argv("gateway", settings), GATEWAY))
     base = f"http://{settings.host}:{settings.port}"

@@ -47,8 +47,12 @@ def running(pid: int) -> bool:
 
 
 class Serve:
-    def __init__(self, model: str, tmp_path, *extra: str, num_decode: int = 1, num_prefill: int = 1):
+    def __init__(self, model: str, tmp_path, *extra: str, num_decode: int = 1, num_prefill: int = 1,
+                 pools: str = "separate"):
+        """``pools``: separate by default, the disaggregated design these fault tests are about
+        (``tandem serve`` itself runs colocated pools on one device)."""
         self.port, self.admin_port = free_port(), free_port()
+        self.pools = pools
         self.model = os.path.basename(model)
         self.err_path = tmp_path / "serve.err"
         # its decode pools' files in a directory of its own: another test's cluster may run beside it
@@ -59,7 +63,8 @@ class Serve:
             [sys.executable, "-m", "tandem", "serve", "--model", model, "--port", str(self.port),
              "--admin-port", str(self.admin_port), "--tokens-per-block", "4", "--max-seq-len", "256",
              "--max-num-tokens", "32", "--heartbeat-ttl-s", "2", "--heartbeat-interval-s", "0.5",
-             "--num-decode-workers", str(num_decode), "--num-prefill-workers", str(num_prefill), *extra],
+             "--num-decode-workers", str(num_decode), "--num-prefill-workers", str(num_prefill),
+             "--pools", pools, *extra],
             stdout=subprocess.PIPE, stderr=open(self.err_path, "wb"), text=True, env=env)
         line = self.proc.stdout.readline()
         if f":{self.port}/v1" not in line:
@@ -81,11 +86,12 @@ class Serve:
         return json.loads(done.stdout)["workers"] if done.returncode == 0 else []
 
     def wait_blocks_free(self, timeout_s: float = 30.0) -> list[dict]:
-        """Every pool's free blocks back to its total (what the registry reports), both roles there."""
+        """Every pool's free blocks back to its total (what the registry reports), every role there."""
+        roles = {"decode"} if self.pools == "colocated" else {"decode", "prefill"}
         deadline = time.monotonic() + timeout_s
         while True:
             decode = self.workers()
-            if {w["role"] for w in decode} == {"decode", "prefill"} and \
+            if {w["role"] for w in decode} == roles and \
                     all(w["num_free_blocks"] == w["num_total_blocks"] for w in decode):
                 return decode
             if time.monotonic() > deadline:

@@ -20,10 +20,10 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _start_serve(tiny_llama: str, port: int, tmp_path, admin_port: int | None = None) -> subprocess.Popen:
+def _start_serve(tiny_llama: str, port: int, tmp_path, admin_port: int | None = None, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "tandem", "serve", "--model", tiny_llama, "--port", str(port),
-         "--admin-port", str(admin_port or free_port()), "--tokens-per-block", "4", "--max-seq-len", "256"],
+         "--admin-port", str(admin_port or free_port()), "--tokens-per-block", "4", "--max-seq-len", "256", *extra],
         stdout=subprocess.PIPE, stderr=open(tmp_path / "serve.err", "wb"), text=True,
     )
 
@@ -59,27 +59,30 @@ def _assert_stopped(proc: subprocess.Popen, children: list[int], returncode: int
     assert not leftovers, f"children still running: {leftovers}"
 
 
-def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_path):
+@pytest.mark.parametrize("pools", ["auto", "separate"])
+def test_serve_starts_everything_and_sigterm_stops_every_child(tiny_llama, tmp_path, pools):
+    """auto on the CPU: one worker runs both pools (colocated-0); separate: a prefill and a decode worker."""
     port, admin_port = free_port(), free_port()
-    proc = _start_serve(tiny_llama, port, tmp_path, admin_port)
+    proc = _start_serve(tiny_llama, port, tmp_path, admin_port, "--pools", pools)
+    workers = ["colocated-0"] if pools == "auto" else ["decode-0", "prefill-0"]
     children: list[int] = []  # what the finally kills, whatever failed
     try:
         line = proc.stdout.readline()  # printed once /health answers 200
         assert f"http://127.0.0.1:{port}/v1" in line and f"admin API 127.0.0.1:{admin_port}" in line, line
         children = _children(proc.pid)
-        assert len(children) == 4  # redis-server, prefill, decode, gateway
+        assert len(children) == 2 + len(workers)  # redis-server, the workers, gateway
         body = {"model": os.path.basename(tiny_llama), "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
         admin = subprocess.run([sys.executable, "-m", "tandem", "admin", "--address", f"127.0.0.1:{admin_port}",
                                 "workers"], capture_output=True, text=True, timeout=60)
         assert admin.returncode == 0, admin.stderr
-        assert sorted(w["worker_id"] for w in json.loads(admin.stdout)["workers"]) == ["decode-0", "prefill-0"]
+        assert sorted(w["worker_id"] for w in json.loads(admin.stdout)["workers"]) == workers
         status = subprocess.run([sys.executable, "-m", "tandem", "status", "--address", f"127.0.0.1:{admin_port}"],
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         lines = status.stdout.splitlines()
-        assert lines[0].split()[0] == "worker" and [ln.split()[0] for ln in lines[1:3]] == ["decode-0", "prefill-0"]
+        assert lines[0].split()[0] == "worker" and [ln.split()[0] for ln in lines[1:1 + len(workers)]] == workers
         assert "policies: capacity GUARANTEED_NO_EVICT" in status.stdout
         proc.send_signal(signal.SIGTERM)
         _assert_stopped(proc, children, returncode=0)
@@ -95,7 +98,7 @@ def test_sigterm_while_starting_stops_at_once(tiny_llama, tmp_path):
     children: list[int] = []  # what the finally kills, whatever failed
     try:
         deadline = time.monotonic() + 60
-        while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:  # redis and a prefill worker
+        while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:  # redis and a worker
             time.sleep(0.05)
         children = _children(proc.pid)
         assert len(children) >= 2
@@ -121,5 +124,5 @@ def test_an_unreachable_redis_url_is_refused_before_anything_starts(tiny_llama, 
     assert done.returncode == 1, done.stderr
     assert f"cannot reach the Redis of TANDEM_REDIS_URL (redis://:***@127.0.0.1:{dead_port}/0)" in done.stderr
     assert "sekrit" not in done.stderr + done.stdout
-    assert "starting prefill" not in done.stderr and "serving" not in done.stdout
+    assert "tandem: starting" not in done.stderr and "serving" not in done.stdout
     assert time.monotonic() - started < 60  # the 10 s wait, not a worker's restarts

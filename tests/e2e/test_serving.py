@@ -90,6 +90,8 @@ def test_concurrent_streams_match_hf_generate(cluster, hf_greedy, tiny_llama):
         assert finish == ("length" if len(expected) == MAX_TOKENS else "stop")
     cluster.wait_blocks_free("decode", "decode-0")
     cluster.wait_blocks_free("prefill", "prefill-0")
+    if cluster.layout == "colocated":  # prompt chunks and decode rows did share steps
+        assert cluster.worker("decode", "decode-0").num_mixed_steps > 0
 
 
 def test_non_streaming_and_chat(cluster, hf_greedy, tiny_llama):

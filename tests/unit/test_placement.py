@@ -9,6 +9,16 @@ def test_cpu_and_one_gpu_keep_everything_together():
         assert [(p.role, p.env, p.kv_transport) for p in placements] == [("prefill", {}, None), ("decode", {}, None)]
 
 
+def test_auto_pools_run_one_worker_for_both_where_they_would_share_a_device(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for gpus, device in ((0, "auto"), (1, "auto"), (4, "cpu"), (4, "cuda:1")):
+        assert [(p.role, p.env) for p in plan(gpus, device, "auto", 1, 1, "auto")] == [("colocated", {})]
+    assert [p.role for p in plan(2, "auto", "auto", 1, 1, "auto")] == ["prefill", "decode"]  # a device each
+    assert [p.role for p in plan(1, "auto", "auto", 1, 1, "separate")] == ["prefill", "decode"]
+    forced = plan(2, "auto", "auto", 1, 2, "colocated")
+    assert [(p.role, p.env["CUDA_VISIBLE_DEVICES"]) for p in forced] == [("colocated", "0"), ("colocated", "1")]
+
+
 def test_two_gpus_split_prefill_and_decode_and_use_nccl(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     prefill, decode = plan(2, "auto", "auto", 1, 1)
