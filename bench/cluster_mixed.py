@@ -30,6 +30,7 @@ from tandem.bench import cluster_timeline
 from tandem.bench import throughput as bench_throughput
 from tandem.bench.shapes import SHAPES, hf_config_dict
 from tandem.import_guard import python_argv
+from tandem.placement import colocated, count_gpus
 
 
 def write_checkpoint(name: str, path: str) -> str:
@@ -109,12 +110,12 @@ def dtypes(serve_args: list[str]) -> tuple[str, str]:
 
 def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, serve_args: list[str],
                    client_processes: int = 1, input_len_range: str = "64:511", output_len: int = 256,
-                   max_concurrency: int | None = None, max_batch_size: int = 128) -> dict:
+                   max_concurrency: int | None = None, max_batch_size: int = 128, pools: str = "auto") -> dict:
     max_input_len, max_seq_len = sequence_limits(input_len_range, output_len)
     serve_cmd = [*python_argv("-m", "tandem"), "serve", "--model", model_path, "--port", str(port),
                  "--max-batch-size", str(max_batch_size), "--max-num-tokens", "8192",
                  "--max-seq-len", str(max_seq_len), "--max-input-len", str(max_input_len),
-                 "--log-level", "info", *serve_args]
+                 "--pools", pools, "--log-level", "info", *serve_args]
     log = open(os.path.join(out_dir, "cluster.log"), "w")
     cluster = subprocess.Popen(serve_cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
                                env={**os.environ, "TANDEM_STATS_INTERVAL_S": "0.25"})  # bench.cluster_timeline
@@ -158,6 +159,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
     parser.add_argument("--max-batch-size", type=int, default=128, help="tandem serve --max-batch-size")
+    parser.add_argument("--pools", default="auto", choices=["auto", "colocated", "separate"],
+                        help="tandem serve --pools (auto: one worker for both pools on one GPU)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cluster_mixed.json"))
     args = parser.parse_args()
     name = args.model_shape
@@ -165,12 +168,13 @@ def main() -> int:
     torch.cuda.empty_cache()
     result = serve_and_load(path, os.path.dirname(os.path.abspath(args.out)), args.port, args.num_prompts, args.serve_args.split(),
                             args.client_processes, args.input_len_range, args.output_len, args.max_concurrency,
-                            args.max_batch_size)
+                            args.max_batch_size, args.pools)
     metrics = result.get("metrics", result)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, indent=1))
     tok_s = metrics.get("output_throughput")
     dtype, kv_dtype = dtypes(args.serve_args.split())
-    common = dict(workload=args.label, model=name, dtype=dtype, kv_dtype=kv_dtype,
+    pools = "colocated" if colocated(args.pools, count_gpus(), "auto") else "separate"  # what auto chose
+    common = dict(workload=args.label, model=name, dtype=dtype, kv_dtype=kv_dtype, pools=pools,
                   refused=bench_throughput.refused(metrics))
     rows = [dict(common, metric="out_tok_per_s", value=tok_s, anchor=None, anchor_value=None, ratio=None)]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):

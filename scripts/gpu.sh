@@ -18,7 +18,8 @@
 #   bash scripts/gpu.sh fp8-tune  the FP8 weight kernels' GPU tests, then tandem.bench.tune_fp8's GEMV and
 #                                 attention sweeps -> $OUT/tune_fp8.json (the rules' data)
 #   bash scripts/gpu.sh offline   llama3-8b through tandem serve: 3,072 requests of 128/128 sent at once in
-#                                 FP8 and bf16, 256 streams of 128/128 (OFFLINE_RUNS=long: 1,000 of 1000/1000)
+#                                 FP8 and bf16, 256 streams of 128/128 (OFFLINE_RUNS=long: 1,000 of 1000/1000);
+#                                 POOLS=separate runs the disaggregated workers instead of the colocated one
 set -o pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh || exit 1
@@ -95,7 +96,8 @@ case "${1:-}" in
         bf16) args=(--num-prompts 3072 --input-len-range 128:128 --output-len 128 --max-batch-size 1024
                     --label offline_128_128_3072) ;;
         c256) args=(--num-prompts 1024 --input-len-range 128:128 --output-len 128 --max-concurrency 256
-                    --max-batch-size 256 --serve-args "--quantization fp8 --kv-cache-dtype fp8" --label serve_c256_128_128) ;;
+                    --max-batch-size 256 --label serve_c256_128_128
+                    --serve-args "--quantization fp8 --kv-cache-dtype fp8 --max-num-tokens ${C256_BUDGET:-2048}") ;;
         long) args=(--num-prompts 1000 --input-len-range 1000:1000 --output-len 1000 --max-batch-size 1024
                     --serve-args "--quantization fp8 --kv-cache-dtype fp8" --label offline_1000_1000_1000) ;;
       esac
@@ -104,7 +106,8 @@ case "${1:-}" in
       top -b -d 2 -c -w 180 | grep --line-buffered -E "^top -|tandem|bench" > "$OUT/$run/top.log" &
       sampler=$!
       timeout "${OFFLINE_TIMEOUT:-240}" python3 -m tandem.bench.cluster_mixed --skip-hf --model-shape llama3-8b \
-        --checkpoint "$ckpt" --client-processes "${CLIENTS:-4}" "${args[@]}" --out "$OUT/$run/result.json" \
+        --checkpoint "$ckpt" --client-processes "${CLIENTS:-4}" "${args[@]}" --pools "${POOLS:-auto}" \
+        --out "$OUT/$run/result.json" \
         > "$OUT/$run/run.log" 2>&1
       status=$?
       kill $sampler 2>/dev/null

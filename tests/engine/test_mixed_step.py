@@ -59,3 +59,24 @@ def test_fed_decode_rows_in_a_mixed_step(tiny_checkpoints):
     plain = again.forward([SeqChunk([42], len(a), [0, 1, 2]), SeqChunk([8], len(b), [3, 4, 5]),
                            SeqChunk(c, 0, [6, 7, 8, 9])])
     torch.testing.assert_close(fed, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_on_the_gpu_equals_its_rows_run_apart(tiny_checkpoints, dtype):
+    """The Triton decode and prefill attention kernels side by side in one forward."""
+    runners = [ModelRunner(tiny_checkpoints["llama"], num_blocks=32, block_size=BLOCK, dtype=dtype, device="cuda")
+               for _ in range(2)]
+    mixed, apart = runners
+    a, b, c, d = _prompts(mixed.config.vocab_size)
+    blocks = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9, 10, 11], "d": [12, 13, 14, 15]}
+    for runner in runners:
+        runner.forward([SeqChunk(a, 0, blocks["a"]), SeqChunk(b, 0, blocks["b"]), SeqChunk(c[:8], 0, blocks["c"])])
+    rows = [SeqChunk([5], len(a), blocks["a"]), SeqChunk([9], len(b), blocks["b"]),
+            SeqChunk(c[8:], 8, blocks["c"]), SeqChunk(d, 0, blocks["d"])]
+    got = mixed.forward(rows)
+    want = torch.cat([apart.forward(rows[:2]), apart.forward(rows[2:3]), apart.forward(rows[3:])])
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -8,7 +8,8 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_gpu_cluster_greedy_matches_hf(tmp_path):
+@pytest.mark.parametrize("layout", ["separate", "colocated"])
+def test_gpu_cluster_greedy_matches_hf(tmp_path, layout):
     import httpx
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -17,7 +18,7 @@ def test_gpu_cluster_greedy_matches_hf(tmp_path):
 
     path = make_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=128, num_attention_heads=4,
                                 num_key_value_heads=1, head_dim=32)
-    cluster = LocalCluster(path, str(tmp_path), device="cuda", dtype="float32", tokens_per_block=16,
+    cluster = LocalCluster(path, str(tmp_path), layout, device="cuda", dtype="float32", tokens_per_block=16,
                            max_num_tokens=32, max_seq_len=256, max_input_len=200,
                            max_tokens_in_paged_kv_cache=8192).start()
     try:

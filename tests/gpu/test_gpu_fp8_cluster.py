@@ -11,7 +11,8 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_gpu_cluster_in_fp8_serves_every_request(tmp_path):
+@pytest.mark.parametrize("layout", ["separate", "colocated"])
+def test_gpu_cluster_in_fp8_serves_every_request(tmp_path, layout):
     import httpx
 
     from tandem.engine.demo_model import make_tiny_checkpoint
@@ -19,7 +20,7 @@ def test_gpu_cluster_in_fp8_serves_every_request(tmp_path):
 
     path = make_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=128, intermediate_size=256,
                                 num_attention_heads=4, num_key_value_heads=1, head_dim=32)
-    cluster = LocalCluster(path, str(tmp_path), device="cuda", dtype="bfloat16", quantization="fp8",
+    cluster = LocalCluster(path, str(tmp_path), layout, device="cuda", dtype="bfloat16", quantization="fp8",
                            kv_cache_dtype="fp8", tokens_per_block=16, max_num_tokens=64, max_seq_len=512,
                            max_input_len=400, max_tokens_in_paged_kv_cache=8192).start()
     try:

@@ -24,7 +24,8 @@ def test_bitmask_on_the_device_equals_the_host():
     assert torch.isfinite(host).flatten().tolist() == [bool(b) for b in bits]
 
 
-def test_gpu_cluster_guided_and_plain_requests(tmp_path):
+@pytest.mark.parametrize("layout", ["separate", "colocated"])
+def test_gpu_cluster_guided_and_plain_requests(tmp_path, layout):
     import asyncio
 
     import httpx
@@ -38,7 +39,7 @@ def test_gpu_cluster_guided_and_plain_requests(tmp_path):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["name", "n"], "additionalProperties": False}
-    cluster = LocalCluster(path, str(tmp_path), device="cuda", dtype="float32", tokens_per_block=16,
+    cluster = LocalCluster(path, str(tmp_path), layout, device="cuda", dtype="float32", tokens_per_block=16,
                            max_num_tokens=32, max_seq_len=256, max_input_len=200,
                            max_tokens_in_paged_kv_cache=8192).start()
     try:
