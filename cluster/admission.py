@@ -14,7 +14,7 @@ change them, each atomically, so the sum stays exact:
 A request's charge is what its worker reserves at admission under the worker's
 capacity policy (``tandem.cluster.policies``, ``CapacityPolicy.charge_tokens``), in whole blocks; a worker can take
 requests while the charges fit its pool and number at most its
-``max_batch_size``. So under GUARANTEED_NO_EVICT and STATIC_BATCH the gateways
+``max_admitted`` (its batch and the next one, waiting in the worker). So under GUARANTEED_NO_EVICT and STATIC_BATCH the gateways
 never promise more KV than the pool holds, while under MAX_UTILIZATION they
 promise only prompts (+1 token) and the worker preempts when growth runs out.
 

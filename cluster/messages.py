@@ -261,7 +261,8 @@ class WorkerInfo:
     max_seq_len: int = 0
     kv_endpoint: dict = field(default_factory=dict)
     capacity_scheduler_policy: str = ""  # decode: the policy it admits under now
-    max_batch_size: int = 0  # decode: most requests it holds admitted (0: no limit)
+    max_batch_size: int = 0  # decode: most requests in one step's batch (0: no limit)
+    max_admitted: int = 0  # decode: most requests it holds admitted, running and waiting (0: max_batch_size)
     num_preemptions: int = 0  # decode: requests paused since it started (monotonic)
     device: str = ""  # what it computes on, the same string for the same GPU in any process ("" unknown)
     computes_prompts: bool = False  # decode: runs both pools (tandem.colocated), needs no prefill worker
@@ -275,6 +276,6 @@ class WorkerInfo:
         "pid": integer(), "host": text(), "started_at": number(), "heartbeat_at": number(),
         "num_total_blocks": integer(), "num_free_blocks": integer(), "num_running": integer(),
         "num_waiting": integer(), "block_size": integer(1), "max_seq_len": integer(), "kv_endpoint": STR_MAP,
-        "capacity_scheduler_policy": text(), "max_batch_size": integer(), "num_preemptions": integer(),
+        "capacity_scheduler_policy": text(), "max_batch_size": integer(), "max_admitted": integer(), "num_preemptions": integer(),
         "device": text(), "computes_prompts": BOOL, "num_mixed_steps": integer(0), "pid_namespace": integer(), "num_restarts": integer(), "heartbeat_ttl_s": number(),
     }

@@ -43,6 +43,7 @@ class Settings:
     port: int = 8000
     admin_host: str = "127.0.0.1"  # gateway: the gRPC admin API (gateway/admin.proto)
     admin_port: int = 50051  # 0: no admin API
+    reuse_port: bool = False  # gateway: bind --port with SO_REUSEPORT (several gateway processes share it)
     # secrets: kept out of repr (logs) and passed to child processes in the environment, not argv
     admin_token: str | None = field(default=None, repr=False)  # every Admin RPC needs "Bearer <token>"
     admin_tls_cert: str | None = None  # PEM files: the admin port speaks TLS
@@ -362,6 +363,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> N
         a("--admin-host", default=d.admin_host,
           help="where the gRPC admin API listens (without --admin-token anyone reaching it may use it)")
         a("--admin-port", type=int, default=d.admin_port, help="gRPC admin API port (0: none)")
+        a("--reuse-port", nargs="?", const=True, default=d.reuse_port, type=_parse_bool,
+          help="bind --port with SO_REUSEPORT, so that several gateway processes share it (the kernel "
+               "spreads connections over them; tandem serve --gateway-processes sets it)")
         a("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN") or None,
           help="every admin RPC needs 'authorization: Bearer <token>' (the health service stays open); "
                "prefer the environment variable TANDEM_ADMIN_TOKEN: a flag shows in ps")

@@ -45,6 +45,12 @@ log = structlog.get_logger(__name__)
 EARLY_ABORT_TTL_S = 60.0  # how long an abort for a request not (yet) here is remembered
 HOLD_POLL_MS = 2  # inbox wait per turn while a step is held (decode.batch_wait)
 RECONCILE_INTERVAL_S = 5.0  # how often admission entries of requests never seen are looked for
+# Requests a worker holds admitted, in batches: the running one and the next, waiting here. When a
+# wave of requests finishes together (an offline batch of equal lengths), the next wave is already
+# in this worker's queue, its prompts computed as rows free up, instead of trickling in from the
+# gateway one admission at a time while the GPU idles. The KV charge of each capacity policy
+# bounds what the waiting ones may hold, as before.
+ADMITTED_BATCHES = 2
 
 
 class DecodeWorker:
@@ -199,6 +205,7 @@ class DecodeWorker:
             kv_endpoint=self.kv_endpoint,
             capacity_scheduler_policy=self.scheduler.policy.name,
             max_batch_size=self.settings.max_batch_size,
+            max_admitted=ADMITTED_BATCHES * self.settings.max_batch_size,
             num_preemptions=self.scheduler.num_preemptions,
             device=self._device_identity,
             computes_prompts=self.computes_prompts,

@@ -49,7 +49,7 @@ class _Ticket:
 
 class AdmissionQueue:
     def __init__(self, router: Router, *, max_queue_len: int | None = None, queue_timeout_s: float | None = None,
-                 poll_s: float = POLL_S):
+                 poll_s: float = POLL_S, queued_gauge=None):
         """``max_queue_len``: requests held at most (0: none, refused at once when no worker has
         room; None: no bound); ``queue_timeout_s``: longest wait (None: no bound)."""
         self.router = router
@@ -58,6 +58,7 @@ class AdmissionQueue:
         self.poll_s = poll_s
         self._waiting: list[_Ticket] = []  # sorted by (priority, arrival number)
         self._arrivals = itertools.count()
+        self._gauge = queued_gauge  # a prometheus Gauge that follows num_queued (None: none)
 
     @property
     def num_queued(self) -> int:
@@ -83,6 +84,8 @@ class AdmissionQueue:
                              "retry later", code="queue_full")
         ticket = _Ticket((priority, next(self._arrivals) - (RESUMED_FIRST if resumed else 0)))
         bisect.insort(self._waiting, ticket)
+        if self._gauge is not None:
+            self._gauge.inc()
         self._waiting[0].turn.set()  # a ticket that went ahead of the head is the head now
         now = time.monotonic()
         queue_deadline = float("inf") if self.queue_timeout_s is None else now + self.queue_timeout_s
@@ -118,5 +121,7 @@ class AdmissionQueue:
                         pass
         finally:
             self._waiting.remove(ticket)
+            if self._gauge is not None:
+                self._gauge.dec()
             if self._waiting:
                 self._waiting[0].turn.set()

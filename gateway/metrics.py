@@ -7,11 +7,19 @@ one gauge per field labelled by worker and role; a worker that stopped
 heartbeating simply disappears from the scrape. ``tandem_preemptions_total``
 (per decode worker) is a counter that follows the monotonic count the worker
 reports, republished as is.
+
+Several gateway processes sharing one port (``tandem serve --gateway-processes``)
+share their metrics through prometheus_client's multiprocess mode: the launcher
+gives them one directory (``PROMETHEUS_MULTIPROC_DIR``, the library's own
+variable, read when it is imported), each process writes its counters there, and
+a scrape of any of them reads all of them (gauges: the sum over live processes).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -21,10 +29,32 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _WORKER_FIELDS = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting")
 
 
+def shared_dir() -> str | None:
+    """The multiprocess directory this process writes its metrics to (None: its own registry only)."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") if values.ValueClass is not values.MutexValue else None
+
+
+def forget_dead_processes(path: str) -> None:
+    """Drop the live gauges of gateway processes that are gone (a restarted one left them behind)."""
+    pids = {name.rsplit("_", 1)[-1].removesuffix(".db") for name in os.listdir(path) if name.endswith(".db")}
+    for pid in pids:
+        if pid.isdigit() and not _alive(int(pid)):
+            multiprocess.mark_process_dead(int(pid), path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class GatewayMetrics:
-    def __init__(self, worker_snapshot=None, num_queued=None):
-        """``worker_snapshot()`` returns the cached live workers ``{role: [WorkerInfo]}``;
-        ``num_queued()`` the requests waiting in the gateway's admission queue."""
+    def __init__(self, worker_snapshot=None):
+        """``worker_snapshot()`` returns the cached live workers ``{role: [WorkerInfo]}``."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tandem_gateway_requests", "HTTP requests by route and status code",
@@ -41,17 +71,25 @@ class GatewayMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.failovers = Counter("tandem_gateway_failovers", "Requests resumed on another decode worker after "
                                  "theirs was lost", registry=r)
-        self.running = Gauge("tandem_gateway_requests_running", "Generations in flight in this gateway",
-                             registry=r)
+        self.running = Gauge("tandem_gateway_requests_running", "Generations in flight in the gateways",
+                             registry=r, multiprocess_mode="livesum")
         self.queued = Gauge("tandem_gateway_requests_queued", "Requests waiting for room on a decode worker",
-                            registry=r)
-        if num_queued is not None:
-            self.queued.set_function(num_queued)
-        if worker_snapshot is not None:
-            r.register(_WorkerLoadCollector(worker_snapshot))
+                            registry=r, multiprocess_mode="livesum")
+        self._worker_load = _WorkerLoadCollector(worker_snapshot) if worker_snapshot is not None else None
+        self._shared = shared_dir()
+        if self._shared is not None:
+            forget_dead_processes(self._shared)
+        if self._worker_load is not None:
+            r.register(self._worker_load)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._shared is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()  # every gateway process's metrics, and the workers' load once
+        multiprocess.MultiProcessCollector(registry, path=self._shared)
+        if self._worker_load is not None:
+            registry.register(self._worker_load)
+        return generate_latest(registry)
 
 
 class _WorkerLoadCollector:

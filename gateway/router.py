@@ -55,7 +55,7 @@ def admission_args(worker: WorkerInfo, num_prompt_tokens: int, max_tokens: int) 
     policy = CAPACITY_POLICIES.get(worker.capacity_scheduler_policy) or CAPACITY_POLICIES[GUARANTEED_NO_EVICT]
     charge = policy.charge_tokens(
         num_prompt_tokens, max_tokens, worker.max_seq_len, worker.block_size, capacity)
-    return [charge, capacity, worker.max_batch_size]
+    return [charge, capacity, worker.max_admitted or worker.max_batch_size]
 
 
 def tie_order(workers: list[WorkerInfo]) -> list[WorkerInfo]:

@@ -1,5 +1,9 @@
 """Gateway process entry point: one uvicorn process serving ``create_app(settings)``.
 
+With ``--reuse-port`` several such processes listen on one port (``tandem serve
+--gateway-processes``): each is a whole gateway (its own output stream, admission
+queue and event loop, the same Redis), the kernel deals connections among them.
+
 Signals are the gateway's own, not uvicorn's (uvicorn would stop listening at once):
 the first SIGTERM or SIGINT drains (``tandem.gateway.drain``: new requests get 503
 while the open streams finish, for up to --shutdown-timeout-s), the second ends
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 
 import structlog
 import uvicorn
@@ -86,7 +91,21 @@ def main(settings: Settings) -> None:
         timeout_graceful_shutdown=5,
         backlog=4096,
     )
-    DrainingServer(config, app, settings.shutdown_timeout_s).run()
+    server = DrainingServer(config, app, settings.shutdown_timeout_s)
+    server.run(sockets=[shared_socket(settings.host, settings.port, config.backlog)] if settings.reuse_port else None)
+
+
+def shared_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening socket on (host, port) that other processes may bind too (SO_REUSEPORT): the
+    kernel spreads new connections over every gateway process listening there."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
 
 
 def _cli() -> None:

@@ -72,11 +72,10 @@ class GatewayService:
         self.lanes = TokenizeLanes(settings, self.tokenizer)  # validation and tokenization, off the loop
         self.redis = redis if redis is not None else make_redis(settings.redis_url)
         self.router = Router(self.redis, model=settings.model_name)
+        self.metrics = GatewayMetrics(lambda: {role: self.router.cached(role) for role in ROLES})
         self.admission = AdmissionQueue(self.router, max_queue_len=settings.max_queue_len,
-                                        queue_timeout_s=settings.queue_timeout_s)
+                                        queue_timeout_s=settings.queue_timeout_s, queued_gauge=self.metrics.queued)
         self.mux = OutputMux(self.redis)
-        self.metrics = GatewayMetrics(lambda: {role: self.router.cached(role) for role in ROLES},
-                                      num_queued=lambda: self.admission.num_queued)
         self.background = BackgroundTasks()
         self.drain = Drain()
         self.dispatcher = Dispatcher(self.router, self.admission, self.mux.stream, self.background,

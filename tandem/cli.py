@@ -59,6 +59,13 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {number}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     settings_mod.add_arguments(serve)
     serve.add_argument("--num-prefill-workers", type=_positive_int, default=1)
     serve.add_argument("--num-decode-workers", type=_positive_int, default=1)
+    serve.add_argument("--gateway-processes", type=_non_negative_int, default=0,
+                       help="gateway processes sharing --port (each streams its own connections' tokens; "
+                            "one Python process streams about 10k tokens/s); 0: auto (one per 4 cores, at "
+                            "most 4, with a GPU; 1 on the CPU)")
     for role in ("gateway", "prefill", "decode", "colocated"):
         settings_mod.add_arguments(sub.add_parser(role, help=f"run one {role} service"))
     demo = sub.add_parser("demo-model", help="write the tiny random demo Llama to PATH")

@@ -40,6 +40,8 @@ GRACE_S = 10.0
 READY_TIMEOUT_S = 600.0
 TICK_S = 0.05  # how soon a signal or an exit is acted on
 GATEWAY, WORKERS, REDIS = 0, 1, 2  # stop order
+MAX_AUTO_GATEWAYS = 4
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own variable: where processes keep their metrics
 
 
 class Signals:
@@ -187,7 +189,18 @@ def _check_redis(url: str, wait_s: float = 10.0) -> str | None:
         time.sleep(0.25)
 
 
-def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace, signals: Signals) -> bool:
+def auto_gateway_processes(settings: Settings, num_gpus: int) -> int:
+    """Gateway processes when --gateway-processes is 0: one per 4 cores, at most 4, on a GPU
+    machine (one Python process streams about 10k tokens/s over HTTP: docs/benchmarks.md); one on
+    the CPU, whose workers need the cores."""
+    if settings.device == "cpu" or (num_gpus == 0 and not settings.device.startswith("cuda")):
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_AUTO_GATEWAYS, cores // 4))
+
+
+def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace, signals: Signals,
+           metrics_dir: str | None = None) -> bool:
     """Start the workers (prefill first: on a shared GPU the decode workers then size their pools
     from the memory the prefill workers left free) and the gateway; False if told to stop meanwhile."""
     num_gpus = count_gpus()
@@ -207,7 +220,15 @@ def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace,
         if role == "prefill" and num_prefill and not _wait(lambda: wait_registered(
                 settings.redis_url, "prefill", num_prefill, 2.0, signals), supervisor, signals):
             return False
-    supervisor.add(ChildSpec("gateway", service_argv("gateway", settings), GATEWAY))
+    num_gateways = args.gateway_processes or auto_gateway_processes(settings, num_gpus)
+    for index in range(num_gateways):
+        # one admin API (the first gateway's); the others share --port through SO_REUSEPORT and
+        # their metrics through prometheus_client's multiprocess directory
+        gateway_settings = dataclasses.replace(settings, reuse_port=num_gateways > 1,
+                                               admin_port=settings.admin_port if index == 0 else 0)
+        env = {METRICS_DIR_ENV: metrics_dir} if num_gateways > 1 and metrics_dir else {}
+        supervisor.add(ChildSpec("gateway" if index == 0 else f"gateway-{index}",
+                                 service_argv("gateway", gateway_settings), GATEWAY, env))
     base = f"http://{settings.host}:{settings.port}"
     return _wait(lambda: wait_healthy(f"{base}/health", [], 2.0, signals), supervisor, signals)
 
@@ -272,6 +293,7 @@ def serve(args: argparse.Namespace) -> int:
     signals = Signals()
     supervisor = Supervisor()
     redis_dir = None
+    metrics_dir = private_dir("tandem-metrics-")  # prometheus_client's, when several gateways share a port
     try:
         if not args.redis_url:
             port, redis_dir = free_port(), private_dir("tandem-redis-")
@@ -285,7 +307,7 @@ def serve(args: argparse.Namespace) -> int:
             if problem:
                 print(f"tandem: {problem}", file=sys.stderr)
                 return 1
-        if not _start(supervisor, settings, args, signals):
+        if not _start(supervisor, settings, args, signals, metrics_dir):
             if signals.is_set():
                 return 0  # told to stop while starting
             print("tandem: the cluster did not start; stopping", file=sys.stderr)
@@ -310,3 +332,4 @@ def serve(args: argparse.Namespace) -> int:
         supervisor.stop_all(GRACE_S)
         if redis_dir is not None:
             shutil.rmtree(redis_dir, ignore_errors=True)
+        shutil.rmtree(metrics_dir, ignore_errors=True)

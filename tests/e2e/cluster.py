@@ -47,14 +47,16 @@ class LocalCluster:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start_service(self, role: str, worker_id: str | None = None, name: str | None = None,
-                      **overrides) -> subprocess.Popen:
-        """Start one service; ``overrides`` change its settings only (e.g. a second gateway's port)."""
+                      env: dict[str, str] | None = None, **overrides) -> subprocess.Popen:
+        """Start one service; ``overrides`` change its settings only (e.g. a second gateway's port);
+        ``env``: added to its environment."""
         name = name or worker_id or role
         if role == "gateway" and "port" in overrides:
             overrides.setdefault("admin_port", free_port())  # a second gateway: its own admin port too
         settings = dataclasses.replace(self.settings, **overrides) if overrides else self.settings
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        proc = subprocess.Popen(service_argv(role, settings, worker_id), stdout=log, stderr=log)
+        proc = subprocess.Popen(service_argv(role, settings, worker_id), stdout=log, stderr=log,
+                                env={**os.environ, **env} if env else None)
         self.procs[name] = proc
         return proc
 
