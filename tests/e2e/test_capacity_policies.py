@@ -1,6 +1,7 @@
 """Capacity policies end to end on the CPU, with a KV pool far smaller than the load.
 
-One cluster (real redis-server, gateway, prefill and decode processes) with a
+One cluster (real redis-server, gateway, prefill and decode processes, or one
+worker running both pools: each test runs in both layouts) with a
 96-token decode pool; the policy is switched through the ``tandem:policy`` hash
 between tests, as an operator would. For every policy, 16 concurrent requests
 that together need ~5x the pool all finish with HF transformers' greedy output;
@@ -21,7 +22,7 @@ from transformers import AutoTokenizer
 
 from tandem.cluster import keys
 from tandem.launcher import free_port, wait_healthy
-from tests.e2e.cluster import LocalCluster
+from tests.e2e.cluster import LAYOUTS, LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -48,9 +49,11 @@ PROMPTS = [
 POLICIES = ["GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"]
 
 
-@pytest.fixture(scope="module")
-def small_pool(tiny_llama, tmp_path_factory):
-    c = LocalCluster(tiny_llama, str(tmp_path_factory.mktemp("logs")), tokens_per_block=4, max_num_tokens=32,
+@pytest.fixture(scope="module", params=LAYOUTS)
+def small_pool(tiny_llama, tmp_path_factory, request):
+    """The same pool in each layout: disaggregated workers, and one worker running both pools."""
+    c = LocalCluster(tiny_llama, str(tmp_path_factory.mktemp("logs")), request.param, tokens_per_block=4,
+                     max_num_tokens=32,
                      max_seq_len=64, max_input_len=40, max_tokens_in_paged_kv_cache=POOL_TOKENS,
                      capacity_scheduler_policy="GUARANTEED_NO_EVICT").start()
     yield c
