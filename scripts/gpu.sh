@@ -20,6 +20,9 @@
 #   bash scripts/gpu.sh offline   llama3-8b through tandem serve: 3,072 requests of 128/128 sent at once in
 #                                 FP8 and bf16, 256 streams of 128/128 (OFFLINE_RUNS=long: 1,000 of 1000/1000);
 #                                 POOLS=separate runs the disaggregated workers instead of the colocated one
+#   bash scripts/gpu.sh profile   one step of llama3-8b by kernel kind (GEMMs, attention, the rest) and the
+#                                 GEMMs' rate against the matmul rate of the same run: decode batches of
+#                                 256 and 1,024 and mixed steps, FP8 (then bf16) -> $OUT/profile_*.json
 set -o pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh || exit 1
@@ -86,6 +89,13 @@ case "${1:-}" in
     timeout 420 python3 -m tandem.bench.tune_fp8 --parts gemv,attention --out "$OUT/tune_fp8.json" 2>&1 \
       | tee "$OUT/tune_fp8.log" | grep -E "^(gemv|==|attention)"
     summary "$OUT/fp8_weight_tests.log" ;;
+  profile)
+    for q in fp8 bf16; do
+      flags=(); [ "$q" = fp8 ] && flags=(--quantization fp8 --kv-cache-dtype fp8)
+      timeout "${PROFILE_TIMEOUT:-200}" python3 -m tandem.bench.decode_profile --model llama3-8b --batches 256,1024 \
+        --mixed 1024:7168,256:1792 "${flags[@]}" --out "$OUT/profile_$q.json" 2>&1 | tee "$OUT/profile_$q.log" \
+        | grep -E "^==|by kind"
+    done ;;
   offline)  # TensorRT-LLM's offline shapes and 256 streams, llama3-8b, through tandem serve
     # OFFLINE_RUNS picks among fp8, bf16, c256 and long (1000/1000, 1,000 requests); default the first three
     ckpt=/tmp/tandem-bench-llama3-8b
