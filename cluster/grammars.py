@@ -10,7 +10,10 @@ string (``tandem.engine.guide``).
 
 JSON is compact unless the request gives a ``whitespace_pattern``: no whitespace
 between tokens at all, so a weak model cannot spin in whitespace until
-``max_tokens`` (llguidance's ``whitespace_flexible`` off).
+``max_tokens`` (llguidance's ``whitespace_flexible`` off). For the same reason an
+object schema admits only its declared properties unless it says otherwise
+(``tandem.cluster.strict_schemas``); ``closed=False`` keeps JSON Schema's own
+reading (any other key allowed).
 
 Why llguidance (docs/architecture.md, "Structured outputs", measured with
 ``tandem bench grammar``): it has no torch dependency, so the torch-free gateway
@@ -25,6 +28,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tandem.cluster.strict_schemas import close_objects
+
 LLGUIDANCE_WHITESPACE = {"whitespace_flexible": False}
 
 
@@ -32,7 +37,9 @@ class GrammarError(ValueError):
     """A structured output the grammar engine refuses (its message, for the client)."""
 
 
-def json_schema_grammar(schema: dict[str, Any] | bool, whitespace_pattern: str | None = None) -> str:
+def json_schema_grammar(schema: dict[str, Any] | bool, whitespace_pattern: str | None = None,
+                        closed: bool = True) -> str:
+    """``closed``: object schemas without ``additionalProperties`` admit their declared keys only."""
     from llguidance import LLMatcher
 
     options: dict[str, Any] = dict(LLGUIDANCE_WHITESPACE)
@@ -40,6 +47,8 @@ def json_schema_grammar(schema: dict[str, Any] | bool, whitespace_pattern: str |
         options = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
     if schema is True:
         schema = {}
+    if closed:
+        schema = close_objects(schema)
     try:
         return LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except (ValueError, TypeError) as exc:

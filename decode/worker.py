@@ -34,7 +34,7 @@ from tandem.decode.device_steps import DeviceStep, DeviceSteps, PromptRow, run_a
 from tandem.decode.handoffs import PrefillHandoffs
 from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
-from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.block_allocator import BlockAllocator, blocks_for
 from tandem.engine.guide import Guides
 from tandem.engine.placement import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.kvtransfer import get_transport
@@ -268,10 +268,18 @@ class DecodeWorker:
             log.error("unexpected message", kind=msg.kind)
 
     def _unfit(self, msg: GenerateRequest) -> str | None:
-        """Why this worker cannot run a request that decoded (what needs its model and limits)."""
-        if len(msg.prompt_token_ids) >= self.scheduler.max_seq_len:
-            return (f"the prompt has {len(msg.prompt_token_ids)} tokens, no fewer than this worker's "
-                    f"max_seq_len {self.scheduler.max_seq_len}")
+        """Why this worker cannot run a request that decoded (what needs its model and limits).
+        The gateway checks the same limits, but a worker trusts no message: one asking for more
+        than its context or its pool could hold would take blocks it cannot use."""
+        num_prompt, max_seq_len = len(msg.prompt_token_ids), self.scheduler.max_seq_len
+        if num_prompt >= max_seq_len:
+            return f"the prompt has {num_prompt} tokens, no fewer than this worker's max_seq_len {max_seq_len}"
+        if num_prompt + msg.max_tokens > max_seq_len:
+            return (f"the prompt's {num_prompt} tokens + max_tokens {msg.max_tokens} exceed this worker's "
+                    f"max_seq_len {max_seq_len}")
+        needed = blocks_for(num_prompt + msg.max_tokens, self.allocator.block_size)
+        if needed > self.allocator.num_total:
+            return f"the request needs {needed} KV blocks, more than this worker's pool of {self.allocator.num_total}"
         if not self._in_vocab(msg.prompt_token_ids) or not self._in_vocab(msg.output_token_ids):
             return f"token ids outside the vocabulary of {self.vocab_size}"
         return None

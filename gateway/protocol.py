@@ -68,6 +68,9 @@ class StructuredOutputs(StrictModel):
     grammar: str | None = None  # Lark (llguidance's dialect), or GBNF
     json_object: bool | None = None
     whitespace_pattern: str | None = None  # JSON: the whitespace allowed between tokens (a regex)
+    # vLLM's name. True (our default, as xgrammar's and OpenAI's): an object schema without
+    # additionalProperties admits its declared properties only; False: any other key too
+    disable_additional_properties: bool = True
 
     @field_validator("choice")
     @classmethod

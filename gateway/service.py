@@ -99,7 +99,9 @@ class GatewayService:
         which ``Choices`` returns the best n) to a decode worker and submit it; raises
         NoWorkerAvailable, ServerBusy (429) or RedisError, or ClientDisconnected where
         ``client_gone`` (asked while queued and once more before submitting) says the client
-        left. Choices already started when one cannot start are aborted."""
+        left. Choices already started when one cannot start are aborted. Every sequence ends
+        under one finish reason in the metrics: a started one when its ``Generation`` closes,
+        one never started here (``abort`` when its client left, ``error`` otherwise)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         arrived_at = time.monotonic()
@@ -113,9 +115,13 @@ class GatewayService:
                 wire_id = request_id if num_sequences == 1 else f"{request_id}-{index}"
                 generations.append(await self._start_one(choice_input(sequence, index), wire_id, arrived_at,
                                                          client_gone))
-        except BaseException:
+        except BaseException as exc:
             for generation in generations:
-                generation.close()
+                generation.close()  # each counts its own finish
+            # the sequences never started end here, under one reason each like any other
+            gone = isinstance(exc, (ClientDisconnected, asyncio.CancelledError))
+            self.metrics.finished.labels(finish_reason="abort" if gone else "error").inc(
+                num_sequences - len(generations))
             raise
         return Choices(request_id, generations, n=inp.n, logprobs_asked=inp.sampling.logprobs is not None)
 

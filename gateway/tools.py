@@ -12,8 +12,9 @@ A parser knows one format:
 renders). With ``tool_choice`` "required" or a named function the output is forced:
 ``forced_grammar`` is a Lark grammar (llguidance's dialect, ``%json`` for the arguments)
 that only lets the model write calls in its parser's format, to the tools' names, with
-arguments valid for each function's schema. ``tool_choice`` "auto" leaves the model free
-and reads whatever calls it wrote.
+arguments valid for each function's schema (its objects closed:
+``tandem.cluster.strict_schemas``; its own ``$defs`` resolved where it sits in the call's
+schema). ``tool_choice`` "auto" leaves the model free and reads whatever calls it wrote.
 
 ``ToolCallReader`` turns one choice's text deltas into content deltas and whole calls:
 content streams as it comes (minus any text that may still open a call); a call goes
@@ -30,6 +31,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.cluster.strict_schemas import close_objects
 from tandem.gateway.responses import ChoiceResult, Delta
 
 PARSERS = ("hermes", "llama3_json", "mistral")
@@ -62,10 +64,38 @@ def parser_for(template: str | None, configured: str | None = None) -> str:
 
 # ---- forced calls: the grammar ----------------------------------------------------------
 
-def _call_schema(parser: str, function) -> dict:
+# keywords whose value is data, not a schema (a "$ref" key in there is no reference), and those
+# whose value maps names to schemas (any name, "$ref" too)
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """A copy of a schema whose local references (``#...``) point below ``base`` (a JSON pointer):
+    where the schema sits in the call's schema, so its ``$defs`` (pydantic's nested models) resolve."""
+    if isinstance(node, list):
+        return [_rebased(item, base) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + base + value[1:]
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = value if key in _DATA_KEYWORDS else _rebased(value, base)
+    return out
+
+
+def _call_schema(parser: str, function, index: int, defs: dict) -> dict:
+    """The schema of one call to ``function``; its arguments' schema goes into ``defs`` (the
+    grammar's root ``$defs``) as ``f<index>``, its references rebased there."""
     key = "parameters" if parser == "llama3_json" else "arguments"
     parameters = function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": function.name}, key: parameters},
+    parameters = close_objects(parameters)  # the declared arguments only, as for response_format
+    defs[f"f{index}"] = _rebased(parameters, f"/$defs/f{index}")
+    return {"type": "object", "properties": {"name": {"const": function.name}, key: {"$ref": f"#/$defs/f{index}"}},
             "required": ["name", key], "additionalProperties": False}
 
 
@@ -73,8 +103,10 @@ def forced_grammar(parser: str, functions: list, parallel: bool, special_token_i
     """A Lark grammar: one call (or, with ``parallel``, one or more) to one of ``functions``, in
     ``parser``'s format. ``special_token_id(text)``: the id of a marker the tokenizer has as one
     special token (it is then matched as that token: its text is not what the model writes)."""
-    schemas = [_call_schema(parser, f) for f in functions]
+    defs: dict[str, Any] = {}
+    schemas = [_call_schema(parser, f, i, defs) for i, f in enumerate(functions)]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    schema["$defs"] = defs
     schema["x-guidance"] = {"whitespace_flexible": False}  # compact arguments: no whitespace to spin in
     call_json = "%json " + json.dumps(schema, separators=(",", ":"))
     if parser == "hermes":

@@ -174,7 +174,8 @@ class Validator:
                         schema = json.loads(schema)
                     except ValueError as exc:
                         raise GrammarError(f"the JSON schema is not JSON: {exc}") from None
-                grammar = grammars.json_schema_grammar(schema, spec.whitespace_pattern)
+                grammar = grammars.json_schema_grammar(schema, spec.whitespace_pattern,
+                                                       closed=spec.disable_additional_properties)
             elif spec.regex is not None:
                 grammar = grammars.regex_grammar(spec.regex)
             elif spec.choice is not None:

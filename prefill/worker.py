@@ -208,9 +208,15 @@ class PrefillWorker:
     def _unfit(self, job: PrefillJob) -> str | None:
         """Why this worker cannot run a job that decoded (what needs its model, limits and the
         destination pool); a prompt it could never be given room for would hold up every job behind it."""
-        num_prompt = len(job.prompt_token_ids)
-        if num_prompt >= self.settings.max_seq_len:
-            return f"the prompt has {num_prompt} tokens, no fewer than max_seq_len {self.settings.max_seq_len}"
+        num_prompt, max_seq_len = len(job.prompt_token_ids), self.settings.max_seq_len
+        if num_prompt >= max_seq_len:
+            return f"the prompt has {num_prompt} tokens, no fewer than max_seq_len {max_seq_len}"
+        if not job.resume and num_prompt + job.max_tokens > max_seq_len:  # a resume's prompt holds its output
+            return f"the prompt's {num_prompt} tokens + max_tokens {job.max_tokens} exceed max_seq_len {max_seq_len}"
+        if job.max_tokens and len(job.dst_block_ids) * self.block_size < num_prompt:
+            # its last chunks would have nowhere to go: refused before any forward is spent on it
+            return (f"{len(job.dst_block_ids)} destination blocks cannot hold the prompt's {num_prompt} tokens "
+                    f"({self.block_size} a block)")
         if not self.allocator.can_allocate_total(num_prompt):
             pool_tokens = self.allocator.num_total * self.block_size
             return f"{num_prompt} tokens exceed this prefill worker's KV pool of {pool_tokens}"

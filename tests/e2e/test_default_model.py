@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pydantic
 import pytest
 import torch
 
@@ -243,3 +244,45 @@ def test_default_model_calls_a_tool_and_answers_from_its_result(default_cluster,
     answer = final.choices[0].message.content
     assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason in ("stop", "length")
     assert "24" in answer or "sun" in answer.lower(), answer  # it read the tool result
+
+
+class UserDetail(pydantic.BaseModel):
+    name: str
+    age: int
+    email: str
+    city: str
+
+
+def _instructor_tool(model: type[pydantic.BaseModel]) -> dict:
+    """The tool instructor's TOOLS mode sends for a pydantic model: the model's JSON schema as
+    pydantic writes it (a title on every field, no additionalProperties), its top-level title and
+    description moved out, every field without a default required."""
+    schema = model.model_json_schema()
+    parameters = {k: v for k, v in schema.items() if k not in ("title", "description")}
+    parameters["required"] = sorted(k for k, v in parameters["properties"].items() if "default" not in v)
+    return {"type": "function", "function": {
+        "name": schema["title"], "parameters": parameters,
+        "description": f"Correctly extracted `{model.__name__}` with all the required parameters with correct types"}}
+
+
+@pytest.mark.slow
+def test_an_instructor_style_forced_call_holds_the_models_fields_only(default_cluster):
+    """Such a schema read as JSON Schema allows any further key: the model wrote "city_zip",
+    "city_zip_street", ... after the four fields until max_tokens. Read as OpenAI and xgrammar
+    read it, the call holds the declared fields, each once, and ends."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{default_cluster.base_url}/v1", api_key="unused")
+    tool = _instructor_tool(UserDetail)
+    assert "additionalProperties" not in tool["function"]["parameters"]
+    for text in ("Jane Doe, 31, from Berlin. Email: jane@doe.org",
+                 "Extract: Jason is 25 years old, lives in Paris, jason@example.com"):
+        choice = client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=[{"role": "user", "content": text}], tools=[tool], temperature=0.0,
+            max_tokens=120, tool_choice={"type": "function", "function": {"name": "UserDetail"}}).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name == "UserDetail" and list(arguments) == list(UserDetail.model_fields), arguments
+        UserDetail.model_validate(arguments)
+    default_cluster.wait_blocks_free("decode", "decode-0")

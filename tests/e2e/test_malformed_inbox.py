@@ -84,6 +84,8 @@ def test_malformed_inbox_entries_crash_no_worker(cluster):
         "bad-empty-prompt": _generate("bad-empty-prompt", prompt_token_ids=[]),
         "bad-vocab": _generate("bad-vocab", prompt_token_ids=[5, 10**9]),  # the worker's own check
         "bad-too-long": _generate("bad-too-long", prompt_token_ids=[5] * 200),  # above max_seq_len
+        # well-formed, but asking for more than the worker's context: refused, no block taken for it
+        "bad-max-tokens-huge": _generate("bad-max-tokens-huge", max_tokens=10**12),
     }
     garbage = [
         _packed(**{**GOOD_REQUEST, "request_id": ["bad-list-id"]}),
@@ -103,6 +105,10 @@ def test_malformed_inbox_entries_crash_no_worker(cluster):
         _prefill_job("job-bad-types", endpoint, max_tokens="4", sampling={"top_p": None}),
         _prefill_job("job-endpoint", endpoint, kv_endpoint=["not", "a", "map"]),
         _prefill_job("job-vocab", endpoint, prompt_token_ids=[5, 10**9]),
+        # well-formed, but beyond the worker's context, or with too few blocks for the prompt's KV:
+        # refused before any forward (a job that ran would send its first token to the probe stream)
+        _prefill_job("job-max-tokens-huge", endpoint, max_tokens=10**12),
+        _prefill_job("job-short-dst", endpoint, dst_block_ids=[0]),
         b"\x93garbage",
         _packed(kind="AbortRequest", v=VERSION, request_id=None),
     ]
@@ -120,11 +126,15 @@ def test_malformed_inbox_entries_crash_no_worker(cluster):
     by_id = {e.request_id: e.error for e in events}
     assert "max_tokens" in by_id["bad-max-tokens-str"] and "temperature" in by_id["bad-temperature"]
     assert "prompt_token_ids" in by_id["bad-empty-prompt"] and "vocabulary" in by_id["bad-vocab"]
+    assert "max_tokens 1000000000000" in by_id["bad-max-tokens-huge"] and "max_seq_len 128" in by_id["bad-max-tokens-huge"]
 
     deadline = time.monotonic() + 30
     while (cluster.redis.xlen(decode_inbox) or cluster.redis.xlen(prefill_inbox)) and time.monotonic() < deadline:
         time.sleep(0.1)  # every entry read
     time.sleep(1.0)
+    everything = [e for _stream, entries in cluster.redis.xread({PROBE: "0"}, count=1000) or []
+                  for _id, fields in entries for e in decode(fields[FIELD]).unpack()]
+    assert sorted(e.request_id for e in everything) == sorted(refused)  # no bad job ran (none sent a token)
     assert {name: proc.poll() for name, proc in cluster.procs.items()} == {name: None for name in cluster.procs}
     assert _complete(cluster) == before
     info = cluster.wait_blocks_free("decode", "decode-0")  # nothing the garbage named holds a block
