@@ -26,6 +26,7 @@ import triton
 import triton.testing
 
 from tandem.kernels import decode_attention as decode_module
+from tandem.kernels import decode_config
 from tandem.kernels import prefill_attention as prefill_module
 from tandem.kernels import reference
 from tandem.kernels.activation import silu_mul
@@ -190,20 +191,19 @@ def prefill_case(model, seq_lens, q_lens, window=None, sweep=False) -> None:
     shape = f"{model} q={q_lens[:3]}{'..' if len(q_lens) > 3 else ''} kv={seq_lens[:3]}{'..' if len(seq_lens) > 3 else ''}" + (f" w={window}" if window else "")
     record("prefill_attention", shape, err, ms, ref_ms, sdpa_ms=sdpa_ms, tflops=tflops)
     if sweep:
-        default = prefill_module._tile_config
+        out = torch.empty_like(q)
         for block_m, block_n, warps, stages in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 128, 8, 2),
                                                 (128, 128, 4, 2), (64, 128, 4, 2), (128, 128, 8, 3)]:
-            prefill_module._tile_config = lambda *a, c=(block_m, block_n, warps, stages): c
+            config = (block_m, block_n, warps, stages, prefill_module.HEAVY_FIRST)
             try:
-                t = bench_ms(run)
+                t = bench_ms(lambda: prefill_module._launch_prefill_attention(
+                    q, k_cache, v_cache, block_tables, qsl, lens, out, scale, window, config=config))
                 rows.append({"kernel": "prefill_sweep", "shape": shape, "config": [block_m, block_n, warps, stages],
                              "triton_ms": t, "default_ms": ms})
                 print(f"    sweep BM={block_m} BN={block_n} warps={warps} stages={stages}: {t:.3f} ms "
                       f"(default {ms:.3f})", flush=True)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
                 print(f"    sweep {block_m, block_n, warps, stages}: {type(exc).__name__}", flush=True)
-            finally:
-                prefill_module._tile_config = default
 
 
 def decode_case(model, num_seqs, context, window=None, sweep=False) -> None:
@@ -236,20 +236,23 @@ def decode_case(model, num_seqs, context, window=None, sweep=False) -> None:
     record("decode_attention", shape, err, ms, ref_ms, sdpa_ms=sdpa_ms, graph_ms=graph_ms,
            gbps=kv_bytes / graph_ms / 1e6, kv_bytes=kv_bytes, num_splits=splits)
     if sweep:
-        default = decode_module.num_kv_splits
+        out = torch.empty_like(q)
+        block_n, warps, stages, ids = decode_config._tile_config(HEAD_DIM, q.dtype, num_seqs * hk)
         for s in (1, 2, 4, 8, 16, 32, 64):
-            decode_module.num_kv_splits = lambda *a, s=s: s
+            sweep_ws = DecodeWorkspace.allocate(num_seqs, hq, HEAD_DIM, s, device="cuda")
             try:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    run()
+                    decode_module._launch_decode_attention(q, k_cache, v_cache, block_tables, lens, out, scale, window,
+                                                           sweep_ws, config=(block_n, warps, stages, s),
+                                                           ids_in_registers=ids)
                 t = bench_ms(g.replay)
                 rows.append({"kernel": "decode_sweep", "shape": shape, "num_splits": s, "graph_ms": t,
                              "gbps": kv_bytes / t / 1e6, "default_graph_ms": graph_ms})
                 print(f"    sweep splits={s:2d}: {t:.4f} ms  {kv_bytes / t / 1e6:6.0f} GB/s "
                       f"(default {graph_ms:.4f})", flush=True)
-            finally:
-                decode_module.num_kv_splits = default
+            except Exception as exc:  # noqa: BLE001 - e.g. a workspace the shape does not fit
+                print(f"    sweep splits={s}: {type(exc).__name__}", flush=True)
 
 
 def main() -> None:

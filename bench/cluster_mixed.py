@@ -161,7 +161,7 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=128, help="tandem serve --max-batch-size")
     parser.add_argument("--pools", default="auto", choices=["auto", "colocated", "separate"],
                         help="tandem serve --pools (auto: one worker for both pools on one GPU)")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cluster_mixed.json"))
+    parser.add_argument("--out", default="cluster_mixed.json")
     args = parser.parse_args()
     name = args.model_shape
     path = write_checkpoint(name, args.checkpoint)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 
 import torch
 
@@ -149,7 +148,7 @@ def main() -> int:
                                                     "P-token prompt chunk")
     parser.add_argument("--quantization", default=None, choices=[None, "fp8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "decode_profile.json"))
+    parser.add_argument("--out", default="decode_profile.json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     mixed = [tuple(int(v) for v in m.split(":")) for m in args.mixed.split(",") if m]

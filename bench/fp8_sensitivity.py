@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--layers", default="1,2,4,8")
     parser.add_argument("--default-model", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_sensitivity.json"))
+    parser.add_argument("--out", default="fp8_sensitivity.json")
     args = parser.parse_args()
     rows = []
 

@@ -41,18 +41,15 @@ q = torch.randn(seqs, heads, dim, device="cuda", dtype=torch.bfloat16)
 out = torch.empty_like(q)
 for ids, tile in ((False, None), (True, None), (True, (64, 4, 3)), (True, (32, 4, 3)), (True, (32, 4, 4)),
                   (True, (16, 4, 4)), (True, (32, 2, 3))):
-    da.IDS_IN_REGISTERS = ids
     k = compiled(da._decode_partial_kernel, lambda: da._launch_decode_attention(
         q, k_cache, v_cache, tables, lens, out, dim**-0.5, None, DecodeWorkspace.allocate(seqs, heads, dim),
-        config=tile and (*tile, 1)))
+        config=tile and (*tile, 1), ids_in_registers=ids))
     report(f"decode attention ids {int(ids)} {tile or 'rule'}", k)
-da.IDS_IN_REGISTERS = None
 for cap in (96, 80):
-    da.MAX_REGISTERS = cap
     k = compiled(da._decode_partial_kernel, lambda: da._launch_decode_attention(
-        q, k_cache, v_cache, tables, lens, out, dim**-0.5, None, DecodeWorkspace.allocate(seqs, heads, dim)))
+        q, k_cache, v_cache, tables, lens, out, dim**-0.5, None, DecodeWorkspace.allocate(seqs, heads, dim),
+        max_registers=cap))
     report(f"decode attention cap {cap}", k)
-da.MAX_REGISTERS = None
 x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(22016, 4096, device="cuda", dtype=torch.bfloat16)
 y = torch.empty(64, 11008, device="cuda", dtype=torch.bfloat16)

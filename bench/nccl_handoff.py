@@ -232,7 +232,7 @@ def device_copy_s(num_bytes: int, reps: int = 10) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "nccl_handoff.json"))
+    parser.add_argument("--out", default="nccl_handoff.json")
     parser.add_argument("--trace", action="store_true", help="only the per-chunk timelines (diagnostics)")
     args = parser.parse_args()
     if torch.cuda.device_count() < 2:
@@ -240,7 +240,8 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     if args.trace:
         out_dir = os.path.dirname(os.path.abspath(args.out))
-        os.environ["TANDEM_KV_TRACE"] = os.path.join(out_dir, "recv_trace.json")
+        trace_path = os.path.join(out_dir, "recv_trace.json")
+        os.environ["TANDEM_KV_TRACE"] = trace_path  # the decode side's --kv-trace (tandem.cluster.settings)
         endpoints, done = ctx.Queue(), ctx.Event()
         decode = ctx.Process(target=_decode_side, args=(endpoints, done))
         decode.start()
@@ -249,7 +250,7 @@ def main() -> int:
         sender.join(300)
         done.set()
         decode.join(60)
-        with open(os.environ["TANDEM_KV_TRACE"]) as f:
+        with open(trace_path) as f:
             trace = json.load(f)
         t0 = trace[0][2]
         for seq, what, t in trace[-48:]:

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 
 import torch
 
 from tandem.bench.timing import ceilings, graph_ms
 from tandem.kernels import reference
-from tandem.kernels import decode_config
+from tandem.kernels import decode_config, switches
 from tandem.kernels.decode_attention import _launch_decode_attention
 
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "llama3.2-1b": (32, 8, 64)}  # q heads, kv heads, head_dim
@@ -89,7 +88,7 @@ def run_case(name, batch, context, scattered, copy_bw, grid=GRID, head_major=Fal
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_decode.json"))
+    parser.add_argument("--out", default="tune_decode.json")
     parser.add_argument("--cases", default="", help="batch:context[,...] (scattered tables) instead of the default cases")
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--wide", action="store_true", help="sweep WIDE_GRID (72 settings) instead of GRID")
@@ -101,8 +100,8 @@ def main() -> int:
     if args.cases:
         cases = [(int(b), int(c), True) for b, c in (case.split(":") for case in args.cases.split(","))]
     grid = WIDE_GRID if args.wide else GRID
-    if decode_config._TILE_OVERRIDE is not None:
-        print(f"TANDEM_DECODE_TILE={decode_config._TILE_OVERRIDE}: the 'rule' rows use it", flush=True)
+    if switches.current().decode_tile is not None:
+        print(f"TANDEM_DECODE_TILE={switches.current().decode_tile}: the 'rule' rows use it", flush=True)
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
     results = []
     for name in args.models.split(","):

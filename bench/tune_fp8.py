@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -284,12 +283,8 @@ def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, for
 
         def run(config, kc=k8, vc=v8, ks=k_scale, vs=v_scale, ids=None):
             def call():
-                decode_attention.IDS_IN_REGISTERS = ids  # None: the rule's
-                try:
-                    _launch_decode_attention(q, kc, vc, tables, lens, out, scale, None, None, config,
-                                             k_scale=ks, v_scale=vs)
-                finally:
-                    decode_attention.IDS_IN_REGISTERS = None
+                _launch_decode_attention(q, kc, vc, tables, lens, out, scale, None, None, config,
+                                         k_scale=ks, v_scale=vs, ids_in_registers=ids)  # ids None: the rule's
             return call
 
         bf16 = graph_ms([run(None, k, v, None, None)] * 10)
@@ -337,7 +332,7 @@ def main() -> int:
     parser.add_argument("--attention-ids", action="store_true",
                         help="the attention grid with V_DEQUANT, block ids per tile and in registers, "
                              "products in bf16 and in fp16 (F16_DOT)")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_fp8.json"))
+    parser.add_argument("--out", default="tune_fp8.json")
     args = parser.parse_args()
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
     report = {"model": args.model, "copy_TBps": copy_bw / 1e12}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +89,7 @@ def run_shape(proj, rows, K, silu, copy_bw):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default="llama2-7b,llama3-8b,llama3.2-1b")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_gemv.json"))
+    parser.add_argument("--out", default="tune_gemv.json")
     args = parser.parse_args()
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
     report, seen = {"copy_TBps": copy_bw / 1e12, "shapes": [], "models": {}}, {}

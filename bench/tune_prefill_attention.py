@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +78,7 @@ def run_case(name: str, tokens: int, block_size: int = 16) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_prefill.json"))
+    parser.add_argument("--out", default="tune_prefill.json")
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--tokens", type=int, default=2048)
     args = parser.parse_args()

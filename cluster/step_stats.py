@@ -4,7 +4,6 @@ the queues and free KV blocks at the end of the interval."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import structlog
@@ -13,9 +12,10 @@ log = structlog.get_logger(__name__)
 
 
 class StepStats:
-    def __init__(self, role: str, interval_s: float | None = None):
+    def __init__(self, role: str, interval_s: float):
+        """``interval_s``: how often to log (--stats-interval-s)."""
         self.role = role
-        self.interval_s = interval_s if interval_s is not None else float(os.environ.get("TANDEM_STATS_INTERVAL_S", 5))
+        self.interval_s = interval_s
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:

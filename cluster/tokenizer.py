@@ -33,7 +33,8 @@ from pathlib import Path
 
 import structlog
 
-from tandem.cluster.settings import gguf_file
+from tandem.cluster.checkpoint import gguf_file
+from tandem.cluster.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +63,7 @@ TOKENIZER_FILES = ("tokenizer_config.json", "config.json", "tokenizer.json", "sp
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem")
+    return Path(Settings.field_default("cache"))
 
 
 def auto_tokenizer_class(path: Path) -> str | None:

@@ -28,14 +28,6 @@ def run_steps(step: Callable[[], None], stop: threading.Event) -> None:
             sleep_unless_stopped(stop, REDIS_RETRY_S)  # not stop.wait(): see cluster.service
 
 
-def restarts_from_env() -> int:
-    """How many times the supervisor restarted this process (``tandem serve`` sets TANDEM_RESTARTS)."""
-    try:
-        return max(int(os.environ.get("TANDEM_RESTARTS", "0")), 0)
-    except ValueError:
-        return 0
-
-
 def worker_info(
     settings: Settings, role: str, worker_id: str, inbox: str, started_at: float, **load
 ) -> WorkerInfo:
@@ -52,7 +44,7 @@ def worker_info(
         heartbeat_at=0.0,
         block_size=settings.tokens_per_block,
         max_seq_len=settings.max_seq_len,
-        num_restarts=restarts_from_env(),
+        num_restarts=max(settings.restarts, 0),  # --restarts, which tandem serve's supervisor sets
         heartbeat_ttl_s=settings.heartbeat_ttl_s,
         **load,
     )

@@ -64,12 +64,12 @@ class DecodeWorker:
         self.worker_id = settings.worker_name(self.role)
         self.redis = redis.Redis.from_url(settings.redis_url)
         transport = resolve_transport(settings.kv_transport, resolve_device(settings.device))
-        self.transport = get_transport(transport)
+        self.transport = get_transport(transport, settings)
         shm_path = None
         if transport == "shm":
             # the files of earlier runs of this worker that did not stop cleanly (SIGKILL) go first
-            remove_stale_pool_files(_shm_dir(), f"tandem-kv-{self.worker_id}-")
-            shm_path = os.path.join(_shm_dir(), f"tandem-kv-{self.worker_id}-{os.getpid()}")
+            remove_stale_pool_files(_shm_dir(settings.shm_dir), f"tandem-kv-{self.worker_id}-")
+            shm_path = os.path.join(_shm_dir(settings.shm_dir), f"tandem-kv-{self.worker_id}-{os.getpid()}")
         self.runner = build_runner(settings, shm_path=shm_path)
         self.vocab_size = self.runner.config.vocab_size
         try:
@@ -116,7 +116,7 @@ class DecodeWorker:
         self.handoffs = PrefillHandoffs(settings=settings, worker_id=self.worker_id, redis=self.redis,
                                         scheduler=self.scheduler, transport=self.transport,
                                         kv_endpoint=self.kv_endpoint, mailer=self.mailer, publish=self._publish)
-        self.stats = StepStats(self.role)
+        self.stats = StepStats(self.role, settings.stats_interval_s)
         guides = Guides(settings.tokenizer or settings.model, self.runner.config.vocab_size,
                         self.runner.config.eos_token_ids)
         self.steps = DeviceSteps(self.runner, self.allocator, self.stats, self.runner.config.eos_token_ids, guides)
@@ -388,10 +388,9 @@ class DecodeWorker:
         return queued
 
 
-def _shm_dir() -> str:
-    """Where the shm pool files go: $TANDEM_SHM_DIR (made if missing; another tmpfs than a
-    container's small /dev/shm, say), else /dev/shm, else the temp directory."""
-    configured = os.environ.get("TANDEM_SHM_DIR")
+def _shm_dir(configured: str | None) -> str:
+    """Where the shm pool files go: --shm-dir (made if missing; another tmpfs than a container's
+    small /dev/shm, say), else /dev/shm, else the temp directory."""
     if configured:
         os.makedirs(configured, mode=0o700, exist_ok=True)
         return configured

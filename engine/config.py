@@ -77,7 +77,7 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
         """From a checkpoint directory, or a GGUF file (or a directory holding one: its metadata)."""
-        from tandem.cluster.settings import gguf_file, read_model_config
+        from tandem.cluster.checkpoint import gguf_file, read_model_config
 
         path = os.fspath(path)
         if gguf_file(path) is not None:

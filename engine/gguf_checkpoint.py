@@ -1,7 +1,7 @@
 """GGUF checkpoints: llama.cpp's one file of metadata, tokenizer and (mostly quantized) tensors.
 
 The metadata becomes the config.json an HF checkpoint of the same model has in
-``tandem.cluster.settings.read_gguf_config`` (torch-free: the gateway reads it too). Here
+``tandem.cluster.checkpoint.read_gguf_config`` (torch-free: the gateway reads it too). Here
 the tensors are dequantized to the serving dtype with the gguf package's own numpy
 dequantizers, renamed to the HF names the loader checks and fuses, and Llama's q/k rows
 put back in HF's order: llama.cpp's convert_hf_to_gguf.py interleaves each head's two
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tandem.cluster.settings import GGUF_TENSOR_TYPES, SettingsError, open_gguf, read_gguf_config
+from tandem.cluster.checkpoint import GGUF_TENSOR_TYPES, CheckpointError, open_gguf, read_gguf_config
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -57,7 +57,7 @@ def read_gguf_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in GGUF_TENSOR_TYPES:  # read_gguf_config refused these; kept explicit
-            raise SettingsError(f"unsupported GGUF tensor type {tensor.tensor_type.name} ({tensor.name})")
+            raise CheckpointError(f"unsupported GGUF tensor type {tensor.tensor_type.name} ({tensor.name})")
         values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if not values.flags.writeable:  # a plain F32 tensor comes back as the read-only memory map itself
             values = values.copy()

@@ -39,7 +39,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from tandem.cluster.settings import gguf_file
+from tandem.cluster.checkpoint import gguf_file
 from tandem.engine.attention import SeqChunk, build_input_ids, build_metadata
 from tandem.engine.kv_cache import KVCachePool
 from tandem.engine.loader import KV_SCALE_SUFFIXES, checkpoint_files

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tandem.cluster.settings import gguf_file
+from tandem.cluster.checkpoint import gguf_file
 from tandem.engine.config import ModelConfig
 from tandem.engine.fp8_checkpoint import read_fp8_weights
 from tandem.engine.gguf_checkpoint import read_gguf_checkpoint

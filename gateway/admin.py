@@ -41,6 +41,7 @@ from tandem.cluster import keys
 from tandem.cluster.draining import is_drained, is_draining, mark_value, parse_marks
 from tandem.cluster.messages import FIELD, AbortRequest, WorkerInfo, encode
 from tandem.cluster.policies import CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES
+from tandem.cluster.settings import Settings
 from tandem.gateway.health import GatewayHealth
 from tandem.gateway.router import ROLES, live_workers
 
@@ -59,7 +60,7 @@ def _put_proto_on_path() -> None:
         return
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "admin.proto"), "rb") as f:
         data = f.read()
-    cache = os.environ.get("TANDEM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+    cache = Settings.field_default("cache")
     root = os.path.join(cache, "protos", hashlib.sha256(data).hexdigest()[:16])
     target = os.path.join(root, PROTO)
     if not os.path.isfile(target):

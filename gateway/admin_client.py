@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from tandem.cluster.policies import CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES
+from tandem.cluster.settings import Settings
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -26,7 +26,7 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help="a gateway's admin API (host:port)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
-    parser.add_argument("--token", default=os.environ.get("TANDEM_ADMIN_TOKEN") or None,
+    parser.add_argument("--token", default=Settings.field_default("admin_token"),
                         help="the gateway's --admin-token (default: TANDEM_ADMIN_TOKEN)")
     parser.add_argument("--tls-ca", help="PEM file of the CA (or self-signed certificate) the admin port's "
                                          "certificate is checked against: connect with TLS")

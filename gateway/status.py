@@ -17,11 +17,12 @@ COLUMNS = ("worker", "role", "model", "running", "waiting", "free/total blocks",
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    import os
+    from tandem.cluster.settings import Settings
 
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help="a gateway's admin API (host:port)")
     parser.add_argument("--timeout", type=float, default=10.0)
-    parser.add_argument("--token", default=os.environ.get("TANDEM_ADMIN_TOKEN") or None)
+    parser.add_argument("--token", default=Settings.field_default("admin_token"),
+                        help="the gateway's --admin-token (default: TANDEM_ADMIN_TOKEN)")
     parser.add_argument("--tls-ca")
 
 

@@ -45,15 +45,14 @@ HEADS_FIRST = True  # grid order: KV heads fastest (bench.tune_decode_attention 
 # 0.916 ms per step, llama3-8b 4.12 -> 4.06; batch 8 llama2-7b 4.56 -> 4.76, slower).
 PREFETCH = True
 PREFETCH_MAX_BATCH = 1
-# A cap on the split phase's registers per thread (ptxas .maxnreg; None: the compiler's choice, the
-# rule). Programs per SM are what this kernel's bandwidth rides on (docs/kernels.md): at 4 warps
-# an SM holds 4 programs above 102 registers, 5 at 96 or fewer (38 KB of shared memory each stops
-# it at 5). For A/B measurements (set from Python: 96, 80); CUDA launches only.
-MAX_REGISTERS: int | None = None
-# The block ids of a program's share loaded once into registers (at most IDS_REG_MAX of them),
-# each tile's taken from there (tl.gather) instead of a load that its K/V loads wait for: None
-# follows the shape rule (kernels.decode_config._tile_config), True / False force it (tests, A/Bs).
-IDS_IN_REGISTERS: bool | None = None
+# Two launch choices an A/B passes to the launcher (``_launch_decode_attention``'s keywords), the
+# rule otherwise: ``max_registers``, a cap on the split phase's registers per thread (ptxas
+# .maxnreg; the rule: the compiler's choice). Programs per SM are what this kernel's bandwidth
+# rides on (docs/kernels.md): at 4 warps an SM holds 4 programs above 102 registers, 5 at 96 or
+# fewer (38 KB of shared memory each stops it at 5); CUDA launches only. ``ids_in_registers``: the
+# block ids of a program's share loaded once into registers (at most IDS_REG_MAX of them), each
+# tile's taken from there (tl.gather) instead of a load that its K/V loads wait for (the rule:
+# kernels.decode_config._tile_config's).
 IDS_REG_MAX = 512
 # An FP8 cache's products in fp16 (F16_DOT: one conversion per two codes, the score scale folded
 # into q; a 16-bit q only): None follows the rule (kernels.decode_config.FP8_F16_DOT), True / False
@@ -274,12 +273,14 @@ class NewToken(NamedTuple):
 
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
                              config: tuple | None = None, new_token: NewToken | None = None,
-                             k_scale=None, v_scale=None):
+                             k_scale=None, v_scale=None, ids_in_registers: bool | None = None,
+                             max_registers: int | None = None):
     """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, v_dequant[, f16_dot]]])
     instead of the shape rules (tuning only; v_dequant: an FP8 cache's V widened with its scale,
     V_DEQUANT; f16_dot: an FP8 cache's products in fp16, F16_DOT, for a 16-bit q).
     ``new_token``: rotary and the KV write fused in.
-    ``k_scale``, ``v_scale``: an FP8 cache's [num_kv_heads] fp32 scales of this layer."""
+    ``k_scale``, ``v_scale``: an FP8 cache's [num_kv_heads] fp32 scales of this layer.
+    ``ids_in_registers``, ``max_registers``: an A/B's choices instead of the rule (above)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2 >= 16"
@@ -310,10 +311,10 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     if sliding_window is not None:
         max_context_len = min(max_context_len, sliding_window)
     num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
-    block_n, num_warps, num_stages, ids_in_registers = _tile_config(head_dim, q.dtype, num_seqs * num_kv_heads,
-                                                                    is_fp8(k_cache))
-    if IDS_IN_REGISTERS is not None:
-        ids_in_registers = IDS_IN_REGISTERS
+    block_n, num_warps, num_stages, rule_ids = _tile_config(head_dim, q.dtype, num_seqs * num_kv_heads,
+                                                            is_fp8(k_cache))
+    if ids_in_registers is None:
+        ids_in_registers = rule_ids
     heads_first, v_dequant = HEADS_FIRST, True  # V_DEQUANT: every FP8 cache (kernels.decode_config)
     f16_dot = FP8_F16_DOT if F16_DOT is None else F16_DOT
     if config is not None:
@@ -359,7 +360,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         KV_FP8=is_fp8(k_cache), SOFT_ROUND=soft_round(), V_DEQUANT=v_dequant and is_fp8(k_cache),
         F16_DOT=f16_dot and is_fp8(k_cache) and q.dtype in (torch.bfloat16, torch.float16),
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
-        **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS is not None and q.is_cuda else {}),
+        **({"maxnreg": max_registers} if max_registers is not None and q.is_cuda else {}),
     )
     if not direct:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](

@@ -4,12 +4,12 @@ CUDA graph captured for a batch-size bucket keeps them."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from tandem.kernels import switches
 from tandem.kernels.device_props import num_sms
 
 MAX_SPLITS = 64
@@ -46,23 +46,6 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-def _tile_override() -> tuple[int, int, int] | None:
-    """``TANDEM_DECODE_TILE=BLOCK_N,num_warps,num_stages`` replaces the rule (tuning A/Bs only;
-    read once, at import)."""
-    value = os.environ.get("TANDEM_DECODE_TILE", "")
-    if not value:
-        return None
-    try:
-        block_n, num_warps, num_stages = (int(x) for x in value.split(","))
-    except ValueError:
-        block_n = num_warps = num_stages = 0
-    if not (block_n >= 16 and block_n & (block_n - 1) == 0 and num_warps in (1, 2, 4, 8, 16) and num_stages >= 1):
-        raise ValueError(f"TANDEM_DECODE_TILE must be BLOCK_N,num_warps,num_stages (BLOCK_N a power of 2 >= 16, "
-                         f"num_warps a power of 2 <= 16, num_stages >= 1), not {value!r}")
-    return block_n, num_warps, num_stages
-
-
-_TILE_OVERRIDE = _tile_override()
 
 
 # Wide grids (num_seqs * num_kv_heads programs before splits; 16-bit, head_dim 128): 32-token tiles
@@ -96,8 +79,9 @@ def _tile_config(head_dim: int, dtype: torch.dtype, num_programs: int = 0,
                  kv_fp8: bool = False) -> tuple[int, int, int, bool]:
     """(BLOCK_N, num_warps, num_stages, block ids in registers) from shapes only;
     ``num_programs``: num_seqs * num_kv_heads; ``kv_fp8``: the cache holds E4M3 codes."""
-    if _TILE_OVERRIDE is not None:
-        return (*_TILE_OVERRIDE, False)
+    override = switches.current().decode_tile  # TANDEM_DECODE_TILE (tandem.kernels.switches): tuning A/Bs
+    if override is not None:
+        return (*override, False)
     if kv_fp8 and head_dim == 128 and num_programs >= FP8_MIN_GRID:
         return 64 if num_programs >= FP8_SMALL_TILE_GRID else 128, 4, 2, num_programs >= WIDE_GRID
     if dtype in (torch.bfloat16, torch.float16) and head_dim == 128 and num_programs >= WIDE_GRID:

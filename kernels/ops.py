@@ -12,12 +12,11 @@ CPU dequantized then multiplied.
 from __future__ import annotations
 
 import importlib
-import os
 from functools import cache
 
 import torch
 
-from tandem.kernels import fp8_matmul, reference
+from tandem.kernels import fp8_matmul, reference, switches
 from tandem.kernels.fp8_weight import Fp8Weight, dequantize
 
 # op name -> module in this package holding its Triton implementation
@@ -42,7 +41,7 @@ _TRITON_MODULES = {
 
 @cache
 def _triton_impl(name: str):
-    if os.environ.get("TANDEM_KERNELS", "triton") == "reference":
+    if switches.current().kernels == "reference":
         return None
     try:
         return getattr(importlib.import_module(_TRITON_MODULES[name]), name)
@@ -164,7 +163,8 @@ FP8_SKINNY_MAX_ROWS = 1
 
 
 def fp8_skinny_max_rows() -> int:
-    return int(os.environ.get("TANDEM_FP8_SKINNY_MAX_ROWS", FP8_SKINNY_MAX_ROWS))
+    rows = switches.current().fp8_skinny_max_rows
+    return FP8_SKINNY_MAX_ROWS if rows is None else rows
 
 
 # Past fp8_skinny_max_rows(), FP8 weights take the skinny GEMM on FP8 tensor cores (x quantized per
@@ -175,7 +175,8 @@ FP8_TENSOR_SKINNY_MAX_ROWS = 128
 
 
 def fp8_tensor_skinny_max_rows() -> int:
-    return int(os.environ.get("TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS", FP8_TENSOR_SKINNY_MAX_ROWS))
+    rows = switches.current().fp8_tensor_skinny_max_rows
+    return FP8_TENSOR_SKINNY_MAX_ROWS if rows is None else rows
 
 
 def _triton_layout(x, weight, bias) -> bool:
@@ -194,7 +195,7 @@ def _triton_layout(x, weight, bias) -> bool:
             and weight.dim() == 2 and weight.stride(1) == 1
             and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.dtype == x.dtype
                                   and bias.shape[0] == weight.shape[0]))
-            and os.environ.get("TANDEM_GEMV", "1") != "0")
+            and switches.current().gemv)
 
 
 # A decode batch's o and down projections end in the skinny GEMM's finishing kernel, which also
@@ -269,11 +270,9 @@ FUSED_ROTARY_MAX_BATCH = 8
 def fused_decode_rotary(num_seqs: int) -> bool:
     """Whether a decode step of ``num_seqs`` sequences runs rotary and the KV write inside the
     attention kernel: TANDEM_FUSED_ROTARY=1 always, =0 never, unset (auto) for small batches."""
-    mode = os.environ.get("TANDEM_FUSED_ROTARY", "auto")
+    mode = switches.current().fused_rotary
     if mode == "auto":
         return num_seqs <= FUSED_ROTARY_MAX_BATCH
-    if mode not in ("0", "1"):
-        raise ValueError(f"TANDEM_FUSED_ROTARY must be auto, 0 or 1, not {mode!r}")
     return mode == "1"
 
 

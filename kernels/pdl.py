@@ -21,6 +21,8 @@ from functools import cache
 
 import torch
 
+from tandem.kernels import switches
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: PDL stays off
@@ -31,7 +33,7 @@ __all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options"]
 
 @cache
 def _enabled(device_index: int) -> bool:
-    if gdc_wait is None or os.environ.get("TANDEM_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if gdc_wait is None or not switches.current().pdl or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

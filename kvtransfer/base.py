@@ -88,8 +88,14 @@ _TRANSPORTS = {
 }
 
 
-def get_transport(name: str) -> Transport:
+def get_transport(name: str, settings=None) -> Transport:
+    """The transport ``name``; ``settings`` (tandem.cluster.settings.Settings): nccl's own
+    (--kv-host, --kv-timeout-s, --kv-piece-bytes, --kv-trace)."""
     if name not in _TRANSPORTS:
         raise ValueError(f"unknown kv transport {name!r}; choose one of {sorted(_TRANSPORTS)}")
     module, cls = _TRANSPORTS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    transport = getattr(importlib.import_module(module), cls)
+    if name == "nccl" and settings is not None:
+        return transport(timeout_s=settings.kv_timeout_s, host=settings.kv_host, piece_bytes=settings.kv_piece_bytes,
+                         trace_path=settings.kv_trace)
+    return transport()

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import socket
 import threading
 import time
@@ -68,6 +67,7 @@ import structlog
 import torch
 
 from tandem.kernels import ops
+from tandem.cluster.settings import Settings
 from tandem.kvtransfer.base import CompletedTransfer, Connection, Transfer, TransferError, Transport
 from tandem.kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, PREFILL_RANK, POLL_S, LIVE, PairStatus, ChunkStatus, Frames, make_group, warm_up, abort_later, on_stream
 from tandem.kvtransfer.nccl_pair import NONCE_BYTES, endpoint_secret, proof
@@ -245,7 +245,7 @@ class _AllTransfers(Transfer):
 
 
 class NcclConnection(Connection):
-    """``piece_bytes`` (env TANDEM_KV_PIECE_BYTES, 128 MiB): a write larger than this goes as
+    """``piece_bytes`` (--kv-piece-bytes, 128 MiB): a write larger than this goes as
     several chunks, so the gather of one piece, the transfer of the previous one and the
     scatter of the one before overlap (one 1.07 GB chunk: 230 GB/s; the same bytes as 8
     chunks: 264-271 GB/s on two H200s)."""
@@ -255,7 +255,7 @@ class NcclConnection(Connection):
         self._pair: _SendPair | None = None
         self._closed = False
         if piece_bytes is None:
-            piece_bytes = int(os.environ.get("TANDEM_KV_PIECE_BYTES", 128 << 20))
+            piece_bytes = Settings.field_default("kv_piece_bytes")
         try:
             layout = endpoint["layout"]
             block_bytes = (layout["num_layers"] * 2 * layout["block_size"] * layout["num_kv_heads"]
@@ -297,19 +297,24 @@ class NcclConnection(Connection):
 
 
 class NcclTransport(Transport):
-    """``timeout_s``: how long a chunk may go unacknowledged (env TANDEM_KV_TIMEOUT_S, 60);
-    ``host``: the address peers reach the decode side at (env TANDEM_KV_HOST, loopback)."""
+    """Settings (``tandem.cluster.settings``; each None here: the setting's variable, else its
+    default): ``timeout_s`` how long a chunk may go unacknowledged (--kv-timeout-s); ``host`` the
+    address peers reach the decode side at (--kv-host); ``piece_bytes`` the largest single write
+    (--kv-piece-bytes); ``trace_path`` a receive timeline written at close (--kv-trace)."""
 
     name = "nccl"
 
-    def __init__(self, timeout_s: float | None = None, host: str | None = None):
-        self.timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("TANDEM_KV_TIMEOUT_S", 60))
-        self.host = host or os.environ.get("TANDEM_KV_HOST", "127.0.0.1")
+    def __init__(self, timeout_s: float | None = None, host: str | None = None, piece_bytes: int | None = None,
+                 trace_path: str | None = None):
+        self.timeout_s = timeout_s if timeout_s is not None else Settings.field_default("kv_timeout_s")
+        self.host = host or Settings.field_default("kv_host")
+        self.piece_bytes = piece_bytes or Settings.field_default("kv_piece_bytes")
+        self.trace_path = trace_path if trace_path is not None else Settings.field_default("kv_trace")
         self._servers: list[PoolServer] = []
 
     def export_pool(self, pool) -> dict:
         try:
-            server = PoolServer(pool, self.host, self.timeout_s)
+            server = PoolServer(pool, self.host, self.timeout_s, self.trace_path)
         except (OSError, RuntimeError) as exc:
             raise TransferError(f"cannot listen for KV pairs on {self.host}: {exc}") from exc
         self._servers.append(server)
@@ -330,7 +335,7 @@ class NcclTransport(Transport):
             # not the endpoint itself: it may hold a secret, and this message reaches PrefillDone
             raise TransferError(f"not an nccl KV endpoint (transport {endpoint.get('transport')!r}, "
                                 f"backend {endpoint.get('backend')!r})")
-        return NcclConnection(endpoint, self.timeout_s)
+        return NcclConnection(endpoint, self.timeout_s, self.piece_bytes)
 
     def close(self) -> None:
         """Stop accepting pairs and end the receive threads."""

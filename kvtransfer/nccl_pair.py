@@ -163,7 +163,7 @@ def make_group(store_port: int, pair_id: str, rank: int, backend: str, host: str
 
 def gloo_address(rank: int, host: str) -> str:
     """Where a side's gloo device listens, which it advertises to its peer through the store.
-    ``host`` is the decode side's endpoint address (TANDEM_KV_HOST), which the decode side
+    ``host`` is the decode side's endpoint address (--kv-host), which the decode side
     listens on already; the prefill side takes its own address on the route to it. Not gloo's
     default device: that is the machine's hostname resolved, often a loopback address (an
     /etc/hosts line) the peer on another host then dials at home, or another interface's."""

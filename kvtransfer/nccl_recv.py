@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import json
 import hmac
-import os
 import dataclasses
 import datetime
 import secrets
@@ -27,7 +26,6 @@ from tandem.kvtransfer.nccl_pair import WIRE_VERSION, PAYLOAD_TAG, DECODE_RANK, 
 from tandem.kvtransfer.nccl_pair import HANDSHAKE_FRAME_BYTES, MAX_FRAME_BYTES, NONCE_BYTES, proof
 
 log = structlog.get_logger(__name__)
-TRACE_PATH = os.environ.get("TANDEM_KV_TRACE")  # diagnostics: per-chunk receive timeline, written at close
 
 
 MAX_AHEAD = 4  # chunks whose payload receives are posted at once (their buffers are alive together)
@@ -72,10 +70,11 @@ class PoolServer:
     sends is read beyond one small frame, and no receive into the pool is posted.
     """
 
-    def __init__(self, pool, host: str, timeout_s: float):
+    def __init__(self, pool, host: str, timeout_s: float, trace_path: str | None = None):
         self._kv = pool.kv  # [L, 2, N, bs, H, D]
         self._backend = "nccl" if self._kv.is_cuda else "gloo"
         self._host, self._timeout_s = host, timeout_s
+        self._trace_path = trace_path  # diagnostics (--kv-trace): per-chunk receive timeline, written at close
         self._bytes_per_block = self._kv[:, :, 0].numel() * self._kv.element_size()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # grants and scatters in flight: receive threads and the worker loop
@@ -97,7 +96,7 @@ class PoolServer:
         LIVE.add(self)
 
     def _mark(self, chunk_or_header, what: str) -> None:
-        if TRACE_PATH:
+        if self._trace_path:
             header = chunk_or_header if isinstance(chunk_or_header, dict) else chunk_or_header.header
             self._trace.append((header.get("seq"), what, time.perf_counter()))
 
@@ -118,8 +117,8 @@ class PoolServer:
         deadline = time.monotonic() + join_s
         for thread in list(self._threads):
             thread.join(max(deadline - time.monotonic(), 0))
-        if TRACE_PATH and self._trace:
-            with open(TRACE_PATH, "w") as f:
+        if self._trace_path and self._trace:
+            with open(self._trace_path, "w") as f:
                 json.dump(self._trace, f)
 
     def _accept_loop(self) -> None:

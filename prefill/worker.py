@@ -60,7 +60,7 @@ class PrefillWorker:
         # tokens); the rest of a shared GPU is the decode worker's
         cap = max(4 * settings.max_num_tokens, 2 * settings.max_seq_len)
         self.runner = build_runner(settings, gpu_cap_tokens=cap)
-        self.transport = get_transport(resolve_transport(settings.kv_transport, self.runner.device))
+        self.transport = get_transport(resolve_transport(settings.kv_transport, self.runner.device), settings)
         self.block_size = settings.tokens_per_block
         self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, self.block_size)
         if self.allocator.num_total * self.block_size < settings.max_seq_len:
@@ -97,7 +97,7 @@ class PrefillWorker:
         self._deferred: dict[str, PrefillJob] = {}
         self._started_at = time.time()
         self._device_identity = device_identity(self.runner.device)
-        self.stats = StepStats(self.role)
+        self.stats = StepStats(self.role, settings.stats_interval_s)
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:

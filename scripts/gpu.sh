@@ -44,7 +44,7 @@ case "${1:-}" in
       | tee "$OUT/gpu_tests.log" | tail -30
     summary "$OUT/gpu_tests.log" ;;
   engine)
-    timeout 330 python3 -m tandem.bench.engine --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 \
+    timeout 330 python3 -m tandem.bench.engine --guided-tokenizer "$BENCH_TOKENIZER" --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 \
       --anchors prefill,static --anchor-models llama2-7b --out "$OUT/benchmarks.json" 2>&1 | tee "$OUT/bench.log"
     summary "$OUT/bench.log" ;;
   mixed)
@@ -59,7 +59,7 @@ case "${1:-}" in
       --out "$OUT/mixed/cluster_mixed_2gpu.json" 2>&1 | tee "$OUT/mixed/run_2gpu.log" | tail -3
     summary "$OUT/x2_tests.log" "$OUT/nccl_handoff.log" "$OUT/mixed/run_2gpu.log" ;;
   record)
-    timeout 300 python3 -m tandem.bench.engine --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 \
+    timeout 300 python3 -m tandem.bench.engine --guided-tokenizer "$BENCH_TOKENIZER" --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 \
       --anchors prefill,static --anchor-models llama2-7b --out "$OUT/benchmarks.json" > "$OUT/bench.log" 2>&1
     timeout 270 python3 -m tandem.bench.cluster_mixed --client-processes 4 --out "$OUT/mixed/mixed.json" \
       > "$OUT/mixed/run.log" 2>&1
@@ -68,7 +68,7 @@ case "${1:-}" in
     timeout 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels/test_fp8_weights.py::test_gpu_quantize_rows_fp8_bit_for_bit tests/kernels/test_fp8_tensor_cores.py tests/kernels/test_fp8_kv_cache.py tests/kernels/test_fp8_decode_attention.py \
       tests/engine/test_fp8_engine_gpu.py tests/gpu/test_gpu_fp8_llama3_8b.py tests/gpu/test_gpu_fp8_cluster.py \
       tests/gpu/test_gpu_fp8_kv_transfer.py -m gpu 2>&1 | tee "$OUT/fp8_tests.log" | tail -15
-    timeout 300 python3 -m tandem.bench.engine --models llama3-8b --batches 1,64 --anchors '' --quantization fp8 \
+    timeout 300 python3 -m tandem.bench.engine --guided-tokenizer "$BENCH_TOKENIZER" --models llama3-8b --batches 1,64 --anchors '' --quantization fp8 \
       --kv-cache-dtype fp8 --out "$OUT/fp8.json" > "$OUT/fp8_bench.log" 2>&1
     summary "$OUT/fp8_tests.log" "$OUT/fp8_bench.log" ;;
   fp8-serve)

@@ -40,7 +40,7 @@ gpu_env_activate() {
   export PATH=$PWD/$DEPS/bin:$PATH
   export LD_LIBRARY_PATH=$PWD/$DEPS/lib:${LD_LIBRARY_PATH:-}
   export PYTHONUNBUFFERED=1
-  export TANDEM_BENCH_TOKENIZER=$PWD/$DEPS/tokenizers/smollm2  # tandem bench engine's guided row
+  export BENCH_TOKENIZER=$PWD/$DEPS/tokenizers/smollm2  # tandem bench engine --guided-tokenizer (gpu.sh)
   # NVLink multicast stays off (a program using it can take a shared host's GPUs out of service)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 }

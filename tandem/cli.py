@@ -22,7 +22,28 @@ import argparse
 import sys
 
 from tandem.cluster import settings as settings_mod
+from tandem.cluster.checkpoint import CheckpointError
 from tandem.models import resolve_model
+
+
+def _config(args: argparse.Namespace) -> int:
+    """``tandem config [flags]``: the settings these flags and this environment give."""
+    settings = settings_mod.Settings.from_args(args)
+    sources = settings_mod.Settings.sources(args)
+    implied = [name for name in ("max_seq_len", "max_input_len") if getattr(settings, name) is None]
+    try:
+        settings.model = resolve_model(settings.model)
+        settings.resolve()
+        sources.update({name: "model" for name in implied})
+    except (settings_mod.SettingsError, CheckpointError) as exc:
+        print(f"# not resolved against the model: {exc}")
+    print(settings_mod.describe(settings, sources))
+    from tandem.kernels.switches import describe as describe_switches  # torch-free
+
+    print(describe_switches())
+    print("live policies (Redis, tandem admin set-policy): capacity_scheduler_policy, context_chunking_policy; "
+          "seeded by the flags above")
+    return 0
 
 
 def _service(role: str, args: argparse.Namespace) -> int:
@@ -52,31 +73,14 @@ def _service(role: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
-
-
-def _non_negative_int(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {number}")
-    return number
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the whole cluster on this machine")
     settings_mod.add_arguments(serve)
-    serve.add_argument("--num-prefill-workers", type=_positive_int, default=1)
-    serve.add_argument("--num-decode-workers", type=_positive_int, default=1)
-    serve.add_argument("--gateway-processes", type=_non_negative_int, default=0,
-                       help="gateway processes sharing --port (each streams its own connections' tokens; "
-                            "one Python process streams about 10k tokens/s); 0: auto (one per 4 cores, at "
-                            "most 4, with a GPU; 1 on the CPU)")
+    settings_mod.add_arguments(sub.add_parser(
+        "config", help="print every setting's effective value and where it came from (flag, variable, "
+                       "default, model), the kernel tuning switches, and the live policies' home"))
     for role in ("gateway", "prefill", "decode", "colocated"):
         settings_mod.add_arguments(sub.add_parser(role, help=f"run one {role} service"))
     demo = sub.add_parser("demo-model", help="write the tiny random demo Llama to PATH")
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             from tandem.launcher import serve
 
             return serve(args)
+        if args.command == "config":
+            return _config(args)
         if args.command == "demo-model":
             from tandem.engine.demo_model import make_tiny_checkpoint
 
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_serve.main(args)
         return _service(args.command, args)
-    except settings_mod.SettingsError as exc:
+    except (settings_mod.SettingsError, CheckpointError) as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
 

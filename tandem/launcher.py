@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.request
 
-from tandem.cluster.settings import Settings
+from tandem.cluster.settings import Settings, env_name, flag_name, in_environment
 from tandem.import_guard import python_argv
 from tandem.models import resolve_model
 from tandem.placement import count_gpus, plan
@@ -63,14 +63,18 @@ class Signals:
 def service_argv(role: str, settings: Settings, worker_id: str | None = None) -> list[str]:
     """The command line that starts one service with these settings.
 
-    Secrets are left off it (any local user reads command lines in ps): they are set in this
-    process's environment instead, which the child inherits and reads them from, and removed
-    from it where these settings have none (so no earlier value leaks into this child)."""
+    A setting goes on it when it differs from its default, or when this process's environment
+    sets its variable (the flag then beats the child's copy of that variable); a default stays
+    off it, so that a child started with an environment of its own (a per-host ``--kv-host``,
+    ``--kv-trace``) takes that. Secrets are left off it (any local user reads command lines in
+    ps): they are set in this process's environment instead, which the child inherits and
+    reads them from, and removed from it where these settings have none (so no earlier value
+    leaks into this child)."""
     import os
     from urllib.parse import urlsplit
 
-    # field -> the variable its flag defaults to; a Redis URL is a secret when it holds a password
-    secrets = {"admin_token": "TANDEM_ADMIN_TOKEN", "api_keys": "TANDEM_API_KEY", "redis_url": "TANDEM_REDIS_URL"}
+    # a secret setting travels in its variable; a Redis URL is a secret when it holds a password
+    secrets = {f.name: env_name(f) for f in dataclasses.fields(settings) if f.metadata.get("secret")}
     argv = python_argv("-m", "tandem", role)
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
@@ -83,9 +87,12 @@ def service_argv(role: str, settings: Settings, worker_id: str | None = None) ->
                 os.environ.pop(secrets[field.name], None)
             if not on_argv:
                 continue
-        if value is None or field.name == "worker_id":
+        if value is None or field.name in ("worker_id", "restarts"):  # restarts: the supervisor's, per start
             continue
-        argv += [f"--{field.name.replace('_', '-')}", str(value)]
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        if value == default and not in_environment(field):
+            continue  # the child's default too, or what its own environment says (a per-host --kv-host)
+        argv += [flag_name(field), str(value)]
     if worker_id:
         argv += ["--worker-id", worker_id]
     return argv
@@ -164,7 +171,7 @@ def _check_free(settings: Settings) -> str | None:
     return None
 
 
-def _check_redis(url: str, wait_s: float = 10.0) -> str | None:
+def _check_redis(url: str, source: str = "--redis-url", wait_s: float = 10.0) -> str | None:
     """Before starting anything: the Redis of --redis-url (or TANDEM_REDIS_URL) answers, with its
     password (one starting beside us gets ``wait_s``); otherwise every worker would fail on it and
     be restarted until the cluster gives up, with the reason only in their tracebacks."""
@@ -184,7 +191,6 @@ def _check_redis(url: str, wait_s: float = 10.0) -> str | None:
         except (redis.RedisError, OSError, ValueError) as exc:  # a bad URL, a refused command
             retry, problem = False, exc
         if not retry or time.monotonic() >= deadline:
-            source = "TANDEM_REDIS_URL" if os.environ.get("TANDEM_REDIS_URL") == url else "--redis-url"
             return f"cannot reach the Redis of {source} ({masked_url(url)}): {problem}"
         time.sleep(0.25)
 
@@ -205,7 +211,7 @@ def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace,
     from the memory the prefill workers left free) and the gateway; False if told to stop meanwhile."""
     num_gpus = count_gpus()
     placements = plan(num_gpus, settings.device, settings.kv_transport,
-                      args.num_prefill_workers, args.num_decode_workers, settings.pools)
+                      settings.num_prefill_workers, settings.num_decode_workers, settings.pools)
     threads = cpu_threads_per_worker(settings, num_gpus, len(placements))
     for role in ("prefill", "decode", "colocated"):
         for place in (p for p in placements if p.role == role):
@@ -220,7 +226,7 @@ def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace,
         if role == "prefill" and num_prefill and not _wait(lambda: wait_registered(
                 settings.redis_url, "prefill", num_prefill, 2.0, signals), supervisor, signals):
             return False
-    num_gateways = args.gateway_processes or auto_gateway_processes(settings, num_gpus)
+    num_gateways = settings.gateway_processes or auto_gateway_processes(settings, num_gpus)
     for index in range(num_gateways):
         # one admin API (the first gateway's); the others share --port through SO_REUSEPORT and
         # their metrics through prometheus_client's multiprocess directory
@@ -295,7 +301,7 @@ def serve(args: argparse.Namespace) -> int:
     redis_dir = None
     metrics_dir = private_dir("tandem-metrics-")  # prometheus_client's, when several gateways share a port
     try:
-        if not args.redis_url:
+        if Settings.sources(args)["redis_url"] == "default":  # neither --redis-url nor TANDEM_REDIS_URL
             port, redis_dir = free_port(), private_dir("tandem-redis-")
             supervisor.add(ChildSpec("redis", redis_argv(port, redis_dir), REDIS, quiet=True))
             if not wait_redis(port):
@@ -303,7 +309,8 @@ def serve(args: argparse.Namespace) -> int:
                 return 1
             settings.redis_url = f"redis://127.0.0.1:{port}/0"
         else:
-            problem = _check_redis(args.redis_url)
+            given = Settings.sources(args)["redis_url"]
+            problem = _check_redis(settings.redis_url, "--redis-url" if given == "flag" else given.split()[-1])
             if problem:
                 print(f"tandem: {problem}", file=sys.stderr)
                 return 1

@@ -29,7 +29,7 @@ DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE") or Path.home() / ".cache" / "tandem")
+    return Path(Settings.field_default("cache"))
 
 
 def demo_model_path() -> str:

@@ -8,7 +8,7 @@ A child's life::
 
 A child that exits is started again after a backoff (0.5 s, doubling to 8 s) within
 a restart budget (``max_restarts`` in ``window_s``, by default 5 in 60 s); no
-child's exit stops the others. Each start gets ``TANDEM_RESTARTS`` (how many
+child's exit stops the others. Each start gets ``TANDEM_RESTARTS`` (its --restarts setting: how many
 times it was restarted) in its environment, which a worker reports in the
 registry (``tandem admin workers``, the gateway's /metrics).
 
@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+RESTARTS_ENV = "TANDEM_RESTARTS"  # a child's --restarts setting (tandem.cluster.settings: TANDEM_<FLAG>)
 
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 PR_SET_PDEATHSIG = 1
@@ -91,7 +93,7 @@ class Child:
         return self.spec.name
 
     def start(self) -> None:
-        env = {**os.environ, **self.spec.env, "TANDEM_RESTARTS": str(self.num_restarts)}
+        env = {**os.environ, **self.spec.env, RESTARTS_ENV: str(self.num_restarts)}
         # stdout is the supervisor's own (its ready line): a child's output goes to stderr
         out = subprocess.DEVNULL if self.spec.quiet else sys.stderr
         self.proc = subprocess.Popen(self.spec.argv, env=env, stdout=out, start_new_session=True,

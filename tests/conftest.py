@@ -27,3 +27,17 @@ if _WORKERS > 1 and not torch.cuda.is_available():
     _threads = max(1, (os.cpu_count() or 1) // _WORKERS)
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
     torch.set_num_threads(min(torch.get_num_threads(), int(os.environ["OMP_NUM_THREADS"])))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _kernel_switches_from_the_environment():
+    """Each test starts and ends with the kernel tuning switches its environment sets
+    (tandem.kernels.switches reads them once per process otherwise)."""
+    from tandem.kernels import switches
+
+    switches.current.cache_clear()
+    yield
+    switches.current.cache_clear()

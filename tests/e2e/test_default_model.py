@@ -19,7 +19,8 @@ import pydantic
 import pytest
 import torch
 
-from tandem.cluster.settings import Settings, gguf_file
+from tandem.cluster.checkpoint import gguf_file
+from tandem.cluster.settings import Settings
 from tandem.models import DEFAULT_MODEL, default_gguf_file, resolve_model
 from tests.e2e.cluster import LocalCluster
 

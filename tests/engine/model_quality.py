@@ -43,7 +43,7 @@ NUM_BLOCKS = MAX_POSITION // BLOCK_SIZE * len(PROMPTS)  # a runner's pool: every
 
 def default_model_state():
     """(config dict, HF-named fp32 tensors) of the default model's GGUF file, read once."""
-    from tandem.cluster.settings import gguf_file
+    from tandem.cluster.checkpoint import gguf_file
     from tandem.engine.gguf_checkpoint import read_gguf_checkpoint
     from tandem.models import DEFAULT_MODEL, resolve_model
 

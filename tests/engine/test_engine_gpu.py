@@ -9,6 +9,7 @@ from tandem.cluster.sampling import SamplingParams
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampler import sample
 from test_engine_parity import _hf, _make_seqs, _max_diff_vs_hf, _run_engine
+from tandem.kernels import switches
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,6 +22,7 @@ pytestmark = [
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_cuda_fp32_matches_hf(tiny_checkpoints, arch, fused_rotary, monkeypatch):
     monkeypatch.setenv("TANDEM_FUSED_ROTARY", fused_rotary)
+    switches.reload()
     runner = ModelRunner(tiny_checkpoints[arch], num_blocks=64, block_size=8, device="cuda")
     assert runner.kv_pool.kv.is_cuda and runner.cos_sin_cache.is_cuda
     seqs = _make_seqs(runner.config.vocab_size, 64, 8)

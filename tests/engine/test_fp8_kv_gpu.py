@@ -11,6 +11,7 @@ import torch
 from tandem.engine.attention import SeqChunk
 from tandem.engine.runner import ModelRunner
 from test_engine_parity import CHUNK_SIZE, _make_seqs, _run_engine
+from tandem.kernels import switches
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,6 +43,7 @@ def _replay(runner: ModelRunner, seqs) -> float:
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_cuda_fp8_kv_matches_the_cpu_references(tiny_checkpoints, arch, fused_rotary, monkeypatch):
     monkeypatch.setenv("TANDEM_FUSED_ROTARY", fused_rotary)
+    switches.reload()
     gpu = ModelRunner(tiny_checkpoints[arch], num_blocks=64, block_size=8, device="cuda", kv_cache_dtype="fp8")
     cpu = ModelRunner(tiny_checkpoints[arch], num_blocks=64, block_size=8, kv_cache_dtype="fp8")
     assert gpu.kv_pool.kv.dtype == torch.float8_e4m3fn and gpu.kv_pool.kv.is_cuda

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tandem.cluster.settings import GGUF_TENSOR_TYPES, SettingsError, gguf_file, read_model_config
+from tandem.cluster.checkpoint import GGUF_TENSOR_TYPES, CheckpointError, gguf_file, read_model_config
 from tandem.engine.config import ModelConfig
 from tandem.engine.demo_model import make_tiny_checkpoint
 from tandem.engine.gguf_checkpoint import read_gguf_checkpoint
@@ -216,7 +216,7 @@ def test_gguf_paths_and_refusals(plain_checkpoints, tmp_path):
     assert gguf_file(plain_checkpoints["qwen2"]) is None  # an HF checkpoint directory
     assert read_model_config(str(tmp_path / "one"))["architectures"] == ["Qwen2ForCausalLM"]
     write_gguf(tmp_path / "one" / "other.gguf", plain_checkpoints["qwen2"], "qwen2")
-    with pytest.raises(SettingsError, match="holds 2 .gguf files"):
+    with pytest.raises(CheckpointError, match="holds 2 .gguf files"):
         read_model_config(str(tmp_path / "one"))
 
     cases = [

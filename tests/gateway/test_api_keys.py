@@ -75,7 +75,7 @@ def test_keys_from_flags_and_the_environment(model_dir, monkeypatch):
         return Settings.from_args(parser.parse_args(list(argv)))
 
     assert parse().api_keys == ["env-a", "env-b"]
-    assert parse("--api-key", "flag-c").api_keys == ["env-a", "env-b", "flag-c"]
+    assert parse("--api-key", "flag-c").api_keys == ["flag-c"]  # a flag beats its variable, as every setting's
     settings = parse("--metrics-require-auth")
     assert settings.metrics_require_auth and "env-a" not in repr(settings)
     monkeypatch.delenv("TANDEM_API_KEY")

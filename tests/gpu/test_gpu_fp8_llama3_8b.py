@@ -9,6 +9,7 @@ the same tokens fed to both: cosine similarity at least 0.99 on every one.
 
 import pytest
 import torch
+from tandem.kernels import switches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -70,6 +71,7 @@ def test_llama3_8b_fp8_logits_match_bf16(bf16_reference, quantization, kv_cache_
     from tandem.kernels import ops
 
     monkeypatch.setenv("TANDEM_KERNELS", kernels)
+    switches.reload()
     ops._triton_impl.cache_clear()
     prompt, reference, steps = bf16_reference
     config = ModelConfig.from_dict(hf_config_dict("llama3-8b"))

@@ -149,3 +149,14 @@ def run_ptx_check(script: str) -> str:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+def force_ids_in_registers(monkeypatch, value: bool | None) -> None:
+    """Decode attention's block ids loaded once into registers (True), per tile (False), or as
+    the shape rule says (None), for every launch in the test."""
+    from tandem.kernels import decode_attention
+
+    if value is None:
+        return
+    rule = decode_attention._tile_config
+    monkeypatch.setattr(decode_attention, "_tile_config", lambda *args: (*rule(*args)[:3], value))

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, pairwise, requires_cuda
+from kernel_testing import force_ids_in_registers, DEVICE, DTYPES, assert_close, gpu, make_paged_kv, pairwise, requires_cuda
 
 from tandem.kernels import decode_attention as decode_module
 from tandem.kernels import decode_config
@@ -55,7 +55,7 @@ def test_tile_edges(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, blo
     block ids loaded per tile or once into registers (from entry 0, or from a split's or window's
     first block)."""
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", ids_in_registers)
+    force_ids_in_registers(monkeypatch, ids_in_registers)
     seq_lens = [64, 65, 63, 128, 129, 31, 1, 0, 257, 192, 97]
     inputs = _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
     out = decode_attention(*inputs, head_dim**-0.5, window)
@@ -86,10 +86,8 @@ def test_launch_settings_reach_the_kernels(monkeypatch):
                                            (64, 4, 3, 1, False))
     assert calls[-1][0] == (3, 2, 1) and calls[-1][1]["num_stages"] == 3
     assert "maxnreg" not in calls[-1][1]  # the compiler's choice unless capped, and on CUDA only
-    monkeypatch.setattr(decode_module, "MAX_REGISTERS", 96)
-    decode_attention(*inputs, 0.25)
+    decode_module._launch_decode_attention(*inputs, torch.empty_like(inputs[0]), 0.25, None, None, max_registers=96)
     assert ("maxnreg" in calls[-1][1]) is inputs[0].is_cuda
-    monkeypatch.setattr(decode_module, "MAX_REGISTERS", None)
     q, k_cache, v_cache, block_tables, seq_lens = inputs
     new = (q[:, :2], q[:, :2], (seq_lens - 1).long(), torch.zeros(16, 32), torch.zeros(3, dtype=torch.long))
     for max_batch, rows, prefetch in ((1, 1, True), (1, 3, False), (3, 3, True), (3, 1, True)):
@@ -130,14 +128,16 @@ def test_tile_rule_of_an_fp8_cache():
 
 
 def test_tile_override_is_checked(monkeypatch):
+    from tandem.kernels import switches
+
     monkeypatch.setenv("TANDEM_DECODE_TILE", "32,4,2")
-    assert decode_config._tile_override() == (32, 4, 2)
+    assert switches.reload().decode_tile == (32, 4, 2)
     for bad in ("48,4,2", "64,3,2", "64,4", "a,b,c", "64,4,0"):
         monkeypatch.setenv("TANDEM_DECODE_TILE", bad)
         with pytest.raises(ValueError, match="TANDEM_DECODE_TILE"):
-            decode_config._tile_override()
+            switches.reload()
     monkeypatch.delenv("TANDEM_DECODE_TILE")
-    assert decode_config._tile_override() is None
+    assert switches.reload().decode_tile is None
 
 
 def test_default_splits_and_passed_in_workspace():
@@ -201,7 +201,7 @@ def test_num_splits_depends_on_shapes_only():
 @pytest.mark.parametrize("num_seqs", [1, 7, 64])
 @pytest.mark.parametrize("ids_in_registers", [False, True])
 def test_gpu_real_shapes_bf16(num_kv_heads, window, num_seqs, ids_in_registers, monkeypatch):
-    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", ids_in_registers)
+    force_ids_in_registers(monkeypatch, ids_in_registers)
     monkeypatch.setattr(decode_module, "IDS_REG_MAX", 1024)  # 8192 tokens at one split: 513 entries
     torch.manual_seed(num_seqs)
     seq_lens = torch.randint(1, 8193, (num_seqs,)).tolist()

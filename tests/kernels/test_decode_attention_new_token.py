@@ -3,11 +3,12 @@ references run one after the other (rotary_kv_write, then decode_attention)."""
 
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close, gpu, make_paged_kv, new_token_rows, pairwise, requires_cuda
+from kernel_testing import force_ids_in_registers, DEVICE, DTYPES, assert_close, gpu, make_paged_kv, new_token_rows, pairwise, requires_cuda
 
 from tandem.kernels import decode_attention as decode_module
 from tandem.kernels import reference
 from tandem.kernels.decode_attention import decode_attention_new_token
+from tandem.kernels import switches
 
 HEAD_CONFIGS = [(2, 2, 64, 16), (4, 1, 128, 16), (8, 1, 64, 8), (8, 2, 32, 4)]  # GQA 1, 4, 8
 ATTN_SCALE = {torch.float32: 1.0, torch.float16: 2.5, torch.bfloat16: 1.5}
@@ -89,10 +90,11 @@ def test_prefetched_last_tile(monkeypatch, num_q_heads, num_kv_heads, head_dim, 
 })
 def test_block_ids_in_registers(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size, window,
                                 num_splits):
-    """IDS_IN_REGISTERS: each tile's block ids taken from the share's entries loaded once; rows at,
+    """Block ids in registers: each tile's block ids taken from the share's entries loaded once; rows at,
     one past and one short of whole tiles, a padding row."""
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", True)
+    rule = decode_module._tile_config
+    monkeypatch.setattr(decode_module, "_tile_config", lambda *args: (*rule(*args)[:3], True))  # ids forced on
     inputs = _inputs([64, 65, 1, 129, 2, 31, 150], num_q_heads, num_kv_heads, head_dim, block_size, dtype,
                      padded_row=4)
     _check(inputs, dtype, window)
@@ -106,7 +108,7 @@ def test_block_ids_in_registers(monkeypatch, dtype, num_q_heads, num_kv_heads, h
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
 def test_gpu_real_shapes_bf16(batch, context, num_q_heads, num_kv_heads, prefetch, ids_in_registers, monkeypatch):
     monkeypatch.setattr(decode_module, "PREFETCH", prefetch)
-    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", ids_in_registers)
+    force_ids_in_registers(monkeypatch, ids_in_registers)
     monkeypatch.setattr(decode_module, "PREFETCH_MAX_BATCH", 1 << 20)
     lens = [context - 7 * i % 50 for i in range(batch)]
     inputs = _inputs(lens, num_q_heads, num_kv_heads, 128, 16, torch.bfloat16, padded_row=None)
@@ -117,12 +119,15 @@ def test_the_model_fuses_small_decode_batches_unless_told(monkeypatch):
     from tandem.kernels import ops
 
     monkeypatch.delenv("TANDEM_FUSED_ROTARY", raising=False)
+    switches.reload()
     assert ops.fused_decode_rotary(1) and ops.fused_decode_rotary(ops.FUSED_ROTARY_MAX_BATCH)
     assert not ops.fused_decode_rotary(ops.FUSED_ROTARY_MAX_BATCH + 1) and not ops.fused_decode_rotary(64)
     monkeypatch.setenv("TANDEM_FUSED_ROTARY", "0")
+    switches.reload()
     assert not ops.fused_decode_rotary(1)
     monkeypatch.setenv("TANDEM_FUSED_ROTARY", "1")
+    switches.reload()
     assert ops.fused_decode_rotary(64)
     monkeypatch.setenv("TANDEM_FUSED_ROTARY", "true")
     with pytest.raises(ValueError, match="auto, 0 or 1"):
-        ops.fused_decode_rotary(1)
+        switches.reload()

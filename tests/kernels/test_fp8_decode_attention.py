@@ -4,7 +4,7 @@ compiled on a GPU, every form (V_DEQUANT, F16_DOT, block ids in registers, split
 
 import pytest
 import torch
-from kernel_testing import DEVICE, assert_close, gpu, new_token_rows, pairwise, poisoned, requires_cuda, run_ptx_check
+from kernel_testing import force_ids_in_registers, DEVICE, assert_close, gpu, new_token_rows, pairwise, poisoned, requires_cuda, run_ptx_check
 
 from tandem.kernels import decode_attention as decode_module
 from tandem.kernels import reference
@@ -41,7 +41,7 @@ def test_decode_attention_reads_codes_times_scales(monkeypatch, dtype, num_q_hea
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_attention_with_block_ids_in_registers(monkeypatch, num_splits):
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
-    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", True)
+    force_ids_in_registers(monkeypatch, True)
     seq_lens = [64, 65, 1, 129, 31, 150]
     k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_kv(seq_lens, 16, 2, 64)
     q = torch.randn(len(seq_lens), 8, 64, device=DEVICE).to(torch.bfloat16)
@@ -79,7 +79,7 @@ def test_decode_attention_with_fp16_products(monkeypatch, dtype, num_q_heads, nu
     scale's mantissa in fp16; the reference's answer within q's dtype's rounding."""
     monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
     monkeypatch.setattr(decode_module, "F16_DOT", True)
-    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", ids_in_registers)
+    force_ids_in_registers(monkeypatch, ids_in_registers)
     seq_lens = [1, 70, 33, 0, 130]
     k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_kv(seq_lens, block_size, num_kv_heads, head_dim)
     q = torch.randn(len(seq_lens), num_q_heads, head_dim, device=DEVICE).to(dtype)
@@ -179,7 +179,7 @@ def test_gpu_decode_attention_real_shapes(batch, context, num_q_heads, num_kv_he
     """The shape rule's tiles (None: decode_config's FP8 rule, 128- or 64-token tiles, the block
     ids in registers on the wide grids) and each form forced, the products as the rule says
     (None: fp16) or forced."""
-    monkeypatch.setattr(decode_module, "IDS_IN_REGISTERS", ids_in_registers)
+    force_ids_in_registers(monkeypatch, ids_in_registers)
     monkeypatch.setattr(decode_module, "F16_DOT", f16_dot)
     lens = [context - 7 * i % 50 for i in range(batch)]
     k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_kv(lens, 16, num_kv_heads, 128, "cuda")

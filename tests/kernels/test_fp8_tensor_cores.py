@@ -14,6 +14,7 @@ from tandem.kernels import ops, reference
 from tandem.kernels.fp8_quant import quantize_rows_fp8
 from tandem.kernels.fp8_weight import FP8_DTYPE, Fp8Weight
 from tandem.kernels.skinny_gemm import _launch_skinny, skinny_linear, skinny_linear_add_rms_norm, skinny_silu_mul
+from tandem.kernels import switches
 
 
 def _quantized(M, K):
@@ -82,17 +83,21 @@ def test_dispatch_sends_fp8_weights_past_the_weight_only_rows_to_tensor_cores(mo
     from tandem.kernels import fp8_matmul
 
     monkeypatch.delenv("TANDEM_GEMV", raising=False)
+    switches.reload()
     monkeypatch.setattr(fp8_matmul, "takes", lambda x, weight: True)
     w = Fp8Weight(_like((12, 64), dtype=FP8_DTYPE), _like((12,), dtype=torch.float32))
     kind = ops._triton_matmul
     for env in ("TANDEM_FP8_SKINNY_MAX_ROWS", "TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS"):
         monkeypatch.delenv(env, raising=False)
+        switches.reload()
     assert kind(_like((1, 64)), w, None) == "gemv"  # the rule: the GEMV, then tensor cores from 2 rows to 128
     assert kind(_like((2, 64)), w, None) == "skinny_fp8"
     assert kind(_like((128, 64)), w, None) == "skinny_fp8"
     assert kind(_like((129, 64)), w, None) is None
     monkeypatch.setenv("TANDEM_FP8_SKINNY_MAX_ROWS", "8")
+    switches.reload()
     monkeypatch.setenv("TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS", "64")
+    switches.reload()
     assert kind(_like((8, 64)), w, None) == "skinny"
     assert kind(_like((9, 64)), w, None) == "skinny_fp8"
     assert kind(_like((64, 64)), w, None) == "skinny_fp8"
@@ -100,6 +105,7 @@ def test_dispatch_sends_fp8_weights_past_the_weight_only_rows_to_tensor_cores(mo
     w48 = Fp8Weight(_like((12, 48), dtype=FP8_DTYPE), w.scale)
     assert kind(_like((9, 48)), w48, None) is None  # K not a multiple of the FP8 MMA's 32
     monkeypatch.setenv("TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS", "0")
+    switches.reload()
     assert kind(_like((9, 64)), w, None) is None
 
 

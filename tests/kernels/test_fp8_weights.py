@@ -19,6 +19,7 @@ from tandem.kernels.fp8_quant import quantize_rows_fp8
 from tandem.kernels.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Weight, dequantize, fuse, quantize_weight
 from tandem.kernels.gemv import _launch_gemv, gemv, gemv_silu_mul
 from tandem.kernels.skinny_gemm import _launch_skinny, skinny_linear, skinny_linear_add_rms_norm, skinny_silu_mul
+from tandem.kernels import switches
 
 
 def _rel_err(actual, expected) -> float:
@@ -197,7 +198,9 @@ def test_quantize_rows_fp8_strided_rows():
 
 def test_dispatch_sends_fp8_weights_to_the_gemv_and_the_skinny_gemm(monkeypatch):
     monkeypatch.delenv("TANDEM_GEMV", raising=False)
+    switches.reload()
     monkeypatch.setenv("TANDEM_FP8_SKINNY_MAX_ROWS", str(ops.SKINNY_GEMM_MAX_ROWS))  # the weight-only form's rows
+    switches.reload()
     w = Fp8Weight(_like((12, 16), dtype=FP8_DTYPE), _like((12,), dtype=torch.float32))
     kind = ops._triton_matmul
     for dtype in DTYPES:  # any activation dtype: the kernels widen E4M3 to it

@@ -6,6 +6,7 @@ from kernel_testing import DEVICE, DTYPES, assert_close, gpu, requires_cuda, run
 
 from tandem.kernels import reference
 from tandem.kernels.gemv import _launch_gemv, gemv, gemv_silu_mul
+from tandem.kernels import switches
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -136,6 +137,7 @@ def test_dispatch_sends_only_their_layouts_to_the_gemv_and_the_skinny_gemm(monke
     assert ops.SKINNY_GEMM_ROWS_LIMIT == MAX_M
 
     monkeypatch.delenv("TANDEM_GEMV", raising=False)
+    switches.reload()
     w = _like((12, 16))  # K < 2N
     kind = ops._triton_matmul
     assert kind(_like((1, 16)), w, None) == "gemv"
@@ -168,6 +170,7 @@ def test_dispatch_sends_only_their_layouts_to_the_gemv_and_the_skinny_gemm(monke
     monkeypatch.setattr(ops, "SKINNY_GEMM_LONG_K_MAX_ROWS", 0)
     assert kind(_like((2, 17)), long_k, None) is None
     monkeypatch.setenv("TANDEM_GEMV", "0")
+    switches.reload()
     assert kind(_like((1, 16)), w, None) is None
 
 

@@ -9,6 +9,7 @@ import torch
 from kernel_testing import run_ptx_check
 
 from tandem.kernels import pdl
+from tandem.kernels import switches
 
 
 @pytest.fixture
@@ -34,11 +35,13 @@ def test_no_pdl_off_the_gpu():
 @pytest.mark.skipif(pdl.gdc_wait is None, reason="this Triton has no grid dependency control")
 def test_on_from_sm90_unless_turned_off(capability, monkeypatch):
     monkeypatch.delenv("TANDEM_PDL", raising=False)
+    switches.reload()
     capability(9)
     assert pdl.launch_options(_cuda_tensor()) == {"USE_PDL": True, "launch_pdl": True}
     capability(8)
     assert pdl.launch_options(_cuda_tensor()) == {}
     monkeypatch.setenv("TANDEM_PDL", "0")
+    switches.reload()
     capability(9)
     assert pdl.launch_options(_cuda_tensor()) == {}
 

@@ -122,9 +122,13 @@ def parse_service(argv: list[str], where: str) -> argparse.Namespace:
         if token.startswith("--") and token.split("=", 1)[0] not in known:
             pytest.fail(f"{where}: `tandem {argv[0]}` has no flag {token}")
     try:
-        return parser.parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as exc:
         pytest.fail(f"{where}: `tandem {' '.join(argv)}` does not parse (exit {exc.code})")
+    if argv[0] in SERVICES:  # every setting as the service sees it (flag, else variable, else default)
+        for name, value in vars(Settings.from_args(args)).items():
+            setattr(args, name, value)
+    return args
 
 
 def healthcheck_module():

@@ -44,7 +44,7 @@ def test_entrypoint_turns_the_environment_into_flags_before_the_commands_own(tmp
                     "--kv-cache-dtype", "fp8", "--log-level", "debug",
                     "--max-batch-size", "8", "--max-seq-len", "*", "--max-batch-size", "4"]
     # the command line's own flag is the last, so it wins
-    args = build_parser().parse_args([a if a != "*" else "64" for a in argv])
+    args = Settings.from_args(build_parser().parse_args([a if a != "*" else "64" for a in argv]))
     assert args.max_batch_size == 4 and args.model == "/models/a b"
     assert args.quantization == "fp8" and args.kv_cache_dtype == "fp8"
     # empty or unset: nothing added, the CLI's defaults stand
@@ -56,7 +56,7 @@ def test_entrypoint_turns_the_environment_into_flags_before_the_commands_own(tmp
 
 def test_compose_prepares_the_default_model_the_cli_serves(tmp_path):
     # the default model resolved once in the `model` service is the one every service's CLI defaults to
-    assert build_parser().parse_args(["decode"]).model == Settings().model
+    assert Settings.from_args(build_parser().parse_args(["decode"])).model == Settings().model
     model = load_yaml(COMPOSE)["services"]["model"]
     assert model["entrypoint"][:3] == ["python3", "-P", "-c"]  # -P: the working directory is not on its path
     checkpoint = tmp_path / "ckpt"

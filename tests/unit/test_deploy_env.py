@@ -7,7 +7,13 @@ from tests.unit.deploy_files import manifests  # noqa: F401 (a fixture)
 
 
 def _source_text() -> str:
-    return "\n".join(p.read_text() for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py"))
+    """The code, and every setting's variable (read through tandem.cluster.settings' one rule)."""
+    import dataclasses
+
+    from tandem.cluster.settings import Settings, env_name
+
+    variables = " ".join(env_name(f) for f in dataclasses.fields(Settings))
+    return "\n".join(p.read_text() for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py")) + "\n" + variables
 
 
 def test_every_tandem_variable_is_read_by_something():

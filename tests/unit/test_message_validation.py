@@ -99,7 +99,7 @@ def _valid_values():
         "heartbeat_at": st.floats(0, 1e9), "num_total_blocks": st.integers(0, 64),
         "num_free_blocks": st.integers(0, 64), "num_running": st.integers(0, 4), "num_waiting": st.integers(0, 4),
         "block_size": st.integers(1, 32), "max_seq_len": st.integers(0, 64), "capacity_scheduler_policy": st.just(""),
-        "max_batch_size": st.integers(0, 8), "num_preemptions": st.integers(0, 3), "device": st.just("cpu"),
+        "max_batch_size": st.integers(0, 8), "max_admitted": st.integers(0, 16), "num_preemptions": st.integers(0, 3), "device": st.just("cpu"),
         "computes_prompts": st.booleans(), "num_mixed_steps": st.integers(0, 9), "pid_namespace": st.integers(0, 10), "num_restarts": st.integers(0, 5),
         "heartbeat_ttl_s": st.floats(0, 10),
     }
