@@ -10,7 +10,7 @@ import redis
 import structlog
 
 from tandem.cluster.messages import WorkerInfo
-from tandem.cluster.service import pid_namespace, sleep_unless_stopped
+from tandem.cluster.process import pid_namespace, sleep_unless_stopped
 from tandem.cluster.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -25,7 +25,7 @@ def run_steps(step: Callable[[], None], stop: threading.Event) -> None:
             step()
         except redis.RedisError as exc:
             log.warning("redis unavailable, retrying", error=str(exc))
-            sleep_unless_stopped(stop, REDIS_RETRY_S)  # not stop.wait(): see cluster.service
+            sleep_unless_stopped(stop, REDIS_RETRY_S)  # not stop.wait(): see cluster.process
 
 
 def worker_info(

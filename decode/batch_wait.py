@@ -64,6 +64,6 @@ class BatchWait:
 
 def shares_gpu(device: str, prefill_workers) -> bool:
     """Whether one of ``prefill_workers`` computes on the GPU ``device``
-    (``tandem.engine.placement.device_identity`` strings: GPU UUIDs, unique across hosts, so
+    (``tandem.engine.runner_factory.device_identity`` strings: GPU UUIDs, unique across hosts, so
     containers sharing a GPU under different host names match too)."""
     return device.startswith("cuda") and any(w.device == device for w in prefill_workers)

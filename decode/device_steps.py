@@ -16,7 +16,7 @@ import torch
 
 from tandem.cluster.request_state import banned_token_ids
 from tandem.cluster.step_stats import StepStats
-from tandem.decode.penalties import DecodePenalties
+from tandem.decode.step_penalties import DecodePenalties
 from tandem.decode.request import DecodeRequest
 from tandem.engine.attention import SeqChunk
 from tandem.engine import logprobs

@@ -32,7 +32,7 @@ from tandem.cluster.inbox import Mailer, send
 from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, WorkerInfo
 from tandem.cluster.prefix_index import choose_prefill_worker, longest_prefixes
 from tandem.cluster.registry import live_workers, of_model
-from tandem.cluster.service import pid_namespace
+from tandem.cluster.process import pid_namespace, process_exists
 from tandem.cluster.settings import Settings
 from tandem.decode.quarantine import Quarantine
 from tandem.decode.request import DecodeRequest

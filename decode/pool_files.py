@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from tandem.cluster.service import process_exists
+from tandem.cluster.process import process_exists
 
 
 def remove_stale_pool_files(directory: str, prefix: str) -> list[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tandem.cluster.service import process_exists
+from tandem.cluster.process import process_exists
 
 
 @dataclass

@@ -36,7 +36,7 @@ from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.engine.block_allocator import BlockAllocator, blocks_for
 from tandem.engine.guide import Guides
-from tandem.engine.placement import build_runner, device_identity, resolve_device, resolve_transport
+from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.kvtransfer import get_transport
 
 log = structlog.get_logger(__name__)

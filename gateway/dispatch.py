@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from redis.exceptions import RedisError
 
 from tandem.cluster.messages import GenerateRequest, WorkerInfo
-from tandem.gateway.admission import AdmissionQueue
+from tandem.gateway.admission_queue import AdmissionQueue
 from tandem.gateway.background import BackgroundTasks
 from tandem.gateway.errors import NoWorkerAvailable
 from tandem.gateway.router import Router

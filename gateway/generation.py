@@ -47,7 +47,7 @@ from tandem.gateway.errors import NoWorkerAvailable, RequestTimeout, ServerBusy,
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.mux import OutputMux
 from tandem.gateway.responses import Delta, PromptPart, Usage
-from tandem.gateway.streams import TokenAssembler, read_queued_events
+from tandem.gateway.token_events import TokenAssembler, read_queued_events
 from tandem.gateway.text_stream import TextStream
 from tandem.gateway.validation import GenerationInput
 

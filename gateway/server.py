@@ -19,7 +19,7 @@ import socket
 import structlog
 import uvicorn
 
-from tandem.cluster.service import configure_logging
+from tandem.cluster.process import configure_logging
 from tandem.cluster.settings import Settings, add_arguments
 from tandem.gateway.app import create_app
 from tandem.gateway.errors import ShuttingDown

@@ -24,7 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from tandem.cluster.settings import Settings
-from tandem.gateway.admission import AdmissionQueue
+from tandem.gateway.admission_queue import AdmissionQueue
 from tandem.gateway.background import BackgroundTasks
 from tandem.gateway.choices import Choices
 from tandem.gateway.dispatch import Dispatcher
@@ -38,7 +38,7 @@ from tandem.gateway.protocol import CompletionRequest
 from tandem.gateway.resume import ResumableStreams
 from tandem.gateway.router import ROLES, Router
 from tandem.gateway.stream_log import RetainedRequest, StreamLog
-from tandem.gateway.streams import POLL_S
+from tandem.gateway.token_events import POLL_S
 from tandem.gateway.text_stream import TextStream
 from tandem.cluster.tokenizer import load_tokenizer
 from tandem.gateway.tokenize_lanes import TokenizeLanes

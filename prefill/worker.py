@@ -35,7 +35,7 @@ from tandem.cluster.step_stats import StepStats
 from tandem.engine.attention import SeqChunk
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.warmup import warm_up_prefill
-from tandem.engine.placement import build_runner, device_identity, resolve_transport
+from tandem.engine.runner_factory import build_runner, device_identity, resolve_transport
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
 from tandem.engine.guide import Guides

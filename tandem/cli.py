@@ -47,7 +47,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _service(role: str, args: argparse.Namespace) -> int:
-    from tandem.cluster.service import configure_logging, stop_on_signals
+    from tandem.cluster.process import configure_logging, stop_on_signals
 
     settings = settings_mod.Settings.from_args(args)
     settings.model = resolve_model(settings.model)

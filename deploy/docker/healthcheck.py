@@ -22,7 +22,7 @@ import sys
 import redis
 
 from tandem.cluster.registry import live_workers
-from tandem.cluster.service import pid_namespace, process_exists
+from tandem.cluster.process import pid_namespace, process_exists
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 TIMEOUT_S = 3.0

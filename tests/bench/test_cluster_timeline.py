@@ -1,5 +1,5 @@
 """tandem.bench.cluster_timeline reads the stats lines the workers really log (cluster.step_stats
-through cluster.service's structlog setup), written here by a process of their own."""
+through cluster.process's structlog setup), written here by a process of their own."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tandem.bench.cluster_timeline import format_table, parse
 
 _WORKER = textwrap.dedent("""
     import sys, time
-    from tandem.cluster.service import configure_logging
+    from tandem.cluster.process import configure_logging
     from tandem.cluster.step_stats import StepStats
     configure_logging("info", sys.argv[1])
     stats = StepStats(sys.argv[1], interval_s=0.05)

@@ -13,7 +13,7 @@ import pytest
 from tandem.cluster import keys
 from tandem.cluster.admission import RESERVE_LUA, Reservations
 from tandem.cluster.messages import WorkerInfo
-from tandem.gateway.admission import AdmissionQueue
+from tandem.gateway.admission_queue import AdmissionQueue
 from tandem.gateway.errors import ClientDisconnected, ServerBusy
 from tandem.gateway.metrics import GatewayMetrics
 from tests.gateway.conftest import token_script, wait_for

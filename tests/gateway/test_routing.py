@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tandem.cluster.messages import TokenEvent, WorkerInfo
 from tandem.gateway.router import admission_args, tie_order
-from tandem.gateway.streams import TokenAssembler
+from tandem.gateway.token_events import TokenAssembler
 
 
 def ev(index, token_ids, finish=None, error=None):

@@ -247,7 +247,7 @@ def test_nccl_is_asked_for_explicitly():
     import argparse
 
     from tandem.cluster.settings import add_arguments
-    from tandem.engine.placement import resolve_transport
+    from tandem.engine.runner_factory import resolve_transport
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -11,7 +11,7 @@ from tandem.launcher import cpu_threads_per_worker
 
 
 def _log_line(fmt: str) -> str:
-    code = ("from tandem.cluster.service import configure_logging; import structlog; "
+    code = ("from tandem.cluster.process import configure_logging; import structlog; "
             f"configure_logging('info', 'decode', {fmt!r}); structlog.get_logger().info('kv pool sized', num_blocks=8)")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr.strip()
 

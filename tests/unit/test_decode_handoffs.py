@@ -99,7 +99,7 @@ def test_a_prefill_pid_is_trusted_only_within_this_pid_namespace():
     prefill worker's pid says nothing about its process here, and held blocks must wait."""
     import os
 
-    from tandem.cluster.service import pid_namespace
+    from tandem.cluster.process import pid_namespace
 
     worker = _worker()
     worker.handoffs._pid_namespace = pid_namespace()

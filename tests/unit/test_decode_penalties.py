@@ -1,4 +1,4 @@
-"""Penalties in the decode loop (decode.penalties): each penalized request's slot counts its
+"""Penalties in the decode loop (decode.step_penalties): each penalized request's slot counts its
 output on the device, right after sampling, so a step launched before the previous step's
 tokens reach the host (run-ahead) still sees every token; a slot that counted a dropped
 row is filled again from the host; slots go back when requests end, abort or pause, and a

@@ -64,7 +64,7 @@ def _register(url: str, role: str, worker_id: str, **fields) -> None:
 
     from tandem.cluster import keys
     from tandem.cluster.messages import WorkerInfo, encode
-    from tandem.cluster.service import pid_namespace
+    from tandem.cluster.process import pid_namespace
 
     info = dict(worker_id=worker_id, role=role, model="m", inbox="i", pid=os.getpid(), host=os.uname().nodename,
                 started_at=1.0, heartbeat_at=1.0, num_total_blocks=1, num_free_blocks=1,

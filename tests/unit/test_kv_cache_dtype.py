@@ -7,7 +7,7 @@ import torch
 
 from tandem.cluster.settings import CPU_DEFAULT_KV_TOKENS, Settings, SettingsError, add_arguments
 from tandem.engine.kv_cache import resolve_kv_dtype
-from tandem.engine.placement import kv_pool_blocks
+from tandem.engine.runner_factory import kv_pool_blocks
 from tandem.launcher import service_argv
 
 

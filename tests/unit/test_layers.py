@@ -175,3 +175,18 @@ def test_the_cycle_finder_finds_a_cycle():
 @pytest.mark.parametrize("module", ["tandem.cluster", "tandem.gateway"])
 def test_torch_free_layers_have_modules(module):
     assert sum(1 for m in SOURCES if m.startswith(module + ".")) > 5
+
+
+def test_module_names_are_unique_or_listed_with_their_reason():
+    """A module's file name says what it holds, once in the tree; the exceptions (the two pools'
+    counterpart modules) are listed in docs/architecture.md with their reason."""
+    import collections
+
+    folders = ("cluster", "engine", "kernels", "kvtransfer", "gateway", "prefill", "decode", "tandem", "bench")
+    names = collections.Counter(p.name for folder in folders for p in (ROOT / folder).rglob("*.py")
+                                if p.name != "__init__.py")
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert "### Same-named modules" in doc
+    listed = doc.split("### Same-named modules", 1)[1].split("\n#", 1)[0]
+    unlisted = sorted(name for name, count in names.items() if count > 1 and f"`{name}`" not in listed)
+    assert not unlisted, f"modules of the same name in several packages, not listed in docs/architecture.md: {unlisted}"

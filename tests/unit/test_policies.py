@@ -66,7 +66,7 @@ def test_settings_live_values_admin_and_bench_take_the_registrys_names():
             assert tuple(action.choices) == tuple(CAPACITY_POLICIES)
         if action.dest == "context_chunking_policy":
             assert tuple(action.choices) == tuple(CHUNKING_POLICIES)
-    from tandem.bench import policies as bench_policies
+    from tandem.bench import capacity_policies as bench_policies
 
     assert bench_policies.POLICIES == tuple(CAPACITY_POLICIES)
 

@@ -1,4 +1,4 @@
-"""Stopping on SIGTERM/SIGINT without a lock in the main thread (cluster.service).
+"""Stopping on SIGTERM/SIGINT without a lock in the main thread (cluster.process).
 
 The handler runs in the main thread between bytecodes. ``Event.wait`` holds the event's lock
 around its wakeup, and ``Event.set`` takes it: a second SIGTERM arriving just after the first
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tandem.cluster.service import sleep_unless_stopped, stop_on_signals
+from tandem.cluster.process import sleep_unless_stopped, stop_on_signals
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 
 from tandem.redis_server import free_port
 from tandem.cluster.settings import CPU_DEFAULT_KV_TOKENS, Settings, SettingsError
-from tandem.engine.placement import kv_pool_blocks
+from tandem.engine.runner_factory import kv_pool_blocks
 
 
 @pytest.fixture(scope="module")

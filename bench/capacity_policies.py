@@ -1,6 +1,6 @@
 """The three capacity policies on one mixed workload with a constrained KV pool (CPU, tiny model).
 
-    python -m tandem.bench.policies --out /tmp/policies.json
+    python -m tandem.bench.capacity_policies --out /tmp/policies.json
 
 For each policy: ``tandem serve`` (private redis-server, one prefill and one
 decode worker, the gateway) with ``--max-tokens-in-paged-kv-cache`` far below
