@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem.cluster.process import process_exists
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -38,18 +40,8 @@ def forget_dead_processes(path: str) -> None:
     """Drop the live gauges of gateway processes that are gone (a restarted one left them behind)."""
     pids = {name.rsplit("_", 1)[-1].removesuffix(".db") for name in os.listdir(path) if name.endswith(".db")}
     for pid in pids:
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_exists(int(pid)):
             multiprocess.mark_process_dead(int(pid), path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class GatewayMetrics:

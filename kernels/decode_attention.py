@@ -34,7 +34,8 @@ from tandem.kernels.decode_config import FP8_F16_DOT, DecodeWorkspace, _tile_con
 from tandem.kernels.decode_tiles import (_attend_kv_tile, _cache_new_kv, _f16_query, _f16_value_scale,
                                          _load_kv_tile, _rotated_new_kv, _store_new_kv)
 from tandem.kernels.dot import upcast_bf16_dot
-from tandem.kernels.fp8_kv import check_scales, is_fp8, soft_round
+from tandem.kernels.fp8_kv import is_fp8, soft_round
+from tandem.kernels.paged_checks import check_paged_attention
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 LOG2E = 1.4426950408889634
@@ -283,17 +284,8 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     ``ids_in_registers``, ``max_registers``: an A/B's choices instead of the rule (above)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2 >= 16"
-    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
-    assert num_q_heads % num_kv_heads == 0, "num_q_heads must be a multiple of num_kv_heads"
+    k_scale, v_scale = check_paged_attention(q, k_cache, v_cache, block_tables, out, sliding_window, k_scale, v_scale)
     assert seq_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
-    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
-    assert k_cache.dtype == v_cache.dtype and (q.dtype == k_cache.dtype or is_fp8(k_cache)), \
-        "the cache must hold q's dtype or FP8"
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous"
-    assert sliding_window is None or sliding_window > 0
-    k_scale, v_scale = check_scales(k_cache, k_scale, v_scale, num_kv_heads)
     if new_token is not None:
         k_new, v_new, positions, cos_sin, slots = new_token
         assert k_new.shape == v_new.shape == (num_seqs, num_kv_heads, head_dim)
@@ -370,49 +362,19 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         )
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    *,
-    workspace: DecodeWorkspace | None = None,
-) -> torch.Tensor:
-    """One query per sequence (q: [num_seqs, num_q_heads, head_dim]) at position seq_len - 1.
-
-    ``workspace`` (keyword only, not in the reference) holds the split partials;
-    without one they are allocated per call from the caching allocator.
-    """
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, k_scale=None,
+                     v_scale=None, *, workspace: DecodeWorkspace | None = None):
+    """ops.decode_attention in Triton; ``workspace`` (keyword only, not in the op) holds the split
+    partials, allocated per call from the caching allocator without one."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_seqs, num_q_heads, head_dim]
     _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, float(scale),
                              sliding_window, workspace, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
-def decode_attention_new_token(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``rotary_kv_write`` then ``decode_attention`` in one kernel launch: q, k, v of each
-    sequence's new token unrotated; its rotated k and v land in the cache (slot -1: not written;
-    an FP8 cache gets their codes)."""
+def decode_attention_new_token(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
+                               seq_lens, scale, sliding_window=None, k_scale=None, v_scale=None):
+    """ops.decode_attention_new_token in one Triton launch (rotary and the KV write fused in)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_seqs, num_q_heads, head_dim]
     _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, float(scale), sliding_window, None,
                              new_token=NewToken(k, v, positions, cos_sin_cache, slot_mapping),

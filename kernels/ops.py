@@ -234,27 +234,76 @@ def _scales(k_scale, v_scale) -> tuple:
     return () if k_scale is None and v_scale is None else (k_scale, v_scale)
 
 
-def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+def rotary_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by their positions, write rotated k and v into the paged cache.
+
+    q [T, Hq, D], k and v [T, Hkv, D], positions [T] int64, cos_sin_cache [max_position, D]
+    fp32, slot_mapping [T] int64. Returns (q_rot, k_rot). Tokens whose slot is -1 are rotated
+    but not written. An FP8 cache gets the E4M3 codes of k_rot / k_scale and v / v_scale
+    (``reference.quantize_kv_fp8``).
+    """
     return _pick("rotary_kv_write", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                        *_scales(k_scale, v_scale))
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None,
-                      chunk_kv=None, k_scale=None, v_scale=None):
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal variable-length attention over each sequence's cached blocks.
+
+    Sequence b's queries are its last q_len_b positions: query i sits at
+    position seq_len_b - q_len_b + i and sees keys at positions p with
+    p <= pos and (sliding_window is None or pos - p < sliding_window).
+    GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
+    ``chunk_kv``: (k, v) of the chunk's own tokens [num_tokens, num_kv_heads, head_dim], k
+    rotated (what ``rotary_kv_write`` wrote to the cache): keys at a sequence's last q_len
+    positions are read from them instead of through the block table. An FP8 cache (float8_e4m3fn)
+    is read as code * scale with its [num_kv_heads] fp32 ``k_scale`` and ``v_scale``.
+    """
     return _pick("prefill_attention", q)(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, chunk_kv,
         *_scales(k_scale, v_scale),
     )
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, k_scale=None,
-                     v_scale=None):
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence (q: [num_seqs, num_q_heads, head_dim]) at position seq_len - 1:
+    ``prefill_attention`` with one-token chunks."""
     return _pick("decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
                                         *_scales(k_scale, v_scale))
 
 
-def decode_attention_new_token(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
-                               seq_lens, scale, sliding_window=None, k_scale=None, v_scale=None):
+def decode_attention_new_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                               cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float, sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``rotary_kv_write`` then ``decode_attention``: q, k, v of each sequence's new token
+    unrotated; its rotated k and v land in the cache (slot -1: not written; an FP8 cache gets
+    their codes)."""
     return _pick("decode_attention_new_token", q)(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                                   block_tables, seq_lens, scale, sliding_window,
                                                   *_scales(k_scale, v_scale))

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.dot import dot, upcast_bf16_dot
-from tandem.kernels.fp8_kv import check_scales, is_fp8
+from tandem.kernels.fp8_kv import is_fp8
+from tandem.kernels.paged_checks import check_paged_attention
 
 LOG2E = 1.4426950408889634
 
@@ -284,17 +285,8 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2 >= 16"
-    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
-    assert num_q_heads % num_kv_heads == 0, "num_q_heads must be a multiple of num_kv_heads"
+    k_scale, v_scale = check_paged_attention(q, k_cache, v_cache, block_tables, out, sliding_window, k_scale, v_scale)
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
-    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
-    assert k_cache.dtype == v_cache.dtype and (q.dtype == k_cache.dtype or is_fp8(k_cache)), \
-        "the cache must hold q's dtype or FP8"
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous"
-    assert sliding_window is None or sliding_window > 0
-    k_scale, v_scale = check_scales(k_cache, k_scale, v_scale, num_kv_heads)
     if chunk_kv is not None:
         k_chunk, v_chunk = chunk_kv
         assert k_chunk.shape == v_chunk.shape == (num_tokens, num_kv_heads, head_dim), \
@@ -329,30 +321,9 @@ def _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc
     )
 
 
-def prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal variable-length attention over each sequence's cached blocks.
-
-    Sequence b's queries are its last q_len_b positions: query i sits at
-    position seq_len_b - q_len_b + i and sees keys at positions p with
-    p <= pos and (sliding_window is None or pos - p < sliding_window).
-    GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
-    ``chunk_kv``: (k, v) of the chunk's own tokens [num_tokens, num_kv_heads, head_dim], k
-    rotated (what ``rotary_kv_write`` wrote to the cache): keys at a sequence's last q_len
-    positions are read from them instead of through the block table. An FP8 cache (float8_e4m3fn)
-    is read as code * scale with its [num_kv_heads] fp32 ``k_scale`` and ``v_scale``.
-    """
+def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None,
+                      chunk_kv=None, k_scale=None, v_scale=None):
+    """ops.prefill_attention in one Triton launch."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, num_q_heads, head_dim]
     _launch_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
                               float(scale), sliding_window, chunk_kv, k_scale=k_scale, v_scale=v_scale)

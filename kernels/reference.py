@@ -106,23 +106,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def rotary_kv_write(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k by their positions, write rotated k and v into the paged cache.
-
-    Returns (q_rot, k_rot). Tokens whose slot is -1 are rotated but not written. An FP8
-    cache gets the E4M3 codes of k_rot / k_scale and v / v_scale (``quantize_kv_fp8``).
-    """
+def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    """ops.rotary_kv_write in torch."""
     fp8 = _is_fp8(k_cache, k_scale, v_scale)
     half = q.shape[-1] // 2
     cs = cos_sin_cache[positions.long()].float()  # [T, D]
@@ -149,29 +134,9 @@ def _gather_seq_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
-def prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    chunk_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal variable-length attention over each sequence's cached blocks.
-
-    Sequence b's queries are its last q_len_b positions: query i sits at
-    position seq_len_b - q_len_b + i and sees keys at positions p with
-    p <= pos and (sliding_window is None or pos - p < sliding_window).
-    GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
-    ``chunk_kv``: (k, v) [num_tokens, num_kv_heads, head_dim], the keys and values at each
-    sequence's last q_len positions (those the cache holds there; read from here instead,
-    unquantized). An FP8 cache is read as code * scale (``dequantize_kv_fp8``).
-    """
+def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window=None,
+                      chunk_kv=None, k_scale=None, v_scale=None):
+    """ops.prefill_attention in torch."""
     fp8 = _is_fp8(k_cache, k_scale, v_scale)
     out = torch.empty_like(q)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -203,39 +168,16 @@ def prefill_attention(
     return out
 
 
-def decode_attention_new_token(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``rotary_kv_write`` then ``decode_attention``: one new token per sequence, unrotated."""
+def decode_attention_new_token(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
+                               seq_lens, scale, sliding_window=None, k_scale=None, v_scale=None):
+    """ops.decode_attention_new_token in torch: rotary_kv_write, then decode_attention."""
     q_rot, _ = rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return decode_attention(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, k_scale, v_scale)
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One query per sequence (q: [num_seqs, num_q_heads, head_dim]) at position seq_len - 1."""
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, k_scale=None,
+                     v_scale=None):
+    """ops.decode_attention in torch: prefill_attention with one query per sequence."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window,

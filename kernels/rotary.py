@@ -128,23 +128,8 @@ def _launch_rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
     )
 
 
-def rotary_kv_write(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k by their positions, write rotated k and v into the paged cache.
-
-    Returns (q_rot, k_rot). Tokens whose slot is -1 are rotated but not written. An FP8
-    cache gets the E4M3 codes of k_rot / k_scale and v / v_scale.
-    """
+def rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    """ops.rotary_kv_write in one Triton launch."""
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, num_q_heads, head_dim]
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # [num_tokens, num_kv_heads, head_dim]
     _launch_rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, k_out,
