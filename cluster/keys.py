@@ -13,6 +13,12 @@ def worker_pattern(role: str) -> str:
     return f"{PREFIX}:worker:{role}:*"
 
 
+def liveness(role: str, worker_id: str, started_at: float) -> str:
+    """The pub/sub channel one run of a worker stays subscribed to while its process lives
+    (``tandem.cluster.liveness``)."""
+    return f"{PREFIX}:alive:{role}:{worker_id}:{started_at!r}"
+
+
 def inbox(role: str, worker_id: str) -> str:
     """A worker's inbox stream (consumer group GROUP)."""
     return f"{PREFIX}:inbox:{role}:{worker_id}"

@@ -270,6 +270,8 @@ class WorkerInfo:
     pid_namespace: int = 0  # its PID namespace (0 unknown): ``pid`` means something only within it
     num_restarts: int = 0  # times its supervisor restarted it (its --restarts setting)
     heartbeat_ttl_s: float = 0.0  # how long its record lives without a beat (0 unknown)
+    heartbeat_interval_s: float = 0.0  # how often it beats (0 unknown)
+    liveness_channel: str = ""  # the channel its process stays subscribed to ("" none: tandem.cluster.liveness)
     kind: ClassVar[str]
     rules: ClassVar[dict[str, Rule]] = {
         "worker_id": ID, "role": text(choices=("prefill", "decode")), "model": text(), "inbox": text(),
@@ -278,4 +280,5 @@ class WorkerInfo:
         "num_waiting": integer(), "block_size": integer(1), "max_seq_len": integer(), "kv_endpoint": STR_MAP,
         "capacity_scheduler_policy": text(), "max_batch_size": integer(), "max_admitted": integer(), "num_preemptions": integer(),
         "device": text(), "computes_prompts": BOOL, "num_mixed_steps": integer(0), "pid_namespace": integer(), "num_restarts": integer(), "heartbeat_ttl_s": number(),
+        "heartbeat_interval_s": number(lo=0.0), "liveness_channel": text(),
     }

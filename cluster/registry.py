@@ -2,7 +2,10 @@
 
 A worker is alive exactly while its key exists. ``Heartbeat`` refreshes the
 key from a background thread (so a long forward pass does not look like a
-death) with the load snapshot the worker loop last published.
+death) with the load snapshot the worker loop last published. Each beat first
+makes sure the run's liveness subscription is held (``tandem.cluster.liveness``):
+a peer that finds it gone and the record a beat late knows the process died,
+without waiting for the key to expire.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import redis
 import structlog
 
 from tandem.cluster import keys
+from tandem.cluster.liveness import LivenessChannel
 from tandem.cluster.messages import MessageError, WorkerInfo, decode, encode
 
 log = structlog.get_logger(__name__)
@@ -87,6 +91,8 @@ class Heartbeat:
         ttl_s: float = 5.0,
     ):
         self._client = redis.Redis.from_url(redis_url, socket_timeout=ttl_s)
+        self._redis_url = redis_url
+        self._liveness: LivenessChannel | None = None  # made at the first beat (the run's identity is known then)
         self._snapshot = snapshot
         self._interval_s = interval_s
         self._ttl_ms = int(ttl_s * 1000)
@@ -99,6 +105,10 @@ class Heartbeat:
 
     def beat(self) -> None:
         info = self._snapshot()
+        if self._liveness is None and info.liveness_channel:
+            self._liveness = LivenessChannel(self._redis_url, info.liveness_channel, self._ttl_ms / 1000)
+        if self._liveness is not None:
+            self._liveness.ensure()  # before the record: a record it names is held when written
         info.heartbeat_at = time.time()
         self._client.set(keys.worker(info.role, info.worker_id), encode(info), px=self._ttl_ms)
 
@@ -113,6 +123,8 @@ class Heartbeat:
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._liveness is not None:
+            self._liveness.close()
         if deregister:
             info = self._snapshot()
             try:

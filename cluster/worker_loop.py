@@ -9,6 +9,7 @@ from typing import Callable
 import redis
 import structlog
 
+from tandem.cluster import keys
 from tandem.cluster.messages import WorkerInfo
 from tandem.cluster.process import pid_namespace, sleep_unless_stopped
 from tandem.cluster.settings import Settings
@@ -46,5 +47,7 @@ def worker_info(
         max_seq_len=settings.max_seq_len,
         num_restarts=max(settings.restarts, 0),  # --restarts, which tandem serve's supervisor sets
         heartbeat_ttl_s=settings.heartbeat_ttl_s,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        liveness_channel=keys.liveness(role, worker_id, started_at),
         **load,
     )

@@ -8,13 +8,23 @@ A request's handoff, as this side sees it::
         --dispatch--> job sent to a prefill worker, its blocks granted on the transport
         --PrefillDone ok--> DECODING (the scheduler admits it)
         --PrefillDone failed / receiver FAILED (timeout, transfer error)--> ended with an error
-        --prefill worker lost (heartbeat gone, or restarted)--> re-dispatched (fresh blocks where
-          the lost one could still write the old ones; those wait in the quarantine)
+        --prefill worker lost (its process gone, its heartbeat expired, or restarted)-->
+          re-dispatched to any live prefill worker (fresh blocks where the lost one could still
+          write the old ones; those wait in the quarantine)
 
 ``PrefillHandoffs`` is composed into the decode worker with its collaborators passed in
 (Redis, the scheduler and its allocator, the KV transport, the mailer for prefill inboxes,
 and ``publish``, which sends a request's events to its gateway); the decode loop calls
 ``refresh_peers``, ``dispatch`` and ``check`` once a turn and ``on_prefill_done`` per reply.
+
+A lost prefill worker is found by ``refresh_peers``: its record gone or naming another run
+(the registry, re-read every PEER_CHECK_INTERVAL_S), or its process gone (its liveness
+subscription, checked every LIVENESS_CHECK_INTERVAL_S: ``tandem.cluster.liveness``), so within
+about 1.5 heartbeat intervals of its death rather than the heartbeat's TTL. Its jobs are
+re-dispatched by the next ``dispatch``, which the loop calls after that turn's inbox read:
+everything the dead process sent was in the inbox before its death was seen, so a request it
+already finished (its PrefillDone read) keeps its first token and goes on decoding instead of
+being computed again.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import structlog
 from tandem.cluster import keys
 from tandem.cluster.draining import accepting, read_marks
 from tandem.cluster.inbox import Mailer, send
+from tandem.cluster.liveness import ended_runs
 from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, WorkerInfo
 from tandem.cluster.prefix_index import choose_prefill_worker, longest_prefixes
 from tandem.cluster.registry import live_workers, of_model
@@ -43,7 +54,8 @@ from tandem.kvtransfer import KVPoll, KVReceiver, Transport
 
 log = structlog.get_logger(__name__)
 
-PEER_CHECK_INTERVAL_S = 0.5
+PEER_CHECK_INTERVAL_S = 0.5  # the registry's records (a SCAN over the keyspace)
+LIVENESS_CHECK_INTERVAL_S = 0.1  # the known prefill workers' liveness (one round trip)
 
 
 # (request, output index, finish reason) events, and the error they carry
@@ -62,10 +74,15 @@ class PrefillHandoffs:
         self.kv_endpoint = kv_endpoint  # where prefill workers reach our pool
         self.mailer = mailer  # aborts for prefill workers, kept across a Redis error
         self._publish = publish
-        self._prefill_workers: list[WorkerInfo] = []  # live, serving our model
+        self._registered: list[WorkerInfo] = []  # prefill workers with a record, serving our model
+        self._ended: set[tuple[str, float]] = set()  # (id, started_at) of those whose process is gone (last probe)
+        self._marks: dict = {}  # drain marks of the prefill workers
+        self._prefill_workers: list[WorkerInfo] = []  # live: registered, their process not gone
         self._taking_prefill_workers: list[WorkerInfo] = []  # of those, the ones not being drained
         self._foreign_prefill: set[tuple[str, str]] = set()  # workers of another model, logged once
         self._peers_checked_at = 0.0
+        self._liveness_checked_at = 0.0
+        self._peers_changed = False  # the live prefill workers were re-derived: look for lost jobs
         self._round_robin = 0
         self._handoff_seq = 0
         # blocks of given-up handoffs a prefill worker that may still run could write (shm, cuda_ipc)
@@ -98,38 +115,57 @@ class PrefillHandoffs:
             self._publish([(request, len(request.output_token_ids), reason)], msg.error)
 
     def refresh_peers(self) -> bool:
-        """Re-read the live prefill workers (at most every PEER_CHECK_INTERVAL_S); re-dispatch the
-        jobs of lost ones; True when it re-read them."""
+        """Re-read the prefill workers' records (at most every PEER_CHECK_INTERVAL_S) and check
+        that their processes live (every LIVENESS_CHECK_INTERVAL_S); True when the live ones were
+        derived anew. The jobs of lost ones wait for ``redispatch_lost`` (``dispatch``)."""
         now = time.monotonic()
-        if now - self._peers_checked_at < PEER_CHECK_INTERVAL_S:
+        # while re-dispatches wait for a prefill worker (a lone one restarting), at the probe's pace
+        reread = now - self._peers_checked_at >= (LIVENESS_CHECK_INTERVAL_S if self._undispatched
+                                                  else PEER_CHECK_INTERVAL_S)
+        if not reread and now - self._liveness_checked_at < LIVENESS_CHECK_INTERVAL_S:
             return False
-        self._peers_checked_at = now
-        self._prefill_workers = of_model(live_workers(self.redis, "prefill"), self.settings.model_name,
-                                         self._foreign_prefill)
+        if reread:
+            self._peers_checked_at = now
+            self._registered = of_model(live_workers(self.redis, "prefill"), self.settings.model_name,
+                                        self._foreign_prefill)
+            self._marks = read_marks(self.redis, "prefill")
+        self._liveness_checked_at = now
+        self._ended = ended_runs(self.redis, "prefill", self._registered)
+        self._prefill_workers = [w for w in self._registered if (w.worker_id, w.started_at) not in self._ended]
         # derived here, where it changes, not on every step
-        self._taking_prefill_workers = accepting(self._prefill_workers, read_marks(self.redis, "prefill"))
+        self._taking_prefill_workers = accepting(self._prefill_workers, self._marks)
+        self._peers_changed = True
+        return True
+
+    def redispatch_lost(self) -> None:
+        """Send the jobs of lost prefill workers to live ones (called after the turn's inbox read:
+        a reply the lost worker sent before it died has been handled, and its request is done)."""
+        if not self._peers_changed:
+            return
+        self._peers_changed = False
         alive = {w.worker_id: w.started_at for w in self._prefill_workers}
         self.allocator.free(self.quarantine.release_ended(alive))
         for request in list(self.scheduler.prefilling.values()):
             lost = request.prefill_worker_id
             if lost is None or (lost in alive and alive[lost] == request.prefill_started_at):
                 continue  # never handed out (its handoff already failed), or still served by the same process
-            # the prefill worker's heartbeat expired, or it restarted under its id (the new process
-            # never saw the job: inbox reads are NOACK): redo the prefill. Should it only have
-            # missed beats, the abort stops it, and its late PrefillDone is ignored.
+            # its process is gone, its heartbeat expired, or it restarted under its id (the new
+            # process never saw the job: inbox reads are NOACK): redo the prefill. Should it only
+            # have missed beats, the abort stops it, and its late PrefillDone is ignored.
+            restarted = lost in alive
             log.warning("prefill worker lost, re-dispatching", request_id=request.request_id,
-                        prefill_worker_id=lost)
+                        prefill_worker_id=lost, restarted=restarted)
             self.mailer.send(keys.inbox("prefill", lost), AbortRequest(request.request_id, "re-dispatched"))
+            ended = restarted or (request.prefill_pid is not None and not process_exists(request.prefill_pid))
             if request.abort_requested:
                 request.receiver.fail("prefill worker lost")
-            elif lost in alive or self.transport.revoke_stops_writes:
-                self._send_prefill_job(request)  # restarted: the old process writes nothing any more
+            elif ended or self.transport.revoke_stops_writes:
+                self._send_prefill_job(request)  # its old process writes nothing any more
             elif self._hold_blocks_for_redo(request):
                 self._send_prefill_job(request)  # into fresh blocks: the lost worker may only be frozen
             else:
                 request.receiver.fail("prefill worker lost, and no free blocks to redo the prefill while "
                                       "its first blocks are held")
-        return True
 
     def _hold_blocks_for_redo(self, request: DecodeRequest) -> bool:
         """Swap the request's destination blocks for fresh ones and hold the old ones until the
@@ -148,7 +184,9 @@ class PrefillHandoffs:
         request.block_ids, request.spare_block_ids, request.num_released_blocks = [], [], 0
 
     def dispatch(self) -> None:
-        """Hand the requests the scheduler starts now to prefill workers."""
+        """Re-dispatch the jobs of lost prefill workers, then hand the requests the scheduler
+        starts now to prefill workers."""
+        self.redispatch_lost()
         if not self._taking_prefill_workers:
             return  # requests wait, holding no blocks, until a prefill worker registers (or is undrained)
         waiting, self._undispatched = self._undispatched, []

@@ -152,10 +152,12 @@ class DecodeWorker:
         self.outbox.flush()  # in order: what an outage kept back, then this turn's events
         self.mailer.flush()
         idle = not batch and not events and not self._busy()
-        # holding: wait on the inbox a little (a PrefillDone ends the wait early) instead of spinning
-        self._handle_messages(self.inbox.read(block_ms=20 if idle else HOLD_POLL_MS if held else None))
+        # before the inbox read: whatever a prefill worker found lost now sent before it died is
+        # read below, before dispatch re-dispatches its jobs (a finished one is not computed again)
         if self.handoffs.refresh_peers():
             self.batch_wait.shared = shares_gpu(self._device_identity, self.handoffs.prefill_workers)
+        # holding: wait on the inbox a little (a PrefillDone ends the wait early) instead of spinning
+        self._handle_messages(self.inbox.read(block_ms=20 if idle else HOLD_POLL_MS if held else None))
         self.handoffs.dispatch()
         self.handoffs.check()
         self._release_admissions()

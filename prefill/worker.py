@@ -4,8 +4,10 @@ Each step: read the inbox (jobs, aborts), run one forward over the chunks the
 scheduler picked (at most ``max_num_tokens`` tokens), push each chunk's blocks
 into the decode worker's destination blocks, sample and publish the first
 token of every prompt that completed (TTFT does not wait for the decode
-worker), and report finished handoffs with PrefillDone. Statuses moved here:
-see ``tandem.prefill.scheduler``.
+worker), and report finished handoffs with PrefillDone (before the first token
+when the writes are already in place, as they are with a synchronous transport:
+a request whose client has its first token is then never computed again when
+this worker dies). Statuses moved here: see ``tandem.prefill.scheduler``.
 
 A job asking for its prompt's logprobs (``SamplingParams.prompt_logprobs``) is run
 through ``ModelRunner.forward_hidden`` and scored chunk by chunk
@@ -102,8 +104,8 @@ class PrefillWorker:
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
         started = time.perf_counter()
-        self.outbox.flush()  # first tokens a Redis outage kept back go out first
-        self.mailer.flush()  # then the PrefillDones it kept back
+        self.mailer.flush()  # PrefillDones a Redis outage kept back go out first
+        self.outbox.flush()  # then the first tokens it kept back (their PrefillDones are ahead of them)
         self._handle_messages(self.inbox.read(block_ms=None if self.scheduler.jobs else 20))
         self.scheduler.set_policy(self.policies.refresh().context_chunking_policy)
         chunks = self.scheduler.schedule()
@@ -353,7 +355,12 @@ class PrefillWorker:
                                                     logprobs=None if entry is None else [entry],
                                                     prompt_logprobs=state.prompt_logprobs)))
             state.sender.finish()
-        self.outbox.send(queued)
+        self.outbox.keep(queued)  # no Redis call: a Redis error below loses no first token
+        # handoffs whose writes are all in place (every one, with a synchronous transport) end
+        # before their first token goes out: once a client has a first token, its decode worker
+        # has the PrefillDone too, and never computes the prompt again should this worker die now
+        self._poll_transfers()
+        self.outbox.flush()
 
     def _scored(self, state: PrefillState) -> tuple[str, TokenEvent]:
         """A max_tokens 0 job's one event: no token, finished by length, the prompt's logprobs.

@@ -5,6 +5,8 @@ answer to a job sent back to it."""
 
 import types
 
+import pytest
+
 from tandem.cluster.messages import PrefillDone, WorkerInfo
 from tests.unit.test_decode_loop import _prefilling, _worker
 
@@ -23,10 +25,13 @@ def test_a_prefill_worker_restarted_under_its_id_counts_as_lost(monkeypatch):
              types.SimpleNamespace(worker_id="p1", started_at=2.0, device="cpu", model="m"),  # p1 restarted
              types.SimpleNamespace(worker_id="p2", started_at=1.0, device="cpu", model="other", role="prefill")]  # p2: not ours
     monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
+    monkeypatch.setattr(worker_module, "ended_runs", lambda client, role, workers: set())
     redispatched = []
     worker.handoffs._send_prefill_job = redispatched.append
     worker.handoffs._peers_checked_at = 0.0
     worker.handoffs.refresh_peers()
+    assert redispatched == []  # found lost, re-dispatched after the turn's inbox read
+    worker.handoffs.redispatch_lost()
     assert redispatched == [restarted, gone] and same not in redispatched
     assert sorted(m.request_id for _s, m in worker.handoffs.redis.sent) == ["gone", "restarted"]  # the old jobs aborted
 
@@ -45,10 +50,12 @@ def test_a_lost_prefill_workers_blocks_are_held_until_it_is_done_with_them(monke
     free_before = worker.allocator.num_free
     peers = [types.SimpleNamespace(worker_id="p1", started_at=1.0, device="cpu", model="m")]  # p0's beats lapsed
     monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
+    monkeypatch.setattr(worker_module, "ended_runs", lambda client, role, workers: set())
     redispatched = []
     worker.handoffs._send_prefill_job = lambda r: (redispatched.append(r), setattr(r, "prefill_worker_id", "p1"))
     worker.handoffs._peers_checked_at = 0.0
     worker.handoffs.refresh_peers()
+    worker.handoffs.redispatch_lost()
     assert redispatched == [request] and request.block_ids and not set(request.block_ids) & set(old_blocks)
     assert worker.handoffs.quarantine.num_blocks == len(old_blocks)
     assert worker.allocator.num_free == free_before - len(old_blocks)  # the old ones are not free
@@ -73,8 +80,10 @@ def test_a_failed_handoff_holds_its_blocks_until_the_worker_is_seen_to_have_rest
     assert "r1" not in worker.scheduler.requests and worker.allocator.num_free == free_before  # held
     peers = [types.SimpleNamespace(worker_id="p0", started_at=2.0, device="cpu", model="m")]  # a new run
     monkeypatch.setattr(worker_module, "live_workers", lambda client, role: peers)
+    monkeypatch.setattr(worker_module, "ended_runs", lambda client, role, workers: set())
     worker.handoffs._peers_checked_at = 0.0
     worker.handoffs.refresh_peers()
+    worker.handoffs.redispatch_lost()
     assert worker.handoffs.quarantine.num_blocks == 0 and worker.allocator.num_free > free_before
 
 
@@ -193,3 +202,88 @@ def test_a_job_sent_back_to_a_prefill_worker_still_draining_its_first_waits_for_
     worker._accept(second)
     worker._abort("r1")  # the client's abort of the later job: answered at once, under its handoff id
     assert [(m.status, m.handoff_id) for m in worker.replies] == [("aborted", "r1#2")] and worker._deferred == {}
+
+
+def _live_peers(worker, monkeypatch, peers, ended):
+    """The real refresh_peers over these registry records, ``ended`` the runs whose process is gone."""
+    import tandem.decode.handoffs as handoffs_module
+
+    del worker.handoffs.refresh_peers
+    worker.handoffs.settings = types.SimpleNamespace(model_name="m", transfer_timeout_s=300.0, enable_prefix_caching=False)
+    monkeypatch.setattr(handoffs_module, "live_workers", lambda client, role: peers)
+    monkeypatch.setattr(handoffs_module, "ended_runs", lambda client, role, workers: set(ended))
+    worker.handoffs._peers_checked_at = worker.handoffs._liveness_checked_at = 0.0
+
+
+def test_a_prefill_worker_whose_process_is_gone_is_lost_before_its_record_expires(monkeypatch):
+    """Its record still lives (the TTL), but its liveness subscription is gone and a beat is
+    late: its job goes to the live worker at once, into fresh blocks (it may be only frozen, so
+    the old ones are held), and it gets no new job."""
+    worker = _worker()
+    peers = [types.SimpleNamespace(worker_id="p0", started_at=1.0, device="cpu", model="m", draining=False),
+             types.SimpleNamespace(worker_id="p1", started_at=1.0, device="cpu", model="m", draining=False)]
+    _live_peers(worker, monkeypatch, peers, ended={("p0", 1.0)})
+    request = _prefilling(worker, "r1", "p0", 1.0)
+    old_blocks = list(request.block_ids)
+    sent = []
+    worker.handoffs._send_prefill_job = lambda r: (sent.append(r), setattr(r, "prefill_worker_id", "p1"))
+    assert worker.handoffs.refresh_peers()
+    assert [w.worker_id for w in worker.handoffs.prefill_workers] == ["p1"]
+    assert [w.worker_id for w in worker.handoffs._taking_prefill_workers] == ["p1"]
+    worker.handoffs.redispatch_lost()
+    assert sent == [request] and not set(request.block_ids) & set(old_blocks)
+    assert worker.handoffs.quarantine.num_blocks == len(old_blocks)
+    assert [(stream, m.request_id) for stream, m in worker.redis.sent] == [("tandem:inbox:prefill:p0", "r1")]
+
+
+def test_a_lost_prefill_workers_reply_sent_before_it_died_is_read_before_any_redispatch(monkeypatch):
+    """Its PrefillDone (its first token already streamed) reached the inbox before its death was
+    seen (whatever it sent, it sent before dying): the turn reads the inbox after looking for
+    lost workers and before re-dispatching, so the request decodes on instead of being computed
+    again."""
+    import tandem.decode.handoffs as handoffs_module
+    from tandem.kvtransfer import KVReceiver
+
+    worker = _worker()
+    worker._device_identity = "cpu"
+    worker.handoffs.transport = types.SimpleNamespace(revoke_stops_writes=False, revoke=lambda handoff_id: None)
+    del worker.handoffs.dispatch
+    peers = [types.SimpleNamespace(worker_id="p0", started_at=1.0, device="cpu", model="m", draining=False),
+             types.SimpleNamespace(worker_id="p1", started_at=1.0, device="cpu", model="m", draining=False)]
+    _live_peers(worker, monkeypatch, peers, ended={("p0", 1.0)})
+    request = _prefilling(worker, "r1", "p0", 1.0)
+    request.receiver = KVReceiver(timeout_s=300.0)
+    request.handoff_id = request.dispatch_id = "r1#1"
+    worker.handoffs._send_prefill_job = lambda r: pytest.fail("re-dispatched a request whose prefill was done")
+    replies = []
+
+    def died(client, role, workers):  # p0 sent its reply, then died; now it is seen dead
+        replies.append(PrefillDone("r1", "ok", 9, prefill_worker_id="p0", handoff_id="r1#1"))
+        return {("p0", 1.0)}
+
+    monkeypatch.setattr(handoffs_module, "ended_runs", died)
+    worker.inbox.read = lambda block_ms=None: [replies.pop()] if replies else []
+    worker.step()
+    assert "r1" not in worker.scheduler.prefilling and request.output_token_ids == [9]
+    assert worker.redis.sent == []  # no abort for p0: nothing of it was taken away
+
+
+def test_a_lost_prefill_worker_whose_process_is_known_gone_leaves_the_blocks_to_the_redo(monkeypatch):
+    """On this host, in this PID namespace, its pid tells: nothing can write the blocks any more,
+    so the redo keeps them (no fresh blocks taken, nothing held)."""
+    import subprocess
+    import sys
+
+    worker = _worker()
+    peers = [types.SimpleNamespace(worker_id="p1", started_at=1.0, device="cpu", model="m", draining=False)]
+    _live_peers(worker, monkeypatch, peers, ended=set())  # p0's record is gone too
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    request = _prefilling(worker, "r1", "p0", 1.0)
+    request.prefill_pid = int(done.stdout)  # a process that has ended
+    blocks, free = list(request.block_ids), worker.allocator.num_free
+    sent = []
+    worker.handoffs._send_prefill_job = sent.append
+    worker.handoffs.refresh_peers()
+    worker.handoffs.redispatch_lost()
+    assert sent == [request] and request.block_ids == blocks
+    assert worker.handoffs.quarantine.num_blocks == 0 and worker.allocator.num_free == free

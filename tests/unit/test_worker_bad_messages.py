@@ -167,6 +167,9 @@ def test_a_bad_generate_request_gets_an_error_event_on_its_reply_stream(change, 
     (GenerateRequest("long", [1] * 64, SamplingParams(), 4, reply_to=REPLY_TO), "max_seq_len"),
     (GenerateRequest("vocab", [1, VOCAB], SamplingParams(), 4, reply_to=REPLY_TO), "vocabulary"),
     (GenerateRequest("resumed", [1], SamplingParams(), 4, reply_to=REPLY_TO, output_token_ids=[3, 99]), "vocabulary"),
+    # well-formed, and past the context: it would hold max_seq_len's blocks for nothing
+    (GenerateRequest("huge", [1, 2, 3], SamplingParams(), 10**12, reply_to=REPLY_TO), "max_tokens 1000000000000"),
+    (GenerateRequest("over", [1] * 60, SamplingParams(), 5, reply_to=REPLY_TO), "exceed this worker's max_seq_len 64"),
 ])
 def test_a_request_beyond_the_workers_limits_is_refused_not_queued(request_, error):
     worker = _decode_worker()
@@ -286,7 +289,10 @@ def test_prefill_worker_survives_invalid_entries_and_still_serves(raws):
     ({"dst_block_ids": [3, 16]}, "outside the decode worker's pool of 16"),
     ({"prompt_token_ids": [1, VOCAB]}, "vocabulary"),
     ({"prompt_token_ids": [1] * 64}, "max_seq_len"),
-    ({"prompt_token_ids": [1] * 63, "dst_block_ids": list(range(16))}, "exceed this prefill worker's KV pool"),
+    ({"prompt_token_ids": [1] * 63, "max_tokens": 1, "dst_block_ids": list(range(16))},
+     "exceed this prefill worker's KV pool"),
+    ({"max_tokens": 10**12}, "max_tokens 1000000000000 exceed max_seq_len 64"),
+    ({"dst_block_ids": [3]}, "1 destination blocks cannot hold the prompt's 7 tokens"),
 ])
 def test_a_job_beyond_the_workers_limits_is_failed_at_once(change, error):
     from dataclasses import replace
@@ -322,3 +328,27 @@ def test_an_endpoint_the_worker_cannot_use_fails_the_job():
     worker._handle_messages([bad, AbortRequest("other")])
     (done,) = _replies(worker)
     assert done.status == "failed" and worker.scheduler.jobs == {}
+
+
+def test_a_finished_handoff_is_reported_before_its_first_token_goes_out():
+    """With writes that are done at once (shm), PrefillDone reaches the decode worker before the
+    client can have the first token: should the prefill worker die right after, its decode worker
+    has the first token and never computes the prompt again."""
+    worker = _prefill_worker()
+    order = []
+    xadd, pipeline = worker.redis.xadd, worker.redis.pipeline
+
+    def logged_xadd(stream, fields, **kw):
+        order.append("PrefillDone")
+        return xadd(stream, fields, **kw)
+
+    def logged_pipeline(transaction=False):
+        pipe = pipeline(transaction)
+        execute = pipe.execute
+        pipe.execute = lambda: (order.append("first token"), execute())
+        return pipe
+
+    worker.redis.xadd, worker.redis.pipeline = logged_xadd, logged_pipeline
+    done = _run_job(worker, JOB)
+    assert done.status == "ok" and worker.redis.events[-1].token_ids == [7]
+    assert order == ["PrefillDone", "first token"]
