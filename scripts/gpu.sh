@@ -90,7 +90,7 @@ case "${1:-}" in
       | tee "$OUT/tune_fp8.log" | grep -E "^(gemv|==|attention)"
     summary "$OUT/fp8_weight_tests.log" ;;
   profile)
-    for q in fp8 bf16; do
+    for q in ${PROFILE_DTYPES:-fp8 bf16}; do
       flags=(); [ "$q" = fp8 ] && flags=(--quantization fp8 --kv-cache-dtype fp8)
       timeout "${PROFILE_TIMEOUT:-200}" python3 -m tandem.bench.decode_profile --model llama3-8b --batches 256,1024 \
         --mixed 1024:7168,256:1792 "${flags[@]}" --out "$OUT/profile_$q.json" 2>&1 | tee "$OUT/profile_$q.log" \
