@@ -101,7 +101,7 @@ def _valid_values():
         "block_size": st.integers(1, 32), "max_seq_len": st.integers(0, 64), "capacity_scheduler_policy": st.just(""),
         "max_batch_size": st.integers(0, 8), "max_admitted": st.integers(0, 16), "num_preemptions": st.integers(0, 3), "device": st.just("cpu"),
         "computes_prompts": st.booleans(), "num_mixed_steps": st.integers(0, 9), "pid_namespace": st.integers(0, 10), "num_restarts": st.integers(0, 5),
-        "heartbeat_ttl_s": st.floats(0, 10),
+        "heartbeat_ttl_s": st.floats(0, 10), "heartbeat_interval_s": st.floats(0, 5), "liveness_channel": st.text(max_size=40),
     }
 
 
