@@ -212,3 +212,28 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
     repetition, frequency, presence = params[:, 0:1], params[:, 1:2], params[:, 2:3]
     x = torch.where(seen, torch.where(x < 0, x * repetition, x / repetition), x)
     logits[rows] = x - (frequency * c + presence * (c > 0))
+
+
+def _lora_segments(token_order: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor):
+    """(slot, rows [n] int64) of each segment that has rows and a slot (slot -1: skipped)."""
+    starts = seg_starts.tolist()
+    for i, slot in enumerate(seg_slots.tolist()):
+        if slot >= 0 and starts[i + 1] > starts[i]:
+            yield slot, token_order[starts[i]:starts[i + 1]].long()
+
+
+def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
+                seg_slots: torch.Tensor) -> torch.Tensor:
+    """ops.lora_shrink in torch."""
+    out = torch.zeros(x.shape[0], a_stacked.shape[1], dtype=torch.float32, device=x.device)
+    for slot, rows in _lora_segments(token_order, seg_starts, seg_slots):
+        out[rows] = x[rows].float() @ a_stacked[slot].float().T
+    return out
+
+
+def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b_stacked: torch.Tensor, token_order: torch.Tensor,
+                seg_starts: torch.Tensor, seg_slots: torch.Tensor, scales: torch.Tensor) -> None:
+    """ops.lora_expand in torch (in place on ``y``)."""
+    for slot, rows in _lora_segments(token_order, seg_starts, seg_slots):
+        delta = (shrunk[rows].float() @ b_stacked[slot].float().T) * scales[slot].float()
+        y[rows] = (y[rows].float() + delta).to(y.dtype)

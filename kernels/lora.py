@@ -1,0 +1,143 @@
+"""Batched LoRA: the shrink (x @ A^T) and expand (y += (s @ B^T) * scale) of a step whose rows
+carry different adapters (Triton; the contract is ``ops.lora_shrink`` / ``ops.lora_expand``).
+
+The rows of one adapter are a segment (``engine.lora_batch``: the step's rows grouped by
+device slot, through ``token_order``). Grid: (segments, row tiles, column tiles); a program
+takes up to BLOCK_M rows of its segment, gathers them through ``token_order``, and multiplies
+them by its slot's matrix with ``tl.dot``: one weight tile read serves every row of the tile.
+Programs past their segment's end (the grid is sized by all the adapter rows, so it depends
+on shapes only, never on how the rows split) and segments of slot -1 return at once.
+
+The shrink multiplies in the activations' dtype with fp32 accumulation (IEEE fp32 products for
+fp32) and writes fp32; the expand multiplies the fp32 shrink by B widened to fp32 (the rank is
+small), scales, adds to the output in fp32 and rounds once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.dot import dot, upcast_bf16_dot
+
+
+@triton.jit
+def _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M: tl.constexpr):
+    """-> (slot, rows' token indices [BLOCK_M] int64, row mask, whether this program has rows)."""
+    seg = tl.program_id(0)
+    slot = tl.load(slots_ptr + seg)
+    end = tl.load(starts_ptr + seg + 1)
+    first = tl.load(starts_ptr + seg) + tl.program_id(1) * BLOCK_M
+    rows = first + tl.arange(0, BLOCK_M)
+    mask = rows < end
+    tokens = tl.load(order_ptr + rows, mask=mask, other=0).to(tl.int64)
+    return slot, tokens, mask, (slot >= 0) & (first < end)
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, slots_ptr,
+    R, K, stride_xm, stride_as, stride_ar, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    slot, tokens, row_mask, active = _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M)
+    if active:
+        rs = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_mask = rs < R
+        a_base = a_ptr + slot.to(tl.int64) * stride_as
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            x = tl.load(x_ptr + tokens[:, None] * stride_xm + ks[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(a_base + rs[None, :] * stride_ar + ks[:, None],  # [BLOCK_K, BLOCK_R]: A^T's tile
+                        mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+            acc += dot(x, a, DOT_PRECISION, DOT_UPCAST)
+        tl.store(out_ptr + tokens[:, None] * stride_om + rs[None, :], acc, mask=row_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr, s_ptr, b_ptr, scales_ptr, order_ptr, starts_ptr, slots_ptr,
+    N, R, stride_ym, stride_sm, stride_bs, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    slot, tokens, row_mask, active = _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M)
+    if active:
+        ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = ns < N
+        b_base = b_ptr + slot.to(tl.int64) * stride_bs
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            rs = r0 + tl.arange(0, BLOCK_R)
+            r_mask = rs < R
+            s = tl.load(s_ptr + tokens[:, None] * stride_sm + rs[None, :],
+                        mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+            b = tl.load(b_base + ns[None, :] * stride_bn + rs[:, None],  # [BLOCK_R, BLOCK_N]: B^T's tile
+                        mask=n_mask[None, :] & r_mask[:, None], other=0.0).to(tl.float32)
+            acc += tl.dot(s, b, input_precision="ieee")
+        acc = acc * tl.load(scales_ptr + slot)
+        ptrs = y_ptr + tokens[:, None] * stride_ym + ns[None, :]
+        mask = row_mask[:, None] & n_mask[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _block(n: int, most: int) -> int:
+    """A tile side for n: a power of 2 within 16 (tl.dot's least) .. most."""
+    return max(16, min(most, triton.next_power_of_2(max(n, 1))))
+
+
+def _check_segments(token_order: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> None:
+    assert token_order.dim() == 1 and token_order.is_contiguous()
+    assert seg_slots.dim() == 1 and seg_slots.is_contiguous() and seg_starts.is_contiguous()
+    assert seg_starts.shape == (seg_slots.shape[0] + 1,)
+
+
+def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
+                seg_slots: torch.Tensor) -> torch.Tensor:
+    """As ``reference.lora_shrink``."""
+    _check_segments(token_order, seg_starts, seg_slots)
+    num_tokens, K = x.shape
+    _, R, K_a = a_stacked.shape
+    assert K_a == K and x.stride(1) == 1 and a_stacked.stride(2) == 1, "x [T, K], a_stacked [L, R, K], rows contiguous"
+    assert x.dtype == a_stacked.dtype, "x and the A matrices share a dtype"
+    out = torch.zeros((num_tokens, R), dtype=torch.float32, device=x.device)
+    num_rows, num_segs = token_order.shape[0], seg_slots.shape[0]
+    if num_rows == 0 or num_segs == 0 or R == 0 or K == 0:
+        return out
+    block_m, block_r = _block(num_rows, 64), _block(R, 64)
+    grid = (num_segs, triton.cdiv(num_rows, block_m), triton.cdiv(R, block_r))
+    _lora_shrink_kernel[grid](
+        x, a_stacked, out, token_order, seg_starts, seg_slots,
+        R, K, x.stride(0), a_stacked.stride(0), a_stacked.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=_block(K, 64),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT_UPCAST=upcast_bf16_dot(x.dtype),
+        num_warps=4,
+    )
+    return out
+
+
+def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b_stacked: torch.Tensor, token_order: torch.Tensor,
+                seg_starts: torch.Tensor, seg_slots: torch.Tensor, scales: torch.Tensor) -> None:
+    """As ``reference.lora_expand`` (in place on ``y``)."""
+    _check_segments(token_order, seg_starts, seg_slots)
+    num_tokens, N = y.shape
+    _, N_b, R = b_stacked.shape
+    assert N_b == N and shrunk.shape == (num_tokens, R), "y [T, N], shrunk [T, R], b_stacked [L, N, R]"
+    assert y.stride(1) == 1 and shrunk.stride(1) == 1 and b_stacked.stride(2) == 1, "columns contiguous"
+    assert shrunk.dtype == torch.float32 and scales.dtype == torch.float32 and scales.is_contiguous()
+    num_rows, num_segs = token_order.shape[0], seg_slots.shape[0]
+    if num_rows == 0 or num_segs == 0 or N == 0 or R == 0:
+        return
+    block_m, block_n = _block(num_rows, 64), 64
+    grid = (num_segs, triton.cdiv(num_rows, block_m), triton.cdiv(N, block_n))
+    _lora_expand_kernel[grid](
+        y, shrunk, b_stacked, scales, token_order, seg_starts, seg_slots,
+        N, R, y.stride(0), shrunk.stride(0), b_stacked.stride(0), b_stacked.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block(R, 64),
+        num_warps=4,
+    )

@@ -1,0 +1,141 @@
+"""The batched LoRA kernels against their torch references: rows of several adapters (slots of
+different ranks, zero-padded to the stack's rank) and rows of none in one batch, segments in any
+order, an explicit slot -1 segment and an empty one, and outputs that are column slices of a
+wider projection output."""
+
+import pytest
+import torch
+from kernel_testing import DEVICE, DTYPES, assert_close
+
+from tandem.kernels import reference
+from tandem.kernels.lora import lora_expand, lora_shrink
+
+RANK = 16  # the stacks' (maximum) rank
+
+
+def _segments(token_slots: list[int], extra: list[tuple[int, list[int]]] = ()):
+    """token_order, seg_starts, seg_slots grouping the rows by slot (slots in descending order, so
+    the segments are not in slot order); rows of slot -1 in no segment; ``extra`` segments
+    (slot, rows) appended as given."""
+    groups = [(slot, [t for t, s in enumerate(token_slots) if s == slot])
+              for slot in sorted({s for s in token_slots if s >= 0}, reverse=True)]
+    groups += list(extra)
+    order, starts, slots = [], [0], []
+    for slot, rows in groups:
+        order += rows
+        starts.append(len(order))
+        slots.append(slot)
+    return (torch.tensor(order, dtype=torch.int64, device=DEVICE),
+            torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            torch.tensor(slots, dtype=torch.int32, device=DEVICE))
+
+
+def _stack(num_slots: int, rows: int, cols: int, ranks: list[int], rank_dim: int, dtype) -> torch.Tensor:
+    """[num_slots, rows, cols] random, each slot's entries past its rank zero along ``rank_dim``
+    (1: an A stack's rows, 2: a B stack's columns), as the engine's slots hold them."""
+    stack = torch.randn(num_slots, rows, cols) / cols**0.5
+    for slot, rank in enumerate(ranks):
+        if rank_dim == 1:
+            stack[slot, rank:] = 0
+        else:
+            stack[slot, :, rank:] = 0
+    return stack.to(DEVICE, dtype)
+
+
+# one row of slot 2 alone, base rows between adapter rows, a prefill-like run of slot 0
+SLOTS = [0, -1, 1, 0, 0, -1, 2, 1, 0, 0, 0, -1]
+RANKS = [4, 16, 8]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [64, 100])
+def test_shrink_matches_reference(dtype, K):
+    x = torch.randn(len(SLOTS), K, device=DEVICE).to(dtype)
+    a = _stack(3, RANK, K, RANKS, 1, dtype)
+    segments = _segments(SLOTS, extra=[(-1, []), (1, [])])  # a slot -1 segment, an empty one
+    got = lora_shrink(x, a, *segments)
+    want = reference.lora_shrink(x, a, *segments)
+    assert got.dtype == torch.float32 and got.shape == (len(SLOTS), RANK)
+    assert_close(got, want, dtype, scale=4)
+    base = [t for t, s in enumerate(SLOTS) if s < 0]
+    assert torch.equal(got[base], torch.zeros_like(got[base]))
+
+
+def test_shrink_with_a_slot_minus_one_segment_holding_rows():
+    """Rows in a segment of slot -1 are the base model's: zero, as rows of no segment."""
+    x = torch.randn(4, 32, device=DEVICE)
+    a = _stack(2, RANK, 32, [8, 8], 1, torch.float32)
+    order = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    starts = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([-1, 1], dtype=torch.int32, device=DEVICE)
+    got = lora_shrink(x, a, order, starts, slots)
+    assert torch.equal(got[:2], torch.zeros(2, RANK, device=DEVICE))
+    assert_close(got, reference.lora_shrink(x, a, order, starts, slots), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expand_into_column_slices_of_a_fused_output(dtype):
+    """A [q | k | v]-like output: each part's expand writes its own column slice (row stride
+    wider than the slice), from its own column slice of the shrink; other columns, and the
+    base rows, keep their values exactly."""
+    parts = [48, 16, 16]
+    out = torch.randn(len(SLOTS), sum(parts), device=DEVICE).to(dtype)
+    shrunk = torch.randn(len(SLOTS), 3 * RANK, device=DEVICE)
+    segments = _segments(SLOTS, extra=[(-1, [])])
+    scales = torch.tensor([2.0, 0.5, 1.25], device=DEVICE)
+    want, got = out.clone(), out.clone()
+    offset = 0
+    for p, width in enumerate(parts):
+        b = _stack(3, width, RANK, RANKS, 2, dtype)
+        s_part = shrunk[:, p * RANK:(p + 1) * RANK]
+        reference.lora_expand(want[:, offset:offset + width], s_part, b, *segments, scales)
+        y = got[:, offset:offset + width]
+        assert not y.is_contiguous()
+        lora_expand(y, s_part, b, *segments, scales)
+        offset += width
+    assert_close(got, want, dtype)
+    base = [t for t, s in enumerate(SLOTS) if s < 0]
+    assert torch.equal(got[base], out[base])
+
+
+def test_expand_leaves_the_other_columns_alone():
+    out = torch.randn(5, 96, device=DEVICE)
+    before = out.clone()
+    b = _stack(1, 32, RANK, [RANK], 2, torch.float32)
+    lora_expand(out[:, 40:72], torch.randn(5, RANK, device=DEVICE), b, *_segments([0, 0, -1, 0, 0]),
+                torch.ones(1, device=DEVICE))
+    assert torch.equal(out[:, :40], before[:, :40]) and torch.equal(out[:, 72:], before[:, 72:])
+    assert torch.equal(out[2], before[2])
+    assert not torch.equal(out[:, 40:72], before[:, 40:72])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shrink_then_expand_equals_the_per_row_products(dtype):
+    """The two ops together: each row gets x @ A_s^T @ B_s^T * scale_s of its own slot (a long
+    segment spanning several row tiles), the base rows nothing."""
+    slots = [1] * 70 + [-1, 0, -1, 0]
+    K, N = 64, 80
+    x = torch.randn(len(slots), K, device=DEVICE).to(dtype)
+    a = _stack(2, RANK, K, [RANK, 4], 1, dtype)
+    b = _stack(2, N, RANK, [RANK, 4], 2, dtype)
+    scales = torch.tensor([0.5, 3.0], device=DEVICE)
+    segments = _segments(slots)
+    y = torch.zeros(len(slots), N, device=DEVICE, dtype=dtype)
+    lora_expand(y, lora_shrink(x, a, *segments), b, *segments, scales)
+    want = torch.zeros(len(slots), N)
+    for t, s in enumerate(slots):
+        if s >= 0:
+            want[t] = x[t].float().cpu() @ a[s].float().cpu().T @ b[s].float().cpu().T * scales[s].item()
+    assert_close(y, want, dtype, scale=4)
+
+
+def test_no_adapter_rows_is_a_no_op():
+    x = torch.randn(3, 32, device=DEVICE)
+    empty = _segments([-1, -1, -1])
+    assert torch.equal(lora_shrink(x, _stack(2, RANK, 32, [8, 8], 1, torch.float32), *empty),
+                       torch.zeros(3, RANK, device=DEVICE))
+    y = torch.randn(3, 16, device=DEVICE)
+    before = y.clone()
+    lora_expand(y, torch.randn(3, RANK, device=DEVICE), _stack(2, 16, RANK, [8, 8], 2, torch.float32), *empty,
+                torch.ones(2, device=DEVICE))
+    assert torch.equal(y, before)
