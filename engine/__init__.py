@@ -13,6 +13,9 @@ Modules, in the order data flows through them:
   ``build_metadata`` -> ``AttentionMetadata`` for one flattened, unpadded batch.
 - ``model``: ``LlamaFamilyModel``; every heavy op goes through ``tandem.kernels.ops``.
 - ``runner``: ``ModelRunner.forward(chunks) -> logits`` of each sequence's last new token.
+- LoRA: ``lora_adapter`` (a PEFT adapter read and checked, its digest), ``lora_weights`` (the
+  device slots, stacked per projection), ``lora_manager`` (adapters by name, the host cache, LRU
+  slots), ``lora_batch`` (a step's rows grouped by slot; the projections' LoRA).
 - ``sampler``: ``sample(logits, params, step_indices)``; seeded rows reproducible across
   batches and workers.
 - ``demo_model``: ``make_tiny_checkpoint``, the tiny random-weight model ``--model demo`` serves

@@ -14,12 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.lora_batch import LoraBatch
+
 
 @dataclass
 class SeqChunk:
     token_ids: list[int]  # the new tokens of this forward
     num_computed: int  # tokens of this sequence already in the KV cache
     block_ids: list[int]  # the sequence's full block table (may cover more than needed)
+    lora_slot: int = -1  # the device slot of the sequence's LoRA adapter (engine.lora_manager); -1: none
 
     @property
     def seq_len(self) -> int:
@@ -39,6 +42,9 @@ class AttentionMetadata:
     # the rest (prompt chunks) the prefill attention, over the same GEMMs
     num_decode: int = 0  # the leading sequences with one new token (all of them when is_decode)
     prefill_query_start_loc: torch.Tensor | None = None  # [B - num_decode + 1] int32, from 0: a mixed step's
+    # the rows that carry a LoRA adapter, by slot (engine.lora_batch); None: no row does (the
+    # projections are the base model's alone)
+    lora: LoraBatch | None = None
 
     @property
     def is_mixed(self) -> bool:

@@ -6,8 +6,8 @@ bucket; a batch of B sequences runs the graph of the smallest bucket >= B with
 the rows past B padded: slot -1 (the KV write skips it), seq_len 1 and block
 table row 0, so the padded rows read one harmless slot (which a real row may be
 writing in the same launch: the padded output is never used) and their logits
-are dropped. Batches larger than the largest bucket, and prefill chunks, run
-eagerly. All graphs share one memory pool, captured largest first.
+are dropped. Batches larger than the largest bucket, prefill chunks and steps with
+LoRA adapter rows run eagerly. All graphs share one memory pool, captured largest first.
 
 Block-table rows are written into pinned host memory through a numpy view and
 copied in one strided copy covering only the columns this batch uses: stale
@@ -57,7 +57,8 @@ class DecodeGraphs:
     def can_run(self, chunks: list[SeqChunk]) -> bool:
         return (
             len(chunks) <= self.buckets[-1]
-            and all(len(c.token_ids) == 1 and len(c.block_ids) <= self.max_blocks for c in chunks)
+            and all(len(c.token_ids) == 1 and len(c.block_ids) <= self.max_blocks and c.lora_slot < 0
+                    for c in chunks)  # LoRA rows run eagerly
         )
 
     def forward(self, chunks: list[SeqChunk], feed: TokenFeed | None = None) -> torch.Tensor:

@@ -11,6 +11,11 @@ sequence's tokens sit and where their K/V go is in ``AttentionMetadata``.
 With FP8 weights (``config.quantization == "fp8"``) each projection's ``weight`` is its
 float8_e4m3fn rows and ``weight_scale`` (a buffer) their fp32 scales, handed to the ops
 as one ``Fp8Weight``; embeddings, norms and lm_head stay in the model dtype.
+
+A step whose rows carry LoRA adapters (``meta.lora``, engine.lora_batch) adds each adapter
+row's LoRA to the projections' outputs before anything else reads them: the o and down
+projections then run unfused from their residual add + norm, gate/up from its SiLU·mul. A step
+without adapter rows runs exactly the base model's kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch import nn
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.config import ModelConfig
 from tandem.engine.kv_cache import KVCachePool
+from tandem.engine.lora_batch import LoraBatch
 from tandem.kernels import ops
 from tandem.kernels.fp8_weight import Fp8Weight
 
@@ -71,14 +77,30 @@ class DecoderLayer(nn.Module):
         """-> (the stream after this layer normed by ``next_norm``, the stream). Each residual
         add and the norm after it are fused into the projection before them (kernels.ops)."""
         attn = self._attention(hidden, positions, cos_sin_cache, kv_pool, meta)  # [T, q_size]
+        if meta.lora is not None:
+            return self._after_attention_with_lora(attn, residual, next_norm, meta.lora)
         hidden, residual = ops.linear_add_rms_norm(attn, projection_weight(self.o_proj), residual,
                                                    self.post_attention_layernorm, self.eps)
         act = ops.gate_up_silu_mul(hidden, projection_weight(self.gate_up_proj))  # [T, intermediate]
         return ops.linear_add_rms_norm(act, projection_weight(self.down_proj), residual, next_norm, self.eps)
 
+    def _after_attention_with_lora(self, attn, residual, next_norm, lora: LoraBatch):
+        """The rest of ``forward`` with each projection's LoRA added to its output."""
+        out = ops.linear(attn, projection_weight(self.o_proj))
+        lora.add("o_proj", self.layer_idx, attn, out)
+        hidden, residual = ops.fused_add_rms_norm(out, residual, self.post_attention_layernorm, self.eps)
+        gate_up = ops.linear(hidden, projection_weight(self.gate_up_proj))  # [T, 2 * intermediate]
+        lora.add("gate_up_proj", self.layer_idx, hidden, gate_up)
+        act = ops.silu_mul(gate_up)
+        out = ops.linear(act, projection_weight(self.down_proj))
+        lora.add("down_proj", self.layer_idx, act, out)
+        return ops.fused_add_rms_norm(out, residual, next_norm, self.eps)
+
     def _attention(self, hidden, positions, cos_sin_cache, kv_pool: KVCachePool, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
         qkv = ops.linear(hidden, projection_weight(self.qkv_proj), self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
+        if meta.lora is not None:
+            meta.lora.add("qkv_proj", self.layer_idx, hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_q_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)

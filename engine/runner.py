@@ -7,6 +7,10 @@ caller's allocator: the runner only reads and writes the blocks it is given.
 
 The KV pool holds the model's dtype, or with ``kv_cache_dtype="fp8"`` E4M3 codes under
 per-layer, per-head scales (``tandem.engine.kv_scales``: the checkpoint's, else calibrated).
+
+LoRA (``enable_lora``): a chunk's ``lora_slot`` names the device slot of its adapter (the
+``LoraManager``'s ``slots_for`` gives them); rows of several adapters and of the base model mix
+in one forward. Steps with adapter rows run eagerly (not as CUDA graphs).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from tandem.engine.attention import SeqChunk, build_input_ids, build_metadata
 from tandem.engine.kv_cache import KVCachePool, resolve_kv_dtype
 from tandem.engine.kv_scales import kv_scales
 from tandem.engine.loader import load_model
+from tandem.engine.lora_batch import build_lora_batch
+from tandem.engine.lora_manager import LoraManager
+from tandem.engine.lora_weights import LoraWeights
 from tandem.engine.step_tokens import TokenFeed, gather_fed
 
 
@@ -70,6 +77,17 @@ class ModelRunner:
         self.block_size = kv_pool.block_size
         self.num_blocks = kv_pool.num_blocks
         self.graphs = None  # engine.cuda_graph.DecodeGraphs once enable_cuda_graphs() ran
+        self.lora: LoraManager | None = None  # once enable_lora() ran
+
+    def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int | None = None) -> LoraManager:
+        """Device slots for ``max_loras`` adapters of rank up to ``max_rank`` (their memory is taken
+        now) and a host cache of ``max_cpu_loras`` (default: ``max_loras``) -> the manager that
+        loads adapters and hands out their slots."""
+        if self.lora is not None:
+            raise ValueError("LoRA is already enabled on this runner")
+        weights = LoraWeights(self.config, max_loras, max_rank, self.dtype, self.device)
+        self.lora = LoraManager(weights, self.config, max_cpu_loras or max_loras)
+        return self.lora
 
     def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int) -> None:
         """Capture decode steps per batch-size bucket (CUDA only; eager above the largest bucket)."""
@@ -124,6 +142,8 @@ class ModelRunner:
 
     def _hidden(self, chunks: list[SeqChunk], feed: TokenFeed | None):
         meta = build_metadata(chunks, self.block_size, self.device)  # validates the chunks
+        meta.lora = build_lora_batch([(chunk.lora_slot, len(chunk.token_ids)) for chunk in chunks],
+                                     None if self.lora is None else self.lora.weights, self.device)
         longest = max(chunk.seq_len for chunk in chunks)
         if longest > self.max_position:
             raise ValueError(f"a sequence reaches {longest} tokens, beyond the rotary table's {self.max_position}")

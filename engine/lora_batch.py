@@ -1,0 +1,71 @@
+"""One step's LoRA: which rows carry which adapter slot, and the projections' LoRA applied to them.
+
+A step's rows (decode rows and prompt chunks' tokens alike) may carry different adapters and
+none. ``build_lora_batch`` groups the rows that carry one into a segment per slot, the form
+the LoRA ops take (``kernels.ops.lora_shrink``): ``token_order`` lists those rows slot by
+slot, ``seg_starts`` where each slot's run begins, ``seg_slots`` its slot. A step without
+adapter rows has no ``LoraBatch`` (``AttentionMetadata.lora`` is None) and its forward is the
+base model's, unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.lora_weights import LoraWeights
+from tandem.kernels import ops
+
+
+@dataclass
+class LoraBatch:
+    token_order: torch.Tensor  # [A] int64: the rows with an adapter, grouped by slot
+    seg_starts: torch.Tensor  # [S + 1] int32
+    seg_slots: torch.Tensor  # [S] int32
+    weights: LoraWeights  # the device slots the segments name
+    projections: frozenset[str]  # the projections some row's adapter targets; the others are skipped
+
+    def add(self, projection: str, layer_idx: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += each adapter row's LoRA of ``projection`` in layer ``layer_idx`` for input x
+        (in place; out [T, N] is the projection's output, every part of a fused one in its columns)."""
+        if projection not in self.projections:
+            return
+        stack = self.weights.layers[layer_idx][projection]
+        segments = (self.token_order, self.seg_starts, self.seg_slots)
+        shrunk = ops.lora_shrink(x, stack.a, *segments)  # [T, parts * rank] fp32
+        r = stack.rank
+        for part, (b, offset) in enumerate(zip(stack.b, stack.offsets)):
+            ops.lora_expand(out[:, offset:offset + b.shape[1]], shrunk[:, part * r:(part + 1) * r], b, *segments,
+                            stack.scales[part])
+
+
+def build_lora_batch(chunk_slots: list[tuple[int, int]], weights: LoraWeights | None,
+                     device: torch.device | str) -> LoraBatch | None:
+    """``chunk_slots``: (slot, number of new tokens) of each chunk of a step, in the step's order
+    (slot -1: the base model) -> the step's LoraBatch, or None when no row carries an adapter.
+    Every slot named must hold an adapter."""
+    if all(slot < 0 for slot, _ in chunk_slots):
+        return None
+    if weights is None:
+        raise ValueError("a chunk carries a LoRA slot but the runner has no LoRA slots (enable_lora)")
+    rows_of: dict[int, list[int]] = {}
+    row = 0
+    for slot, num_tokens in chunk_slots:
+        if slot >= 0:
+            if slot >= weights.max_loras or not weights.occupied(slot):
+                raise ValueError(f"LoRA slot {slot} holds no adapter")
+            rows_of.setdefault(slot, []).extend(range(row, row + num_tokens))
+        row += num_tokens
+    order, starts = [], [0]
+    for rows in rows_of.values():
+        order.extend(rows)
+        starts.append(len(order))
+    projections = frozenset().union(*(weights.projections(slot) for slot in rows_of))
+    return LoraBatch(
+        token_order=torch.tensor(order, dtype=torch.int64, device=device),
+        seg_starts=torch.tensor(starts, dtype=torch.int32, device=device),
+        seg_slots=torch.tensor(list(rows_of), dtype=torch.int32, device=device),
+        weights=weights,
+        projections=projections,
+    )

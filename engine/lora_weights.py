@@ -1,0 +1,111 @@
+"""The adapters' weights on the device: ``max_loras`` slots, stacked per decoder projection.
+
+The model holds q/k/v fused as ``qkv_proj`` and gate/up as ``gate_up_proj`` (engine.loader), so
+one projection has one to three LoRA targets (its parts). Per layer and projection:
+
+    a       [max_loras, parts * max_rank, in_features]  each part's A, zero rows past its rank
+    b[p]    [max_loras, out_p, max_rank]                part p's B, zero columns past its rank
+    scales  [parts, max_loras] fp32                     part p's scaling in each slot
+
+Part p's rows of ``lora_shrink``'s output are columns p * max_rank .. (p + 1) * max_rank, and its
+``lora_expand`` adds into the projection output's columns ``offsets[p]`` .. + out_p (q, k, v's
+slices of the fused output). A part the adapter does not target is zero (A, B and scale): it
+adds nothing. Writing a slot copies an adapter's tensors into that slot's entries (cast to the
+model's dtype) and zeroes the rest of them; no other slot is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.lora_adapter import LoraAdapter, target_shapes
+
+# the model's projection -> its LoRA targets, in the order the loader fuses them
+PROJECTION_TARGETS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+TARGET_PROJECTION = {t: proj for proj, targets in PROJECTION_TARGETS.items() for t in targets}
+
+
+@dataclass
+class ProjectionLora:
+    """One layer's projection: its slots' stacked weights (module docstring)."""
+
+    a: torch.Tensor
+    b: list[torch.Tensor]
+    scales: torch.Tensor
+    offsets: list[int]  # each part's first column in the projection's output
+    rank: int  # the stacks' (maximum) rank
+
+
+class LoraWeights:
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras ({max_loras}) and max_rank ({max_rank}) must be positive")
+        self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
+        self.dtype, self.device = dtype, torch.device(device)
+        shapes = target_shapes(config)
+        self.layers: list[dict[str, ProjectionLora]] = []
+        for _ in range(config.num_layers):
+            layer = {}
+            for proj, targets in PROJECTION_TARGETS.items():
+                in_features = shapes[targets[0]][0]
+                outs = [shapes[t][1] for t in targets]
+                layer[proj] = ProjectionLora(
+                    a=torch.zeros(max_loras, len(targets) * max_rank, in_features, dtype=dtype, device=self.device),
+                    b=[torch.zeros(max_loras, out, max_rank, dtype=dtype, device=self.device) for out in outs],
+                    scales=torch.zeros(len(targets), max_loras, dtype=torch.float32, device=self.device),
+                    offsets=[sum(outs[:p]) for p in range(len(outs))],
+                    rank=max_rank,
+                )
+            self.layers.append(layer)
+        # what each slot holds: the projections its adapter targets (empty: nothing)
+        self._projections: list[frozenset[str]] = [frozenset()] * max_loras
+
+    def projections(self, slot: int) -> frozenset[str]:
+        """The model projections slot ``slot``'s adapter adds to (empty for an empty slot)."""
+        return self._projections[slot]
+
+    def occupied(self, slot: int) -> bool:
+        return bool(self._projections[slot])
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for layer in self.layers for p in layer.values() for t in (p.a, *p.b, p.scales))
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy ``adapter`` into slot ``slot`` (everything of the slot it does not fill is zeroed)."""
+        self._check_slot(slot)
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"an adapter of rank {adapter.rank} in slots of rank {self.max_rank}")
+        self.clear(slot)
+        for (layer_idx, target), module in adapter.modules.items():
+            proj = TARGET_PROJECTION[target]
+            stack = self.layers[layer_idx][proj]
+            part = PROJECTION_TARGETS[proj].index(target)
+            r, first = module.rank, part * self.max_rank
+            stack.a[slot, first:first + r].copy_(module.a)
+            stack.b[part][slot, :, :r].copy_(module.b)
+            stack.scales[part, slot] = module.scaling
+        self._projections[slot] = frozenset(TARGET_PROJECTION[t] for t in adapter.targets)
+
+    def clear(self, slot: int) -> None:
+        """Zero slot ``slot``'s entries: it adds nothing and holds nothing."""
+        self._check_slot(slot)
+        for layer in self.layers:
+            for stack in layer.values():
+                stack.a[slot].zero_()
+                for b in stack.b:
+                    b[slot].zero_()
+                stack.scales[:, slot] = 0.0
+        self._projections[slot] = frozenset()
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"LoRA slot {slot} out of range 0..{self.max_loras - 1}")

@@ -1,0 +1,190 @@
+"""Multi-LoRA through ModelRunner equals HF transformers + PEFT, token for token (fp32, CPU).
+
+Three PEFT adapters of ranks 4, 8 and 16 (the 8 with rsLoRA on every linear module, the 16 on
+q, v and down only, with its own rank for down and alpha for v through rank_pattern /
+alpha_pattern) and the base model serve six sequences at once: prompts in chunks over shuffled
+blocks, started at different steps so that steps mix decode rows and prompt chunks of different
+adapters, then greedy decode steps. Every sequence's tokens equal PEFT's greedy tokens for its
+adapter, and every logits row the engine produced equals PEFT's at that position; with the
+LoRA ops' torch references (the CPU path) and with their Triton kernels (interpreted).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from lora_testing import make_peft_adapter
+
+from tandem.engine.attention import SeqChunk
+from tandem.engine.runner import ModelRunner
+
+BLOCK = 4
+CHUNK = 5
+NEW_TOKENS = 12
+TOLERANCE = 1e-4
+# name -> (r, lora_alpha, target_modules, more LoraConfig options)
+ADAPTERS = {
+    "r4": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], {}),
+    "r8": (8, 16, "all-linear", {"use_rslora": True}),
+    "r16": (16, 16, ["q_proj", "v_proj", "down_proj"], {"rank_pattern": {"down_proj": 8},
+                                                         "alpha_pattern": {"v_proj": 32}}),
+}
+# (prompt length, adapter or None, first step)
+SEQUENCES = [(11, "r4", 0), (17, None, 0), (9, "r8", 1), (23, "r16", 1), (13, "r4", 3), (8, None, 4)]
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    prompt_len: int
+    adapter: str | None
+    start: int
+    block_ids: list[int]
+    num_computed: int = 0
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [vocab]
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) - self.prompt_len == NEW_TOKENS
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request, tiny_checkpoints, tmp_path_factory):
+    base = tiny_checkpoints[request.param]
+    root = tmp_path_factory.mktemp(f"adapters_{request.param}")
+    paths = {name: make_peft_adapter(base, root / name, r, alpha, targets, seed=i, **options)
+             for i, (name, (r, alpha, targets, options)) in enumerate(ADAPTERS.items())}
+    return base, paths
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n, _, _ in SEQUENCES]
+
+
+def _peft_greedy(base: str, paths: dict[str, str], prompts: list[list[int]]):
+    """-> per sequence (PEFT's greedy tokens, PEFT's logits [len, vocab] over them, the base model's tokens)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    names = list(paths)
+    model = PeftModel.from_pretrained(model, paths[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(paths[name], adapter_name=name)
+    model.eval()
+
+    def greedy(prompt):
+        ids = list(prompt)
+        for _ in range(NEW_TOKENS):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids, model(torch.tensor([ids])).logits[0]
+
+    results = []
+    with torch.no_grad():
+        for prompt, (_, adapter, _) in zip(prompts, SEQUENCES):
+            with model.disable_adapter():
+                base_ids, base_logits = greedy(prompt)
+            if adapter is None:
+                results.append((base_ids, base_logits, base_ids))
+                continue
+            model.set_adapter(adapter)
+            results.append((*greedy(prompt), base_ids))
+    return results
+
+
+def _run_engine(runner: ModelRunner, seqs: list[_Seq]) -> set[str]:
+    """Every step: the caught-up sequences' decode rows first, then prompt chunks; -> kinds of steps."""
+    kinds, step = set(), 0
+    while not all(s.done for s in seqs):
+        active = [s for s in seqs if s.start <= step and not s.done]
+        active.sort(key=lambda s: s.num_computed < len(s.tokens) - 1)  # decode rows lead
+        slots = runner.lora.slots_for({s.adapter for s in active if s.adapter is not None})
+        chunks = [SeqChunk(s.tokens[s.num_computed:s.num_computed + CHUNK], s.num_computed, s.block_ids,
+                           lora_slot=slots.get(s.adapter, -1)) for s in active]
+        kinds.add(frozenset("decode" if len(c.token_ids) == 1 else "prompt" for c in chunks))
+        logits = runner.forward(chunks)
+        for seq, chunk, row in zip(active, chunks, logits):
+            seq.num_computed += len(chunk.token_ids)
+            seq.logits[seq.num_computed - 1] = row.clone()
+            if seq.num_computed == len(seq.tokens):
+                seq.tokens.append(int(row.argmax()))
+        step += 1
+    return kinds
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_mixed_adapters_equal_peft_token_for_token(setup, kernels, monkeypatch):
+    """``kernels`` "triton": the LoRA ops run as the Triton kernels (in the interpreter on the CPU)."""
+    if kernels == "triton":
+        from tandem.kernels import lora as lora_kernels
+        from tandem.kernels import ops
+
+        monkeypatch.setattr(ops, "lora_shrink", lora_kernels.lora_shrink)
+        monkeypatch.setattr(ops, "lora_expand", lora_kernels.lora_expand)
+    base, paths = setup
+    runner = ModelRunner(base, num_blocks=96, block_size=BLOCK)
+    lora = runner.enable_lora(max_loras=3, max_rank=16)
+    for name, path in paths.items():
+        lora.add(name, path)
+    prompts = _prompts(runner.config.vocab_size)
+    free = list(range(96))
+    random.Random(3).shuffle(free)
+    seqs = []
+    for prompt, (n, adapter, start) in zip(prompts, SEQUENCES):
+        needed = -(-(n + NEW_TOKENS) // BLOCK)
+        seqs.append(_Seq(list(prompt), n, adapter, start, free[:needed]))
+        free = free[needed:]
+    kinds = _run_engine(runner, seqs)
+    assert frozenset({"decode", "prompt"}) in kinds  # mixed steps ran
+
+    expected = _peft_greedy(base, paths, prompts)
+    for seq, (want_tokens, want_logits, base_tokens) in zip(seqs, expected):
+        assert seq.tokens == want_tokens, f"adapter {seq.adapter}"
+        if seq.adapter is not None:
+            assert seq.tokens != base_tokens, f"adapter {seq.adapter} changes nothing: a weak test"
+        for pos, row in seq.logits.items():
+            torch.testing.assert_close(row, want_logits[pos], rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_a_step_without_adapter_rows_runs_no_lora_op(setup, monkeypatch):
+    """With adapters loaded and slotted, a base-only step never calls the LoRA ops and gives the
+    logits of a runner without LoRA."""
+    from tandem.kernels import ops
+
+    base, paths = setup
+    runner = ModelRunner(base, num_blocks=16, block_size=BLOCK)
+    plain = ModelRunner(base, num_blocks=16, block_size=BLOCK)
+    lora = runner.enable_lora(max_loras=2, max_rank=16)
+    lora.add("r4", paths["r4"])
+    lora.slots_for(["r4"])
+
+    def refused(*args):
+        raise AssertionError("a LoRA op ran in a step without adapter rows")
+
+    monkeypatch.setattr(ops, "lora_shrink", refused)
+    monkeypatch.setattr(ops, "lora_expand", refused)
+    chunks = [SeqChunk([5, 6, 7, 8, 9], 0, [0, 1]), SeqChunk([10, 11], 0, [2])]
+    assert torch.equal(runner.forward(chunks), plain.forward(chunks))
+
+
+def test_an_adapter_moved_to_another_slot_computes_the_same(setup):
+    """Evicted by other adapters and brought back into a different slot: the same logits."""
+    base, paths = setup
+    runner = ModelRunner(base, num_blocks=32, block_size=BLOCK)
+    lora = runner.enable_lora(max_loras=2, max_rank=16, max_cpu_loras=1)
+    for name, path in paths.items():
+        lora.add(name, path)
+    prompt = list(range(3, 17))
+    first = lora.slots_for(["r16"])["r16"]
+    before = runner.forward([SeqChunk(prompt, 0, [0, 1, 2, 3], lora_slot=first)])
+    lora.slots_for(["r4"])
+    lora.slots_for(["r8", "r4"])  # r16, least recently used, is evicted (and dropped from the host)
+    assert lora.slot_of("r16") is None and not lora.on_host("r16")
+    again = lora.slots_for(["r16", "r8"])["r16"]  # r4 goes; r16 is read from its path again
+    assert again != first
+    after = runner.forward([SeqChunk(prompt, 0, [4, 5, 6, 7], lora_slot=again)])
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
