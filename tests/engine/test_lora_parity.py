@@ -96,6 +96,25 @@ def _peft_greedy(base: str, paths: dict[str, str], prompts: list[list[int]]):
     return results
 
 
+def _runner(base: str, paths: dict[str, str], device: str = "cpu") -> ModelRunner:
+    runner = ModelRunner(base, num_blocks=96, block_size=BLOCK, device=device)
+    lora = runner.enable_lora(max_loras=3, max_rank=16)
+    for name, path in paths.items():
+        lora.add(name, path)
+    return runner
+
+
+def _sequences(prompts: list[list[int]]) -> list[_Seq]:
+    free = list(range(96))
+    random.Random(3).shuffle(free)  # non-contiguous block tables
+    seqs = []
+    for prompt, (n, adapter, start) in zip(prompts, SEQUENCES):
+        needed = -(-(n + NEW_TOKENS) // BLOCK)
+        seqs.append(_Seq(list(prompt), n, adapter, start, free[:needed]))
+        free = free[needed:]
+    return seqs
+
+
 def _run_engine(runner: ModelRunner, seqs: list[_Seq]) -> set[str]:
     """Every step: the caught-up sequences' decode rows first, then prompt chunks; -> kinds of steps."""
     kinds, step = set(), 0
@@ -126,18 +145,9 @@ def test_mixed_adapters_equal_peft_token_for_token(setup, kernels, monkeypatch):
         monkeypatch.setattr(ops, "lora_shrink", lora_kernels.lora_shrink)
         monkeypatch.setattr(ops, "lora_expand", lora_kernels.lora_expand)
     base, paths = setup
-    runner = ModelRunner(base, num_blocks=96, block_size=BLOCK)
-    lora = runner.enable_lora(max_loras=3, max_rank=16)
-    for name, path in paths.items():
-        lora.add(name, path)
+    runner = _runner(base, paths)
     prompts = _prompts(runner.config.vocab_size)
-    free = list(range(96))
-    random.Random(3).shuffle(free)
-    seqs = []
-    for prompt, (n, adapter, start) in zip(prompts, SEQUENCES):
-        needed = -(-(n + NEW_TOKENS) // BLOCK)
-        seqs.append(_Seq(list(prompt), n, adapter, start, free[:needed]))
-        free = free[needed:]
+    seqs = _sequences(prompts)
     kinds = _run_engine(runner, seqs)
     assert frozenset({"decode", "prompt"}) in kinds  # mixed steps ran
 
@@ -188,3 +198,25 @@ def test_an_adapter_moved_to_another_slot_computes_the_same(setup):
     assert again != first
     after = runner.forward([SeqChunk(prompt, 0, [4, 5, 6, 7], lora_slot=again)])
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_beside_cuda_graphs(setup):
+    """The Triton LoRA kernels in the engine on a GPU (fp32): the CPU runner's tokens and logits; with
+    CUDA graphs enabled, LoRA steps run eagerly and a base-only decode step still replays a graph."""
+    base, paths = setup
+    cpu, gpu = _runner(base, paths), _runner(base, paths, "cuda")
+    gpu.enable_cuda_graphs(max_batch_size=8, max_seq_len=64)
+    prompts = _prompts(cpu.config.vocab_size)
+    on_cpu, on_gpu = _sequences(prompts), _sequences(prompts)
+    _run_engine(cpu, on_cpu)
+    _run_engine(gpu, on_gpu)
+    for a, b in zip(on_cpu, on_gpu):
+        assert a.tokens == b.tokens, f"adapter {a.adapter}"
+        for pos, row in a.logits.items():
+            torch.testing.assert_close(b.logits[pos].cpu(), row, rtol=1e-3, atol=1e-3)
+    base_rows = [SeqChunk([s.tokens[-1]], len(s.tokens) - 1, s.block_ids) for s in on_gpu if s.adapter is None]
+    lora_row = SeqChunk([3], 5, on_gpu[0].block_ids, lora_slot=gpu.lora.slot_of(on_gpu[0].adapter))
+    assert gpu.graphs.can_run(base_rows) and not gpu.graphs.can_run(base_rows + [lora_row])
+    torch.testing.assert_close(gpu.forward(base_rows).cpu(), cpu.forward(base_rows), rtol=1e-3, atol=1e-3)

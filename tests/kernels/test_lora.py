@@ -5,7 +5,7 @@ wider projection output."""
 
 import pytest
 import torch
-from kernel_testing import DEVICE, DTYPES, assert_close
+from kernel_testing import DEVICE, DTYPES, assert_close, gpu, requires_cuda
 
 from tandem.kernels import reference
 from tandem.kernels.lora import lora_expand, lora_shrink
@@ -139,3 +139,31 @@ def test_no_adapter_rows_is_a_no_op():
     lora_expand(y, torch.randn(3, RANK, device=DEVICE), _stack(2, 16, RANK, [8, 8], 2, torch.float32), *empty,
                 torch.ones(2, device=DEVICE))
     assert torch.equal(y, before)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("rows_per_adapter, num_adapters", [(8, 8), (1, 1), (512, 4)])
+def test_gpu_llama3_8b_qkv_bf16(rows_per_adapter, num_adapters):
+    """llama3-8b's fused q/k/v (4096 -> 4096 + 1024 + 1024), rank 16 in 8 slots: a decode batch of 64
+    rows over 8 adapters, one adapter row among base rows, and 2048 prompt rows over 4 adapters,
+    interleaved with base rows."""
+    K, parts, dtype = 4096, [4096, 1024, 1024], torch.bfloat16
+    slots = [s for _ in range(rows_per_adapter) for s in range(num_adapters)] + [-1] * 7
+    order = torch.randperm(len(slots)).tolist()
+    slots = [slots[i] for i in order]
+    segments = _segments(slots)
+    x = torch.randn(len(slots), K, device="cuda").to(dtype)
+    a = _stack(8, 3 * RANK, K, [3 * RANK] * 8, 1, dtype)
+    shrunk = lora_shrink(x, a, *segments)
+    assert_close(shrunk, reference.lora_shrink(x, a, *segments), dtype, scale=4)
+    out = torch.randn(len(slots), sum(parts), device="cuda").to(dtype)
+    want, offset = out.clone(), 0
+    scales = torch.rand(8, device="cuda") + 0.5
+    for p, width in enumerate(parts):
+        b = _stack(8, width, RANK, [RANK] * 8, 2, dtype)
+        s_part = shrunk[:, p * RANK:(p + 1) * RANK]
+        lora_expand(out[:, offset:offset + width], s_part, b, *segments, scales)
+        reference.lora_expand(want[:, offset:offset + width], s_part, b, *segments, scales)
+        offset += width
+    assert_close(out, want, dtype)
