@@ -80,7 +80,9 @@ class LoraWeights:
         return sum(t.nbytes for layer in self.layers for p in layer.values() for t in (p.a, *p.b, p.scales))
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
-        """Copy ``adapter`` into slot ``slot`` (everything of the slot it does not fill is zeroed)."""
+        """Copy ``adapter`` into slot ``slot`` (everything of the slot it does not fill is zeroed). On a
+        GPU the copies queue on the current stream behind the steps already launched there, so a
+        step still running (run-ahead) reads the slot's previous adapter to its end."""
         self._check_slot(slot)
         if adapter.rank > self.max_rank:
             raise ValueError(f"an adapter of rank {adapter.rank} in slots of rank {self.max_rank}")
