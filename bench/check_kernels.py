@@ -33,6 +33,7 @@ from tandem.kernels.activation import silu_mul
 from tandem.kernels.block_copy import gather_blocks, scatter_blocks
 from tandem.kernels.penalties import apply_penalties
 from tandem.kernels.decode_attention import DecodeWorkspace, decode_attention
+from tandem.kernels.lora import lora_expand, lora_shrink
 from tandem.kernels.prefill_attention import prefill_attention
 from tandem.kernels.rms_norm import fused_add_rms_norm
 from tandem.kernels.rotary import rotary_kv_write
@@ -147,6 +148,7 @@ def check_elementwise() -> None:
             record("rotary_kv_write", f"{model} T={tokens}", err,
                    bench_ms(lambda: rotary_kv_write(q, k, v, positions, cos_sin, kc, vc, slots)),
                    bench_ms(lambda: reference.rotary_kv_write(q, k, v, positions, cos_sin, kc, vc, slots)))
+    check_lora()
     pool = torch.randn(32, 2, 1024, BLOCK_SIZE, 8, HEAD_DIM, device="cuda", dtype=DTYPE)
     for n in (16, 256):
         ids = torch.randperm(1024, device="cuda")[:n]
@@ -162,6 +164,32 @@ def check_elementwise() -> None:
         ms = bench_ms(lambda: scatter_blocks(pool, ids, staging))
         record("scatter_blocks", f"L=32 n={n} H=8", {"ok": ok},
                ms, bench_ms(lambda: reference.scatter_blocks(pool, ids, staging)), gbps=nbytes / ms / 1e6)
+
+
+def check_lora(rank: int = 16, num_slots: int = 8) -> None:
+    """llama3-8b's q/k/v (4096 -> 4096 + 1024 + 1024) at rank 16: the shrink over all three parts,
+    the expand of q into its column slice; decode rows over 8 adapters and 1, a prompt over 4."""
+    K, parts = 4096, 3
+    a = torch.randn(num_slots, parts * rank, K, device="cuda", dtype=DTYPE) / K**0.5
+    b = torch.randn(num_slots, 4096, rank, device="cuda", dtype=DTYPE) / rank**0.5
+    scales = torch.rand(num_slots, device="cuda") + 0.5
+    for tokens, adapters in ((64, 8), (64, 1), (4096, 4)):
+        slots = torch.arange(tokens, device="cuda") % adapters
+        order = torch.argsort(slots, stable=True)
+        starts = torch.searchsorted(slots[order], torch.arange(adapters + 1, device="cuda")).int()
+        segments = (order, starts, torch.arange(adapters, dtype=torch.int32, device="cuda"))
+        x = torch.randn(tokens, K, device="cuda", dtype=DTYPE)
+        shrunk = lora_shrink(x, a, *segments)
+        record("lora_shrink", f"llama3-8b qkv T={tokens} adapters={adapters} r={rank}",
+               errors(shrunk, reference.lora_shrink(x, a, *segments)),
+               bench_ms(lambda: lora_shrink(x, a, *segments)), bench_ms(lambda: reference.lora_shrink(x, a, *segments)))
+        out = torch.randn(tokens, 6144, device="cuda", dtype=DTYPE)
+        ref = out.float()
+        lora_expand(out[:, :4096], shrunk[:, :rank], b, *segments, scales)
+        reference.lora_expand(ref[:, :4096], shrunk[:, :rank], b, *segments, scales)
+        record("lora_expand", f"llama3-8b q slice T={tokens} adapters={adapters} r={rank}", errors(out, ref),
+               bench_ms(lambda: lora_expand(out[:, :4096], shrunk[:, :rank], b, *segments, scales)),
+               bench_ms(lambda: reference.lora_expand(out[:, :4096], shrunk[:, :rank], b, *segments, scales)))
 
 
 def prefill_case(model, seq_lens, q_lens, window=None, sweep=False) -> None:
