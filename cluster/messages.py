@@ -122,11 +122,18 @@ class GenerateRequest:
     # tokens already generated elsewhere: a request resumed after its decode worker was lost
     # (its KV is recomputed over prompt + these but the last, and decoding goes on from there)
     output_token_ids: list[int] = field(default_factory=list)
+    # the LoRA adapter the request runs with ("": the base model): its name, the PEFT directory
+    # every worker reads it from, and the digest of its weights (engine.lora_adapter) that a
+    # worker's copy must have
+    lora_name: str = ""
+    lora_path: str = ""
+    lora_digest: str = ""
     kind: ClassVar[str]
     rules: ClassVar[dict[str, Rule]] = {
         "request_id": ID, "prompt_token_ids": ids(nonempty=True), "sampling": SAMPLING,
         "max_tokens": integer(0), "stop_token_ids": ids(), "ignore_eos": BOOL, "priority": INT64,
         "arrival_time": number(), "reply_to": text(), "output_token_ids": ids(),
+        "lora_name": text(), "lora_path": text(), "lora_digest": text(),
     }
 
 
@@ -165,12 +172,16 @@ class PrefillJob:
     reply_to: str = ""
     resume: bool = False  # a paused request's KV is recomputed: no first token is sampled or published
     handoff_id: str = ""  # this dispatch's grant on the decode side's pool (transports that check one)
+    lora_name: str = ""  # the request's adapter (GenerateRequest's three fields, passed on)
+    lora_path: str = ""
+    lora_digest: str = ""
     kind: ClassVar[str]
     rules: ClassVar[dict[str, Rule]] = {
         "request_id": ID, "prompt_token_ids": ids(nonempty=True), "sampling": SAMPLING,
         "max_tokens": integer(0), "dst_block_ids": ids(nonempty=True), "kv_endpoint": STR_MAP,
         "decode_worker_id": ID, "stop_token_ids": ids(), "ignore_eos": BOOL, "priority": INT64,
         "arrival_time": number(), "reply_to": text(), "resume": BOOL, "handoff_id": text(),
+        "lora_name": text(), "lora_path": text(), "lora_digest": text(),
     }
 
 

@@ -95,6 +95,16 @@ class Settings:
     cache: str = setting(str(Path.home() / ".cache" / "tandem"), MODEL,
                              "where tandem keeps what it builds once: the default model's directory, GGUF "
                              "tokenizers, the demo model, the admin API's generated code")
+    enable_lora: bool = setting(False, MODEL, "serve LoRA adapters of the model: a request names one as its model "
+                                              "(adapters from --lora-modules, or loaded at runtime through "
+                                              "/v1/load_lora_adapter and the admin API)")
+    lora_modules: list[str] = setting(None, MODEL, "adapters served from the start, each a PEFT directory every "
+                                                   "worker can read: name=path [name=path ...]", metavar="NAME=PATH",
+                                      factory=list)
+    max_loras: int = setting(1, MODEL, "adapters one step may mix: each worker holds this many in device slots")
+    max_lora_rank: int = setting(16, MODEL, "the largest adapter rank served (the slots' width)")
+    max_cpu_loras: int | None = setting(None, MODEL, "adapters each worker keeps in host memory (default: "
+                                                     "--max-loras)")
     # ---- pools ----------------------------------------------------------------------------
     pools: str = setting("auto", POOLS_GROUP,
                          "tandem serve: 'colocated' runs one worker per device whose every step carries the running "
@@ -314,8 +324,28 @@ class Settings:
         _check(self.kv_timeout_s > 0, f"--kv-timeout-s must be > 0, got {self.kv_timeout_s}")
         _check(self.num_prefill_workers >= 1 and self.num_decode_workers >= 1,
                "--num-prefill-workers and --num-decode-workers must be at least 1")
+        _check(self.max_loras >= 1, f"--max-loras must be >= 1, got {self.max_loras}")
+        _check(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _check(self.max_cpu_loras >= self.max_loras,
+               f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
+        _check(self.enable_lora or not self.lora_modules, "--lora-modules needs --enable-lora")
+        names = []
+        for item in self.lora_modules:
+            name, sep, path = item.partition("=")
+            _check(bool(sep and name.strip() and path.strip()),
+                   f"--lora-modules: {item!r} is not name=path")
+            _check(name.strip() not in (self.model_name, self.model),
+                   f"--lora-modules: the adapter name {name.strip()!r} is the base model's")
+            names.append(name.strip())
+        _check(len(set(names)) == len(names), f"--lora-modules: an adapter name given twice in {names}")
         _check(self.gateway_processes >= 0, f"--gateway-processes must be >= 0, got {self.gateway_processes}")
         return self
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """--lora-modules as name -> path."""
+        return {name.strip(): path.strip() for name, _, path in (m.partition("=") for m in self.lora_modules)}
 
     def worker_name(self, role: str) -> str:
         return self.worker_id or f"{role}-{os.uname().nodename}-{os.getpid()}"
@@ -398,8 +428,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["metavar"] = meta["metavar"]
         if kind == "bool":  # an optional value, so that "--flag False" round-trips (the launcher's argv)
             kwargs.update(nargs="?", const=True, type=_parse_bool)
-        elif kind == "list[str]":
-            kwargs.update(action="append")
+        elif kind == "list[str]":  # repeatable, and several values after one flag
+            kwargs.update(action="extend", nargs="+")
         else:
             kwargs["type"] = _parser_of(f)
             if meta.get("choices"):

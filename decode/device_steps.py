@@ -8,6 +8,7 @@ allocator (blocks freed meanwhile go free) only once read. ``stop`` after an eng
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -21,6 +22,7 @@ from tandem.decode.request import DecodeRequest
 from tandem.engine.attention import SeqChunk
 from tandem.engine import logprobs
 from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.lora_slots import lora_slots
 from tandem.engine.guide import Guides
 from tandem.engine.sampling_pipeline import FirstToken, sample_first_tokens, sample_rows
 from tandem.engine.step_tokens import StepTokens, TokenFeed
@@ -36,6 +38,7 @@ class PromptRow(NamedTuple):
     first_token: FirstToken | None  # the prompt's last chunk: the row samples its first output token
     scores: bool = False  # wants its tokens' final hidden states (the prompt's own logprobs)
     owner: object = None  # the caller's record of the prompt
+    lora_key: str | None = None  # its LoRA adapter (the worker's LoraManager name)
 
 
 class DeviceStep(NamedTuple):
@@ -76,15 +79,18 @@ class DeviceSteps:
         indices = [len(r.output_token_ids) + r.num_pending for r in batch]
         try:
             rows = {id(r): i for i, r in enumerate(previous.batch)} if previous is not None else {}
+            slots = lora_slots(self.runner, [r.lora_key for r in batch] + [p.lora_key for p in prompts])
             chunks, feed_rows = [], []
             for r in batch:
+                slot = slots.get(r.lora_key, -1)
                 if r.num_pending:
-                    chunks.append(SeqChunk([0], r.num_tokens, r.block_ids))
+                    chunks.append(SeqChunk([0], r.num_tokens, r.block_ids, slot))
                     feed_rows.append(rows[id(r)])  # KeyError: a pending token outside ``previous``
                 else:
-                    chunks.append(SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids))
+                    chunks.append(SeqChunk([r.output_token_ids[-1]], r.num_tokens - 1, r.block_ids, slot))
                     feed_rows.append(-1)
-            chunks += [p.chunk for p in prompts]
+            chunks += [dataclasses.replace(p.chunk, lora_slot=slots[p.lora_key]) if p.lora_key else p.chunk
+                       for p in prompts]
             feed = None
             if previous is not None and any(src >= 0 for src in feed_rows):
                 feed = TokenFeed(previous.tokens.device_tokens, feed_rows)

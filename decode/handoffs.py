@@ -235,7 +235,8 @@ class PrefillHandoffs:
         if not self.settings.enable_prefix_caching or len(workers) < 2:
             return {w.worker_id: 0 for w in workers}
         prompt, block_size = request.spec.prompt_token_ids, self.settings.tokens_per_block
-        hashes = block_hashes(prompt, block_size)[: num_reusable_blocks(len(prompt), block_size)]
+        hashes = block_hashes(prompt, block_size, salt=request.spec.lora_digest)[
+            : num_reusable_blocks(len(prompt), block_size)]
         return longest_prefixes(self.redis, [w.worker_id for w in workers], hashes)
 
     def check(self) -> None:
@@ -283,4 +284,7 @@ def prefill_job(request: DecodeRequest, worker_id: str, kv_endpoint: dict) -> Pr
         reply_to=spec.reply_to,
         resume=resume,
         handoff_id=request.handoff_id or "",
+        lora_name=spec.lora_name,
+        lora_path=spec.lora_path,
+        lora_digest=spec.lora_digest,
     )

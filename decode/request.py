@@ -31,6 +31,7 @@ class DecodeRequest:
     reserved_to_end: bool = False  # its last admission reserved every block it will need
     num_preemptions: int = 0
     guide: object | None = None  # engine.guide.Guide of a structured output, once in a decode step
+    lora_key: str | None = None  # its LoRA adapter as the worker's LoraManager holds it (engine.lora_loads)
 
     @property
     def request_id(self) -> str:

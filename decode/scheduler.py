@@ -26,6 +26,11 @@ Sliding window (``attention_window``): after each step the blocks a request
 no longer attends to are released and recycled for its later positions, so a
 request reserves and holds only about a window's worth of blocks beyond its
 prompt (``tandem.decode.window``).
+
+LoRA: the admitted requests (prefilling and running) name at most ``max_loras`` adapters
+together (``tandem.engine.lora_slots``), so every step's adapters fit the device's slots. A
+request whose adapter would be one too many waits, and from then on only requests of no
+adapter pass it: the admitted adapters' requests drain and its adapter gets its turn.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tandem.cluster.request_state import RequestStatus, finish_reason
 from tandem.decode.request import DecodeRequest
 from tandem.decode.window import SlidingWindow, held_block_ids
 from tandem.engine.block_allocator import BlockAllocator, blocks_for
+from tandem.engine.lora_slots import AdapterSlots
 
 
 class DecodeScheduler:
@@ -47,8 +53,10 @@ class DecodeScheduler:
         eos_token_ids: list[int],
         attention_window: int | None = None,
         policy: str = GUARANTEED_NO_EVICT,
+        max_loras: int | None = None,
     ):
         self.allocator = allocator
+        self.max_loras = max_loras  # LoRA adapters the admitted requests may name together (None: any)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.eos_token_ids = list(eos_token_ids)
@@ -108,12 +116,18 @@ class DecodeScheduler:
         started = []
         if not self.policy.may_admit(self):
             return started
-        while self.waiting and self.num_active < self.max_batch_size:
-            request = self.waiting[0]
+        adapters = AdapterSlots(self.max_loras, self.prefilling.values(), self.running)
+        i = 0
+        while i < len(self.waiting) and self.num_active < self.max_batch_size:
+            request = self.waiting[i]
+            if not adapters.admits(request.lora_key):
+                i += 1  # waits for an adapter of the admitted ones to leave; others may pass
+                continue
             if not self.can_reserve(request):
                 break  # head-of-line: later requests must not starve the first
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.reserve(request)
+            adapters.add(request.lora_key)
             started.append(request)
         return started
 

@@ -36,6 +36,7 @@ from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.engine.block_allocator import BlockAllocator, blocks_for
 from tandem.engine.guide import Guides
+from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.kvtransfer import get_transport
 
@@ -58,6 +59,7 @@ class DecodeWorker:
     vocab_size: int | None = None  # the model's (set at start): token ids from the inbox must be below it
     computes_prompts = False  # prompts go to prefill workers (tandem.colocated computes its own)
     num_mixed_steps = 0  # steps that carried decode rows and prompt chunks (tandem.colocated)
+    lora_loads: AdapterLoads = AdapterLoads(None)  # serving no adapters (set at start with --enable-lora)
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -96,7 +98,9 @@ class DecodeWorker:
             eos_token_ids=self.runner.config.eos_token_ids,
             attention_window=self.runner.config.attention_window(),
             policy=settings.capacity_scheduler_policy,
+            max_loras=settings.max_loras if self.runner.lora is not None else None,
         )
+        self.lora_loads = AdapterLoads(self.runner.lora)
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
         self.outbox = Outbox(self.redis)
         self.mailer = Mailer(self.redis)  # aborts for prefill workers, kept across a Redis error
@@ -158,6 +162,7 @@ class DecodeWorker:
             self.batch_wait.shared = shares_gpu(self._device_identity, self.handoffs.prefill_workers)
         # holding: wait on the inbox a little (a PrefillDone ends the wait early) instead of spinning
         self._handle_messages(self.inbox.read(block_ms=20 if idle else HOLD_POLL_MS if held else None))
+        self._adapters_read()
         self.handoffs.dispatch()
         self.handoffs.check()
         self._release_admissions()
@@ -195,6 +200,7 @@ class DecodeWorker:
             run_steps(self.step, stop)
         finally:
             self.heartbeat.stop()
+            self.lora_loads.close()
             self.runner.kv_pool.close()
 
     def info(self) -> WorkerInfo:
@@ -203,7 +209,7 @@ class DecodeWorker:
             num_total_blocks=self.allocator.num_total,
             num_free_blocks=self.allocator.num_free,
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + self.lora_loads.num_waiting,
             kv_endpoint=self.kv_endpoint,
             capacity_scheduler_policy=self.scheduler.policy.name,
             max_batch_size=self.settings.max_batch_size,
@@ -216,7 +222,16 @@ class DecodeWorker:
 
     # ---- helpers --------------------------------------------------------------------
     def _busy(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.prefilling or self.scheduler.waiting)
+        return bool(self.scheduler.running or self.scheduler.prefilling or self.scheduler.waiting
+                    or self.lora_loads.num_waiting)
+
+    def _adapters_read(self) -> None:
+        """Requests that waited for their LoRA adapter to be read: to the scheduler, or refused."""
+        released, failed = self.lora_loads.poll()
+        for request in released:
+            self.scheduler.add(request)
+        for request, error in failed:
+            self._refuse(request.request_id, request.spec.reply_to, error)
 
     def _handle_messages(self, messages: list) -> None:
         """Handle what was read (NOACK: nobody delivers it again), after what a Redis error left
@@ -237,7 +252,8 @@ class DecodeWorker:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, GenerateRequest):
-            if msg.request_id in self.scheduler.requests:
+            if msg.request_id in self.scheduler.requests or any(
+                    r.request_id == msg.request_id for r in self.lora_loads.waiting()):
                 log.error("duplicate request id ignored", request_id=msg.request_id)
                 return
             problem = self._unfit(msg)
@@ -255,7 +271,14 @@ class DecodeWorker:
                 self._ended_ids.append(msg.request_id)
                 self.outbox.send([(msg.reply_to, TokenEvent(msg.request_id, done, [], "length"))])
                 return
-            self.scheduler.add(DecodeRequest(spec=msg, output_token_ids=list(msg.output_token_ids)))
+            request = DecodeRequest(spec=msg, output_token_ids=list(msg.output_token_ids))
+            adapter = AdapterRef.of(msg)
+            if adapter is not None:
+                request.lora_key = adapter.key
+                if not self.lora_loads.ready(adapter):  # read in the background; steps go on meanwhile
+                    self.lora_loads.hold(adapter, request)
+                    return
+            self.scheduler.add(request)
         elif isinstance(msg, PrefillDone):
             if msg.status == "ok" and msg.first_token is not None and not self._in_vocab([msg.first_token]):
                 # the decode step would embed it: an index out of range
@@ -284,7 +307,8 @@ class DecodeWorker:
             return f"the request needs {needed} KV blocks, more than this worker's pool of {self.allocator.num_total}"
         if not self._in_vocab(msg.prompt_token_ids) or not self._in_vocab(msg.output_token_ids):
             return f"token ids outside the vocabulary of {self.vocab_size}"
-        return None
+        adapter = AdapterRef.of(msg)
+        return None if adapter is None else self.lora_loads.problem(adapter)
 
     def _in_vocab(self, token_ids: list[int]) -> bool:
         return self.vocab_size is None or all(t < self.vocab_size for t in token_ids)
@@ -312,6 +336,11 @@ class DecodeWorker:
                 request.receiver.fail(f"invalid PrefillDone: {entry.error}")
 
     def _abort(self, request_id: str) -> None:
+        for request in self.lora_loads.take(lambda r: r.request_id == request_id):  # its adapter still read
+            self._ended_ids.append(request_id)
+            self.outbox.keep([(request.spec.reply_to, TokenEvent(request_id, len(request.output_token_ids), [],
+                                                                 "abort"))])
+            return
         request = self.scheduler.abort(request_id)
         if request is None:
             # not here (yet): the admin API may cancel a request between the gateway's admission
@@ -342,7 +371,8 @@ class DecodeWorker:
             self._ended_ids = []  # kept on a Redis error: the next step retries
         if time.monotonic() - self._reconciled_at >= RECONCILE_INTERVAL_S:
             self._reconciled_at = time.monotonic()
-            leaked = self.reservations.reconcile(set(self.scheduler.requests))
+            held = {r.request_id for r in self.lora_loads.waiting()}  # here, waiting for their adapter
+            leaked = self.reservations.reconcile(set(self.scheduler.requests) | held)
             if leaked:
                 log.warning("released admissions of requests never received", request_ids=leaked)
 

@@ -55,14 +55,20 @@ class LoraManager:
     def add(self, name: str, path: str | os.PathLike) -> AdapterInfo:
         """Read, check and register the adapter at ``path`` as ``name``. Adding a name again with
         the same path and weights is a no-op; with others, an ``AdapterError``."""
-        path = os.fspath(path)
-        adapter = load_lora_adapter(path, self.config, self.max_rank)
+        return self.register(name, load_lora_adapter(os.fspath(path), self.config, self.max_rank))
+
+    def register(self, name: str, adapter: LoraAdapter) -> AdapterInfo:
+        """Register an adapter already read and checked (``load_lora_adapter`` with this manager's
+        config and maximum rank, off the step loop: ``engine.lora_loads``) as ``name``; the same
+        rules as ``add``."""
+        if adapter.rank > self.max_rank:
+            raise AdapterError("rank", f"rank {adapter.rank} is above the maximum LoRA rank {self.max_rank}")
         known = self._info.get(name)
         if known is not None:
-            if known.path == path and known.digest == adapter.digest:
+            if known.path == adapter.path and known.digest == adapter.digest:
                 return known
             raise AdapterError("name", f"an adapter named {name!r} is already loaded (from {known.path!r})")
-        info = AdapterInfo(name, path, adapter.digest, adapter.rank)
+        info = AdapterInfo(name, adapter.path, adapter.digest, adapter.rank)
         self._info[name] = info
         self._keep_on_host(name, adapter)
         return info
@@ -74,6 +80,9 @@ class LoraManager:
         slot = self._slot_of.pop(name, None)
         if slot is not None:
             self.weights.clear(slot)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._info
 
     def info(self, name: str) -> AdapterInfo:
         return self._info[name]

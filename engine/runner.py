@@ -79,13 +79,16 @@ class ModelRunner:
         self.graphs = None  # engine.cuda_graph.DecodeGraphs once enable_cuda_graphs() ran
         self.lora: LoraManager | None = None  # once enable_lora() ran
 
-    def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int | None = None) -> LoraManager:
+    def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
+                    weights: LoraWeights | None = None) -> LoraManager:
         """Device slots for ``max_loras`` adapters of rank up to ``max_rank`` (their memory is taken
-        now) and a host cache of ``max_cpu_loras`` (default: ``max_loras``) -> the manager that
-        loads adapters and hands out their slots."""
+        now, or was: ``weights``, allocated before the KV pool was sized) and a host cache of
+        ``max_cpu_loras`` (default: ``max_loras``) -> the manager that loads adapters and hands
+        out their slots."""
         if self.lora is not None:
             raise ValueError("LoRA is already enabled on this runner")
-        weights = LoraWeights(self.config, max_loras, max_rank, self.dtype, self.device)
+        if weights is None:
+            weights = LoraWeights(self.config, max_loras, max_rank, self.dtype, self.device)
         self.lora = LoraManager(weights, self.config, max_cpu_loras or max_loras)
         return self.lora
 

@@ -111,6 +111,11 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
         check_fp8_kv_device(device)
         scales = dict(zip(("k_scale", "v_scale"), kv_scales(model, config, settings.model,
                                                             settings.tokenizer or settings.model, device, dtype)))
+    lora_weights = None
+    if settings.enable_lora:  # the adapters' device slots, before the KV pool takes what memory is left
+        from tandem.engine.lora_weights import LoraWeights
+
+        lora_weights = LoraWeights(config, settings.max_loras, settings.max_lora_rank, dtype, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # return the loader's temporaries before measuring free memory
     num_blocks = kv_pool_blocks(settings, config.kv_bytes_per_token(kv_dtype), device, gpu_cap_tokens,
@@ -127,4 +132,7 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
         pool = KVCachePool.create_shared(shm_path, **layout, **scales)
     else:
         pool = KVCachePool(**layout, device=device, **scales)
-    return ModelRunner.from_model(model, config, num_blocks, settings.tokens_per_block, kv_pool=pool)
+    runner = ModelRunner.from_model(model, config, num_blocks, settings.tokens_per_block, kv_pool=pool)
+    if lora_weights is not None:
+        runner.enable_lora(settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras, weights=lora_weights)
+    return runner

@@ -28,6 +28,7 @@ class PrefillState:
     # set when the job was given up (abort, engine error) while writes were in flight:
     # the PrefillDone status and error to send once they have drained
     abandoned: tuple[str, str | None] | None = None
+    lora_key: str | None = None  # its LoRA adapter as the worker's LoraManager holds it (engine.lora_loads)
 
     @property
     def request_id(self) -> str:

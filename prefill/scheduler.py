@@ -12,6 +12,10 @@ logprobs takes none: it needs every position's logits); every block that becomes
 full is cached. Sliding window: between chunks, blocks no later query of the
 prompt attends to are given back (``release_out_of_window``).
 
+LoRA: the jobs in prefill name at most ``max_loras`` adapters together, so that every forward's
+adapters fit the device slots (``tandem.engine.lora_slots``); a job's prefix-cache hashes start
+from its adapter's digest, so two adapters never share KV.
+
 Chunking policies: ``tandem.cluster.policies`` (FIRST_COME_FIRST_SERVED, EQUAL_PROGRESS).
 
 A job whose blocks are lent (``PrefillState.borrowed``: one device running both pools) is
@@ -24,6 +28,7 @@ from __future__ import annotations
 from tandem.cluster.policies import FIRST_COME_FIRST_SERVED, chunking_policy
 from tandem.cluster.request_state import RequestStatus
 from tandem.engine.block_allocator import BlockAllocator, blocks_for
+from tandem.engine.lora_slots import AdapterSlots
 from tandem.engine.prefix_cache import PrefixCache, block_hashes, num_reusable_blocks
 from tandem.prefill.job import PrefillState
 
@@ -37,8 +42,10 @@ class PrefillScheduler:
         policy: str = FIRST_COME_FIRST_SERVED,
         prefix_cache: PrefixCache | None = None,
         attention_window: int | None = None,
+        max_loras: int | None = None,
     ):
         self.allocator = allocator
+        self.max_loras = max_loras  # LoRA adapters the jobs in prefill may name together (None: any)
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
         self.policy = chunking_policy(policy)
@@ -59,7 +66,9 @@ class PrefillScheduler:
             raise ValueError(f"duplicate request id {state.request_id}")
         self.jobs[state.request_id] = state
         if self.cache.enabled:
-            state.block_hashes = block_hashes(state.job.prompt_token_ids, self.allocator.block_size)
+            # an adapter's KV is its own: the chain starts from its digest (engine.prefix_cache)
+            state.block_hashes = block_hashes(state.job.prompt_token_ids, self.allocator.block_size,
+                                              salt=state.job.lora_digest)
         self.waiting.append(state)
         self.waiting.sort(key=lambda s: s.order_key)
 
@@ -74,12 +83,17 @@ class PrefillScheduler:
 
     def _admit(self) -> None:
         block_size = self.allocator.block_size
-        while self.waiting and len(self.prefilling) < self.max_batch_size:
-            state = self.waiting[0]
-            if state.borrowed:  # its blocks came with it
-                self.waiting.pop(0)
+        adapters = AdapterSlots(self.max_loras, self.prefilling)
+        i = 0
+        while i < len(self.waiting) and len(self.prefilling) < self.max_batch_size:
+            state = self.waiting[i]
+            if state.borrowed:  # its blocks came with it (and its adapter was admitted with them)
+                self.waiting.pop(i)
                 state.status = RequestStatus.PREFILLING
                 self.prefilling.append(state)
+                continue
+            if not adapters.admits(state.lora_key):
+                i += 1  # waits for an adapter of the jobs in prefill to leave; others may pass
                 continue
             # a job scoring its prompt takes no cached blocks: their positions would have no logits
             cached = [] if state.scores_prompt else self.cache.match(
@@ -89,7 +103,8 @@ class PrefillScheduler:
             if not self.cache.can_allocate(num_new):
                 self.cache.release(cached)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            adapters.add(state.lora_key)
             state.block_ids = cached + self.cache.allocate(num_new)
             state.num_cached_tokens = state.num_computed = len(cached) * block_size
             state.status = RequestStatus.PREFILLING

@@ -35,12 +35,14 @@ from tandem.cluster.request_state import RequestStatus, finish_reason
 from tandem.cluster.settings import Settings
 from tandem.cluster.step_stats import StepStats
 from tandem.engine.attention import SeqChunk
+from tandem.engine.lora_slots import lora_slots
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.warmup import warm_up_prefill
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_transport
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
 from tandem.engine.guide import Guides
+from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.engine.sampling_pipeline import FirstToken, host_entries, sample_first_tokens
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
 from tandem.kvtransfer.sender import kv_format_mismatch, pool_num_blocks
@@ -53,6 +55,7 @@ log = structlog.get_logger(__name__)
 
 class PrefillWorker:
     role = "prefill"
+    lora_loads: AdapterLoads = AdapterLoads(None)  # serving no adapters (set at start with --enable-lora)
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -79,7 +82,9 @@ class PrefillWorker:
             policy=settings.context_chunking_policy,
             prefix_cache=self.prefix_cache,
             attention_window=self.runner.config.attention_window(),
+            max_loras=settings.max_loras if self.runner.lora is not None else None,
         )
+        self.lora_loads = AdapterLoads(self.runner.lora)
         self.prefix_index = None  # what the decode workers route by
         if settings.enable_prefix_caching:
             self.prefix_index = PrefixIndex(self.redis, self.worker_id, self.prefix_cache,
@@ -106,7 +111,9 @@ class PrefillWorker:
         started = time.perf_counter()
         self.mailer.flush()  # PrefillDones a Redis outage kept back go out first
         self.outbox.flush()  # then the first tokens it kept back (their PrefillDones are ahead of them)
-        self._handle_messages(self.inbox.read(block_ms=None if self.scheduler.jobs else 20))
+        busy = self.scheduler.jobs or self.lora_loads.num_waiting
+        self._handle_messages(self.inbox.read(block_ms=None if busy else 20))
+        self._adapters_read()
         self.scheduler.set_policy(self.policies.refresh().context_chunking_policy)
         chunks = self.scheduler.schedule()
         if chunks:
@@ -130,6 +137,7 @@ class PrefillWorker:
             run_steps(self.step, stop)
         finally:
             self.heartbeat.stop()
+            self.lora_loads.close()
             if self.prefix_index is not None:
                 self.prefix_index.delete()
 
@@ -139,7 +147,7 @@ class PrefillWorker:
             num_total_blocks=self.allocator.num_total,
             num_free_blocks=self.prefix_cache.num_available,  # cached blocks nobody holds count as free
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + self.lora_loads.num_waiting,
             device=self._device_identity,
         )
 
@@ -158,7 +166,7 @@ class PrefillWorker:
         except Exception as exc:
             log.exception("message handling failed; dropped", kind=msg.kind)
             if (isinstance(msg, PrefillJob) and msg.request_id not in self.scheduler.jobs
-                    and msg.request_id not in self._deferred):
+                    and msg.request_id not in self._deferred and not self._held(msg.request_id)):
                 self._reply(PrefillState(job=msg), "failed", error=f"the job could not be taken: {exc}")
 
     def _handle(self, msg) -> None:
@@ -178,7 +186,7 @@ class PrefillWorker:
         body = entry.body
         request_id, decode_worker_id = named(body, "request_id"), named(body, "decode_worker_id")
         if (named(body, "kind") != "PrefillJob" or decode_worker_id is None
-                or request_id in self.scheduler.jobs or request_id in self._deferred):
+                or request_id in self.scheduler.jobs or request_id in self._deferred or self._held(request_id)):
             return
         done = PrefillDone(request_id, "failed", error=f"invalid PrefillJob: {entry.error}",
                            prefill_worker_id=self.worker_id, handoff_id=named(body, "handoff_id") or "")
@@ -200,6 +208,19 @@ class PrefillWorker:
             log.error("prefill job refused", request_id=job.request_id, error=problem)
             self._reply(state, "failed", error=problem)
             return
+        adapter = AdapterRef.of(job)
+        if adapter is not None:
+            state.lora_key = adapter.key
+            # a later dispatch of the same request (re-dispatched here) supersedes one still waiting
+            self.lora_loads.take(lambda s: s.request_id == job.request_id)
+            if not self.lora_loads.ready(adapter):  # read in the background; other jobs' steps go on
+                self.lora_loads.hold(adapter, state)
+                return
+        self._start(state)
+
+    def _start(self, state: PrefillState) -> None:
+        """Connect to the job's destination pool and queue it for its chunks."""
+        job = state.job
         try:
             state.sender = KVSender(self._connect(job), job.dst_block_ids, job.handoff_id or None)
         except TransferError as exc:
@@ -222,6 +243,9 @@ class PrefillWorker:
         if not self.allocator.can_allocate_total(num_prompt):
             pool_tokens = self.allocator.num_total * self.block_size
             return f"{num_prompt} tokens exceed this prefill worker's KV pool of {pool_tokens}"
+        adapter = AdapterRef.of(job)
+        if adapter is not None and (problem := self.lora_loads.problem(adapter)) is not None:
+            return problem
         vocab_size = self.runner.config.vocab_size
         if max(job.prompt_token_ids) >= vocab_size:
             return f"prompt token ids outside the vocabulary of {vocab_size}"  # an embedding out of range
@@ -249,11 +273,32 @@ class PrefillWorker:
             self._connections[key] = self.transport.connect(endpoint)
         return self._connections[key]
 
+    def _held(self, request_id: str) -> bool:
+        """Whether a job of this request waits here for its LoRA adapter to be read."""
+        return any(s.request_id == request_id for s in self.lora_loads.waiting())
+
+    def _adapters_read(self) -> None:
+        """Jobs that waited for their LoRA adapter: started, or failed with the reason."""
+        released, failed = self.lora_loads.poll()
+        for state in released:
+            try:
+                self._start(state)
+            except redis.RedisError:
+                raise
+            except Exception as exc:  # the job's, not the worker's
+                log.exception("prefill job could not be started", request_id=state.request_id)
+                self._reply(state, "failed", error=f"the job could not be taken: {exc}")
+        for state, error in failed:
+            log.error("prefill job refused", request_id=state.request_id, error=error)
+            self._reply(state, "failed", error=error)
+
     def _accept_deferred(self) -> None:
         for request_id in [r for r in self._deferred if r not in self.scheduler.jobs]:
             self._guarded(self._accept, self._deferred.pop(request_id))
 
     def _abort(self, request_id: str) -> None:
+        for state in self.lora_loads.take(lambda s: s.request_id == request_id):  # its adapter still read
+            self._reply(state, "aborted")
         deferred = self._deferred.pop(request_id, None)
         if deferred is not None:  # the later job (the first one's abort came before it)
             self._reply(PrefillState(job=deferred), "aborted")
@@ -278,11 +323,13 @@ class PrefillWorker:
         self._reply(state, status, error=error)
 
     def _run(self, chunks: list[tuple[PrefillState, int]]):
-        seqs = []
-        for state, num_tokens in chunks:
-            start = state.num_computed
-            seqs.append(SeqChunk(state.job.prompt_token_ids[start : start + num_tokens], start, state.block_ids))
         try:
+            slots = lora_slots(self.runner, [state.lora_key for state, _ in chunks])
+            seqs = []
+            for state, num_tokens in chunks:
+                start = state.num_computed
+                seqs.append(SeqChunk(state.job.prompt_token_ids[start : start + num_tokens], start, state.block_ids,
+                                     slots.get(state.lora_key, -1)))
             if not any(state.scores_prompt for state, _ in chunks):
                 return self.runner.forward(seqs)
             logits, hidden = self.runner.forward_hidden(seqs)

@@ -84,7 +84,8 @@ class LocalPrefill:
         """Requests the capacity scheduler admits now: their prompts go into the blocks it reserved."""
         for request in self.scheduler.schedule_prefills():
             job = prefill_job(request, self.worker_id, {})
-            self.prefill.add(PrefillState(job=job, block_ids=list(request.block_ids), borrowed=True))
+            self.prefill.add(PrefillState(job=job, block_ids=list(request.block_ids), borrowed=True,
+                                          lora_key=request.lora_key))
 
     def check(self) -> None:
         """Prompts whose request was aborted: dropped (a step still on the device keeps their blocks
@@ -107,7 +108,7 @@ class LocalPrefill:
             if start + num_tokens == state.num_prompt_tokens and not job.resume and job.max_tokens:
                 first = FirstToken(job.sampling, job.prompt_token_ids, job.stop_token_ids, job.ignore_eos)
             chunk = SeqChunk(job.prompt_token_ids[start : start + num_tokens], start, state.block_ids)
-            rows.append(PromptRow(chunk, first, state.scores_prompt, owner=state))
+            rows.append(PromptRow(chunk, first, state.scores_prompt, owner=state, lora_key=state.lora_key))
         return rows
 
     def launched(self, rows: list[PromptRow], step: DeviceStep | None, failure: Exception | None) -> None:

@@ -92,7 +92,10 @@ def service_argv(role: str, settings: Settings, worker_id: str | None = None) ->
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         if value == default and not in_environment(field):
             continue  # the child's default too, or what its own environment says (a per-host --kv-host)
-        argv += [flag_name(field), str(value)]
+        if isinstance(value, list):
+            argv += [flag_name(field), *map(str, value)] if value else []
+        else:
+            argv += [flag_name(field), str(value)]
     if worker_id:
         argv += ["--worker-id", worker_id]
     return argv
