@@ -72,3 +72,9 @@ def draining(role: str) -> str:
     """Hash worker_id -> started_at of the workers of ``role`` that take no new requests
     (``tandem.cluster.draining``; the admin API's DrainWorker)."""
     return f"{PREFIX}:draining:{role}"
+
+
+def lora_adapters() -> str:
+    """Hash adapter name -> JSON record of every LoRA adapter the cluster serves
+    (``tandem.cluster.lora_registry``)."""
+    return f"{PREFIX}:lora:adapters"

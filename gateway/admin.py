@@ -3,9 +3,11 @@
 Every method reads or writes the cluster's state in Redis, so any gateway answers
 for the whole cluster: the registry (``ListWorkers``), the live policies the
 workers re-read between steps (``tandem.cluster.live_policies``), the drain marks the routers
-skip (``tandem.cluster.draining``) and the decode workers' inboxes (``CancelRequest``
-sends the same ``AbortRequest`` a client disconnect does). Bad arguments get
-INVALID_ARGUMENT or NOT_FOUND and change nothing; a Redis error is UNAVAILABLE.
+skip (``tandem.cluster.draining``), the decode workers' inboxes (``CancelRequest``
+sends the same ``AbortRequest`` a client disconnect does) and the served LoRA adapters
+(``LoadLoraAdapter``, ``UnloadLoraAdapter``, ``ListLoraAdapters``: ``tandem.gateway.lora_adapters``,
+the same checks as the HTTP routes; FAILED_PRECONDITION without --enable-lora). Bad
+arguments get INVALID_ARGUMENT or NOT_FOUND and change nothing; a Redis error is UNAVAILABLE.
 
 The same port serves the standard health service (``tandem.gateway.health``) and
 server reflection (so ``grpcurl`` needs no .proto). With a token (``--admin-token``)
@@ -41,8 +43,11 @@ from tandem.cluster import keys
 from tandem.cluster.draining import is_drained, is_draining, mark_value, parse_marks
 from tandem.cluster.messages import FIELD, AbortRequest, WorkerInfo, encode
 from tandem.cluster.policies import CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES
+from tandem.cluster.lora_registry import LoraRecord
 from tandem.cluster.settings import Settings
+from tandem.gateway.errors import AdapterNotFound, GatewayError, InvalidRequest, LoraNotEnabled
 from tandem.gateway.health import GatewayHealth
+from tandem.gateway.lora_adapters import LoraAdapters
 from tandem.gateway.router import ROLES, live_workers
 
 log = structlog.get_logger(__name__)
@@ -90,7 +95,7 @@ class AdminError(Exception):
 
 
 def _rpc(method):
-    """Map AdminError and Redis errors to gRPC statuses; nothing else is caught."""
+    """Map AdminError, the gateway's own errors and Redis errors to gRPC statuses; nothing else is caught."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
@@ -98,11 +103,28 @@ def _rpc(method):
             return await method(self, request)
         except AdminError as exc:
             await context.abort(exc.code, str(exc))
+        except GatewayError as exc:
+            await context.abort(_status_of(exc), exc.message)
         except RedisError as exc:
             log.warning("admin call failed: redis", method=method.__name__, error=str(exc))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"redis unavailable: {exc}")
 
     return wrapper
+
+
+def _status_of(exc: GatewayError) -> grpc.StatusCode:
+    if isinstance(exc, LoraNotEnabled):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, AdapterNotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def lora_message(record: LoraRecord):
+    return pb.LoraAdapter(name=record.name, path=record.path, digest=record.digest, rank=record.rank,
+                          created=record.created)
 
 
 def worker_message(worker: WorkerInfo, draining: bool, drained: bool = False):
@@ -117,8 +139,10 @@ def worker_message(worker: WorkerInfo, draining: bool, drained: bool = False):
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, client: aioredis.Redis):
+    def __init__(self, client: aioredis.Redis, adapters: LoraAdapters | None = None):
+        """``adapters``: the gateway's LoRA adapters (None: LoRA calls answer FAILED_PRECONDITION)."""
         self._client = client
+        self._adapters = adapters
 
     @_rpc
     async def ListWorkers(self, request):
@@ -199,6 +223,27 @@ class AdminServicer(pb_grpc.AdminServicer):
             raise AdminError(grpc.StatusCode.NOT_FOUND, f"no decode worker holds request {request_id!r}")
         return pb.CancelRequestResponse(worker_id=cancelled[0][0], request_ids=sorted(w for _, w in cancelled))
 
+    @_rpc
+    async def LoadLoraAdapter(self, request):
+        record, added = await self._lora().load(request.name, request.path)
+        return pb.LoadLoraAdapterResponse(adapter=lora_message(record), already_loaded=not added)
+
+    @_rpc
+    async def UnloadLoraAdapter(self, request):
+        return lora_message(await self._lora().unload(request.name))
+
+    @_rpc
+    async def ListLoraAdapters(self, request):
+        adapters = self._lora()
+        return pb.ListLoraAdaptersResponse(base_model=adapters.base_model,
+                                           adapters=[lora_message(r) for r in await adapters.list()])
+
+    def _lora(self) -> LoraAdapters:
+        if self._adapters is None:
+            raise LoraNotEnabled("this admin API serves no LoRA adapters")
+        self._adapters.check_enabled()
+        return self._adapters
+
     async def _policies(self):
         live = await self._client.hgetall(keys.policy())
         values = {}
@@ -265,18 +310,18 @@ def _glob_escape(text: str) -> str:
 
 
 async def start_admin_server(client: aioredis.Redis, host: str, port: int, health: GatewayHealth | None = None, *,
-                             token: str | None = None, tls_cert: str | None = None,
-                             tls_key: str | None = None) -> grpc.aio.Server:
+                             adapters: LoraAdapters | None = None, token: str | None = None,
+                             tls_cert: str | None = None, tls_key: str | None = None) -> grpc.aio.Server:
     """Serve the admin API, ``health``'s service and reflection on host:port (in the running
-    event loop); ``token``: calls but health need it; ``tls_cert``/``tls_key`` (PEM files):
-    TLS only. Raises OSError if it cannot bind or read the files."""
+    event loop); ``adapters``: the gateway's LoRA adapters; ``token``: calls but health need it;
+    ``tls_cert``/``tls_key`` (PEM files): TLS only. Raises OSError if it cannot bind or read the files."""
     credentials = None
     if tls_cert is not None and tls_key is not None:
         with open(tls_key, "rb") as key, open(tls_cert, "rb") as cert:
             credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
     server = grpc.aio.server(interceptors=[TokenAuth(token)] if token else None,
                              options=[("grpc.so_reuseport", 0)])  # a port in use is an error, not shared
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(client), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(client, adapters), server)
     services = [pb.DESCRIPTOR.services_by_name["Admin"].full_name, reflection.SERVICE_NAME]
     if health is not None:
         health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)

@@ -5,6 +5,9 @@
     tandem admin set-policy --capacity-scheduler-policy MAX_UTILIZATION
     tandem admin drain decode-0 | undrain decode-0
     tandem admin cancel cmpl-...                  end a request (finish_reason "abort")
+    tandem admin lora-load NAME PATH              check a PEFT LoRA adapter and serve it as NAME
+    tandem admin lora-unload NAME                 serve it no more (running requests finish)
+    tandem admin loras                            the LoRA adapters served
 
 Prints the reply as JSON; a failed call prints its gRPC status and exits 1. A gateway
 started with --admin-token needs the same token (``--token``, or better TANDEM_ADMIN_TOKEN:
@@ -43,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         cmd.add_argument("--role", choices=["prefill", "decode"], default="")
     cancel = sub.add_parser("cancel", help="end a request")
     cancel.add_argument("request_id")
+    load = sub.add_parser("lora-load", help="check a PEFT LoRA adapter against the model and serve it "
+                                           "(gateways started with --enable-lora)")
+    load.add_argument("name", help="what requests name as their model")
+    load.add_argument("path", help="the adapter's directory, as every worker reads it")
+    unload = sub.add_parser("lora-unload", help="serve a LoRA adapter to new requests no more")
+    unload.add_argument("name")
+    sub.add_parser("loras", help="list the LoRA adapters served")
 
 
 def call(args: argparse.Namespace):
@@ -66,6 +76,12 @@ def call(args: argparse.Namespace):
             return stub.DrainWorker(pb.DrainWorkerRequest(worker_id=args.worker_id, role=args.role), **call_args)
         if command == "undrain":
             return stub.UndrainWorker(pb.UndrainWorkerRequest(worker_id=args.worker_id, role=args.role), **call_args)
+        if command == "lora-load":
+            return stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(name=args.name, path=args.path), **call_args)
+        if command == "lora-unload":
+            return stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(name=args.name), **call_args)
+        if command == "loras":
+            return stub.ListLoraAdapters(pb.ListLoraAdaptersRequest(), **call_args)
         return stub.CancelRequest(pb.CancelRequestRequest(request_id=args.request_id), **call_args)
 
 

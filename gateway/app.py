@@ -4,14 +4,21 @@
 tokenizer and returns the FastAPI app, whose lifespan also serves the gRPC admin
 API (``tandem.gateway.admin``) on ``--admin-port``. Errors are mapped to responses in
 ``tandem.gateway.errors`` only; bodies over ``MAX_BODY_BYTES`` get a 413.
+
+With --enable-lora, vLLM's ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+change the served LoRA adapters (``tandem.gateway.lora_adapters``; a plain-text "Success: ..."
+as vLLM answers), a request's ``model`` may name one, and ``GET /v1/models`` lists them. A
+``--lora-modules`` adapter that cannot be served stops the gateway at startup
+(``app.state.startup_error`` says why).
 """
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+import structlog
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tandem.cluster.settings import Settings
 from tandem.gateway.auth import install_api_key_auth
@@ -19,6 +26,7 @@ from tandem.gateway.body_limit import BodyLimitMiddleware
 from tandem.gateway.cancellation import GenerationStreamResponse, followed_stream_response, until_disconnected
 from tandem.gateway.drain import DrainMiddleware
 from tandem.gateway.errors import install_error_handlers
+from tandem.gateway.lora_protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, loaded_text, unloaded_text
 from tandem.gateway.health import GatewayHealth
 from tandem.gateway.choices import Choices
 from tandem.gateway.metrics import CONTENT_TYPE, StatusMiddleware
@@ -27,6 +35,8 @@ from tandem.gateway.protocol import CompletionRequest, SamplingFields
 from tandem.gateway.responses import ResponseFormat, sse_events, with_ids
 from tandem.gateway.service import GatewayService
 from tandem.gateway import tools
+
+log = structlog.get_logger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -38,16 +48,22 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     admin_health = GatewayHealth(service.router)  # the admin port's grpc.health.v1; set_draining() on the way down
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI):
+    async def lifespan(served: FastAPI):
         service.mux.start()
-        await service.prepare()
+        try:
+            await service.prepare()
+        except Exception as exc:  # a --lora-modules adapter that cannot be served: the gateway stops
+            served.state.startup_error = getattr(exc, "message", None) or str(exc)
+            log.error("the gateway cannot start", error=served.state.startup_error)
+            await service.close()
+            raise
         admin = None
         if settings.admin_port:
             from tandem.gateway.admin import start_admin_server
 
             admin = await start_admin_server(service.redis, settings.admin_host, settings.admin_port, admin_health,
-                                             token=settings.admin_token, tls_cert=settings.admin_tls_cert,
-                                             tls_key=settings.admin_tls_key)
+                                             adapters=service.adapters, token=settings.admin_token,
+                                             tls_cert=settings.admin_tls_cert, tls_key=settings.admin_tls_key)
         yield
         admin_health.stop()
         if admin is not None:
@@ -56,6 +72,7 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
 
     app = FastAPI(title="tandem gateway", lifespan=lifespan)
     app.state.service = service
+    app.state.startup_error = None
     app.state.health = admin_health
     service.drain.on_drain(admin_health.set_draining)  # gRPC health NOT_SERVING while draining
     install_error_handlers(app)
@@ -84,7 +101,20 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [service.model_card()]}
+        return {"object": "list", "data": await service.model_cards()}
+
+    def lora_enabled() -> None:  # a dependency: runs before the body is read, so it answers first
+        service.adapters.check_enabled()
+
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(lora_enabled)], response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoraAdapterRequest):
+        await service.adapters.load(body.lora_name, body.lora_path)
+        return PlainTextResponse(loaded_text(body.lora_name))
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(lora_enabled)], response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest):
+        await service.adapters.unload(body.lora_name)
+        return PlainTextResponse(unloaded_text(body.lora_name))
 
     @app.get("/health")
     async def health():
@@ -96,7 +126,8 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
         return Response(await service.metrics_text(), media_type=CONTENT_TYPE)
 
     async def _respond(request: Request, body: SamplingFields, choices: Choices, chat: bool):
-        fmt = ResponseFormat(choices.request_id, choices.created, settings.model_name, chat,
+        model = choices.generations[0].input.lora_name or settings.model_name  # an adapter answers as itself
+        fmt = ResponseFormat(choices.request_id, choices.created, model, chat,
                              bool(body.return_token_ids), choices.generations[0].input.prompt_token_ids,
                              service.token_text)
         parser = choices.generations[0].input.tool_parser if chat else None

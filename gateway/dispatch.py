@@ -86,7 +86,8 @@ class Dispatcher:
 
     async def submit(self, worker: WorkerInfo, wire_id: str, inp: GenerationInput,
                      output_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
-        """Send the request to the worker that reserved room for it; on failure give the room back."""
+        """Send the request to the worker that reserved room for it (with its LoRA adapter's name,
+        path and digest, on a failover's resubmission too); on failure give the room back."""
         request = GenerateRequest(
             request_id=wire_id,
             prompt_token_ids=inp.prompt_token_ids,
@@ -98,6 +99,9 @@ class Dispatcher:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             reply_to=self._reply_to,
             output_token_ids=list(output_token_ids or []),
+            lora_name=inp.lora_name,
+            lora_path=inp.lora_path,
+            lora_digest=inp.lora_digest,
         )
         try:
             await self._router.submit(worker, request)

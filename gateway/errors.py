@@ -58,6 +58,22 @@ class ModelNotFound(GatewayError):
     code = "model_not_found"
 
 
+class LoraNotEnabled(GatewayError):
+    """A LoRA call (loading, unloading an adapter) to a gateway started without --enable-lora."""
+
+    status_code = 400
+    type = "invalid_request_error"
+    code = "lora_not_enabled"
+
+
+class AdapterNotFound(GatewayError):
+    """Unloading a LoRA adapter that is not served."""
+
+    status_code = 404
+    type = "not_found_error"
+    code = "lora_adapter_not_found"
+
+
 class ServiceUnavailable(GatewayError):
     """No worker can take the request now, or Redis is away: retry later."""
 

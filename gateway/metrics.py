@@ -4,7 +4,9 @@ Request counters come from ``StatusMiddleware`` (every response, by route and
 status code) and from ``Generation`` (tokens, latencies, finish reasons). The
 workers' load is republished at scrape time from the router's registry cache,
 one gauge per field labelled by worker and role; a worker that stopped
-heartbeating simply disappears from the scrape. ``tandem_preemptions_total``
+heartbeating simply disappears from the scrape. With --enable-lora,
+``tandem_lora_adapters`` is the number of LoRA adapters the cluster serves, read at
+scrape time (the registry in Redis is the cluster's, so any gateway's count is the count). ``tandem_preemptions_total``
 (per decode worker) is a counter that follows the monotonic count the worker
 reports, republished as is.
 
@@ -45,8 +47,9 @@ def forget_dead_processes(path: str) -> None:
 
 
 class GatewayMetrics:
-    def __init__(self, worker_snapshot=None):
-        """``worker_snapshot()`` returns the cached live workers ``{role: [WorkerInfo]}``."""
+    def __init__(self, worker_snapshot=None, lora_snapshot=None):
+        """``worker_snapshot()`` returns the cached live workers ``{role: [WorkerInfo]}``;
+        ``lora_snapshot()`` the number of served LoRA adapters last read (None: not reported)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tandem_gateway_requests", "HTTP requests by route and status code",
@@ -68,19 +71,21 @@ class GatewayMetrics:
         self.queued = Gauge("tandem_gateway_requests_queued", "Requests waiting for room on a decode worker",
                             registry=r, multiprocess_mode="livesum")
         self._worker_load = _WorkerLoadCollector(worker_snapshot) if worker_snapshot is not None else None
+        self._cluster = [c for c in (self._worker_load, _LoraCollector(lora_snapshot) if lora_snapshot else None)
+                         if c is not None]  # the cluster's state, read at scrape time: reported once
         self._shared = shared_dir()
         if self._shared is not None:
             forget_dead_processes(self._shared)
-        if self._worker_load is not None:
-            r.register(self._worker_load)
+        for collector in self._cluster:
+            r.register(collector)
 
     def render(self) -> bytes:
         if self._shared is None:
             return generate_latest(self.registry)
-        registry = CollectorRegistry()  # every gateway process's metrics, and the workers' load once
+        registry = CollectorRegistry()  # every gateway process's metrics, and the cluster's state once
         multiprocess.MultiProcessCollector(registry, path=self._shared)
-        if self._worker_load is not None:
-            registry.register(self._worker_load)
+        for collector in self._cluster:
+            registry.register(collector)
         return generate_latest(registry)
 
 
@@ -113,6 +118,19 @@ class _WorkerLoadCollector:
         yield preemptions
 
 
+class _LoraCollector:
+    def __init__(self, lora_snapshot):
+        self._snapshot = lora_snapshot
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        count = self._snapshot()
+        if count is not None:
+            yield GaugeMetricFamily("tandem_lora_adapters", "LoRA adapters the cluster serves", value=float(count))
+
+
 class StatusMiddleware:
     """Counts every response of the API routes by route path and status code."""
 
@@ -142,4 +160,7 @@ class StatusMiddleware:
 
 def _route_label(path: str) -> str:
     # bounded label values: unknown paths collapse into one
-    return path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models") else "other"
+    return path if path in _ROUTES else "other"
+
+
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")

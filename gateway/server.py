@@ -22,7 +22,7 @@ import uvicorn
 from tandem.cluster.process import configure_logging
 from tandem.cluster.settings import Settings, add_arguments
 from tandem.gateway.app import create_app
-from tandem.gateway.errors import ShuttingDown
+from tandem.gateway.errors import GatewayError, ShuttingDown
 
 log = structlog.get_logger(__name__)
 
@@ -91,8 +91,18 @@ def main(settings: Settings) -> None:
         timeout_graceful_shutdown=5,
         backlog=4096,
     )
+    try:  # before serving: a --lora-modules adapter that cannot be served ends the process in one line
+        asyncio.run(app.state.service.adapters.check_startup_modules())
+    except GatewayError as exc:
+        raise SystemExit(f"tandem gateway: {exc.message}") from None
     server = DrainingServer(config, app, settings.shutdown_timeout_s)
-    server.run(sockets=[shared_socket(settings.host, settings.port, config.backlog)] if settings.reuse_port else None)
+    try:
+        server.run(sockets=[shared_socket(settings.host, settings.port, config.backlog)] if settings.reuse_port
+                   else None)
+    except SystemExit:
+        if app.state.startup_error:  # the app refused to start (e.g. an adapter name served from another path)
+            raise SystemExit(f"tandem gateway: {app.state.startup_error}") from None
+        raise
 
 
 def shared_socket(host: str, port: int, backlog: int) -> socket.socket:

@@ -23,6 +23,7 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from tandem.cluster.lora_registry import LoraRecord
 from tandem.cluster.settings import Settings
 from tandem.gateway.admission_queue import AdmissionQueue
 from tandem.gateway.background import BackgroundTasks
@@ -31,6 +32,7 @@ from tandem.gateway.dispatch import Dispatcher
 from tandem.gateway.drain import Drain
 from tandem.gateway.errors import ClientDisconnected
 from tandem.gateway.generation import Generation
+from tandem.gateway.lora_adapters import LoraAdapters
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.mux import OutputMux
 from tandem.gateway.chat_protocol import ChatCompletionRequest
@@ -72,7 +74,10 @@ class GatewayService:
         self.lanes = TokenizeLanes(settings, self.tokenizer)  # validation and tokenization, off the loop
         self.redis = redis if redis is not None else make_redis(settings.redis_url)
         self.router = Router(self.redis, model=settings.model_name)
-        self.metrics = GatewayMetrics(lambda: {role: self.router.cached(role) for role in ROLES})
+        self.adapters = LoraAdapters(settings, self.redis)  # --enable-lora: the served adapters
+        self._num_adapters: int | None = None  # at the last scrape (None: LoRA off, or not read yet)
+        self.metrics = GatewayMetrics(lambda: {role: self.router.cached(role) for role in ROLES},
+                                      lora_snapshot=lambda: self._num_adapters)
         self.admission = AdmissionQueue(self.router, max_queue_len=settings.max_queue_len,
                                         queue_timeout_s=settings.queue_timeout_s, queued_gauge=self.metrics.queued)
         self.mux = OutputMux(self.redis)
@@ -88,10 +93,12 @@ class GatewayService:
 
     # ---- requests -------------------------------------------------------------------
     async def prepare_completion(self, body: CompletionRequest) -> GenerationInput:
-        return await self.lanes.completion(body)
+        """The request's model resolved (the base model or a served LoRA adapter, else 404), then
+        validated and tokenized."""
+        return await self.lanes.completion(body, await self.adapters.resolve(body.model))
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> GenerationInput:
-        return await self.lanes.chat(body)
+        return await self.lanes.chat(body, await self.adapters.resolve(body.model))
 
     async def start(self, inp: GenerationInput, prefix: str = "cmpl",
                     client_gone: Callable[[], Awaitable[bool]] | None = None) -> Choices:
@@ -184,13 +191,16 @@ class GatewayService:
         return generation
 
     async def prepare(self) -> None:
-        """At startup: Redis's side of admission ready before the first request (if Redis is
-        down the gateway starts anyway; redis-py loads the scripts on first use then).
+        """At startup: every ``--lora-modules`` adapter checked and served (a bad one raises:
+        the gateway must not start), and Redis's side of admission ready before the first
+        request (if Redis is down the gateway starts anyway; redis-py loads the scripts on
+        first use then, and the adapters are registered by a retry in the background).
 
         Waits at most STARTUP_WAIT_S: a Redis that accepts connections but does not answer
         would hold the load for the read timeout and its retry (over 20 s). The load goes on
         in the background then; it is not cancelled (redis-py may swallow a cancellation)."""
         loading = self.background.spawn(self._load_scripts())
+        await self.adapters.serve_startup_modules(self.background)
         await asyncio.wait({loading}, timeout=STARTUP_WAIT_S)
         if not loading.done():
             log.warning("admission scripts not loaded yet, starting anyway", wait_s=STARTUP_WAIT_S)
@@ -225,19 +235,31 @@ class GatewayService:
         try:
             for role in ROLES:
                 await self.router.workers(role)
+            if self.adapters.enabled:
+                self._num_adapters = len(await self.adapters.list())
         except Exception as exc:  # still serve the gateway's own metrics
             log.warning("cannot refresh worker registry for metrics", error=str(exc))
         return self.metrics.render()
 
-    def model_card(self) -> dict:
-        return {
-            "id": self.settings.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "tandem",
-            "root": self.settings.model,
-            "max_model_len": self.settings.max_seq_len,
-        }
+    async def model_cards(self) -> list[dict]:
+        """GET /v1/models: the base model, then every served LoRA adapter (vLLM's shape: its
+        ``parent`` the base model, its ``root`` the adapter's directory). Redis unreachable: the
+        base model alone (the route stays a probe that answers)."""
+        cards = [self.model_card()]
+        try:
+            adapters = await self.adapters.list()
+        except Exception as exc:  # any Redis failure
+            log.warning("cannot read the served LoRA adapters for /v1/models", error=str(exc))
+            adapters = []
+        return cards + [self.model_card(adapter) for adapter in adapters]
+
+    def model_card(self, adapter: LoraRecord | None = None) -> dict:
+        """The base model's card, or a served adapter's."""
+        if adapter is None:
+            return {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+                    "root": self.settings.model, "parent": None, "max_model_len": self.settings.max_seq_len}
+        return {"id": adapter.name, "object": "model", "created": adapter.created, "owned_by": "tandem",
+                "root": adapter.path, "parent": self.settings.model_name, "max_model_len": self.settings.max_seq_len}
 
     # ---- plumbing -------------------------------------------------------------------
     async def close(self) -> None:
@@ -245,3 +267,4 @@ class GatewayService:
         await self.background.wait(5.0)
         await self.redis.aclose()
         self.lanes.shutdown()
+        self.adapters.close()

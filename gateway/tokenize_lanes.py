@@ -14,6 +14,7 @@ import asyncio
 import copy
 from concurrent.futures import ThreadPoolExecutor
 
+from tandem.cluster.lora_registry import LoraRecord
 from tandem.cluster.settings import Settings
 from tandem.gateway.errors import InvalidRequest
 from tandem.gateway.chat_protocol import ChatCompletionRequest
@@ -52,13 +53,13 @@ class TokenizeLanes:
         self._large = (ThreadPoolExecutor(1, thread_name_prefix="tokenize-large"),
                        Validator(settings, copy.deepcopy(tokenizer), small.grammars))
 
-    async def completion(self, body: CompletionRequest) -> GenerationInput:
+    async def completion(self, body: CompletionRequest, adapter: LoraRecord | None = None) -> GenerationInput:
         pool, validator = self._lane(body, "prompt")
-        return await asyncio.get_running_loop().run_in_executor(pool, validator.completion, body)
+        return await asyncio.get_running_loop().run_in_executor(pool, validator.completion, body, adapter)
 
-    async def chat(self, body: ChatCompletionRequest) -> GenerationInput:
+    async def chat(self, body: ChatCompletionRequest, adapter: LoraRecord | None = None) -> GenerationInput:
         pool, validator = self._lane(body, "messages")
-        return await asyncio.get_running_loop().run_in_executor(pool, validator.chat, body)
+        return await asyncio.get_running_loop().run_in_executor(pool, validator.chat, body, adapter)
 
     def _lane(self, body, param: str):
         chars = prompt_chars(body)

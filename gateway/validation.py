@@ -1,7 +1,8 @@
 """Validated request bodies -> ``GenerationInput``: tokenized, within every limit.
 
 Everything here raises ``InvalidRequest`` (400) or ``ModelNotFound`` (404),
-so a request that passes is one a worker can run: a known model, a non-empty
+so a request that passes is one a worker can run: a known model (the base model,
+or the served LoRA adapter the caller resolved it to: ``tandem.gateway.lora_adapters``), a non-empty
 prompt of at most ``max_input_len`` tokens, token ids inside the vocabulary,
 ``prompt + max_tokens <= max_seq_len`` and a finite temperature (what the wire
 messages' rules in ``tandem.cluster.messages`` accept).
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from tandem.cluster import grammars
 from tandem.cluster.grammars import GrammarError, Grammars
+from tandem.cluster.lora_registry import LoraRecord
 from tandem.cluster.sampling import SamplingParams
 from tandem.cluster.settings import Settings
 from tandem.cluster.tokenizer import vocab_size
@@ -42,6 +44,16 @@ class GenerationInput:
     echo: bool = False  # completions: the prompt (with its logprobs, when asked) leads the choice
     tool_parser: str | None = None  # chat with tools: the format its output's calls are read in (gateway.tools)
     prompt_text: str | None = None  # with echo: the prompt's text as the client sent it (token ids: decoded)
+    # the LoRA adapter the request names as its model ("": the base model): its name, the directory
+    # the workers read it from and the digest of its weights, as served when the request arrived
+    lora_name: str = ""
+    lora_path: str = ""
+    lora_digest: str = ""
+
+    def with_adapter(self, adapter: LoraRecord | None) -> "GenerationInput":
+        if adapter is not None:
+            self.lora_name, self.lora_path, self.lora_digest = adapter.name, adapter.path, adapter.digest
+        return self
 
 
 def choice_input(inp: GenerationInput, index: int) -> GenerationInput:
@@ -63,8 +75,9 @@ class Validator:
         self.model_names = {settings.model_name, settings.model}
         self.grammars = grammar_checker or Grammars(tokenizer, self.vocab_size)
 
-    def completion(self, body: CompletionRequest) -> GenerationInput:
-        self._check_model(body.model)
+    def completion(self, body: CompletionRequest, adapter: LoraRecord | None = None) -> GenerationInput:
+        """``adapter``: the LoRA adapter ``body.model`` names (None: the base model)."""
+        self._check_model(body.model, adapter)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one prompt
@@ -76,13 +89,15 @@ class Validator:
             token_ids = list(prompt)
             self._check_vocab(token_ids, "prompt")
         inp = self._build(body, token_ids, self._grammar(body.structured, self._structured_param(body)))
+        inp.with_adapter(adapter)
         if inp.echo:
             inp.prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(
                 token_ids, skip_special_tokens=body.skip_special_tokens)
         return inp
 
-    def chat(self, body: ChatCompletionRequest) -> GenerationInput:
-        self._check_model(body.model)
+    def chat(self, body: ChatCompletionRequest, adapter: LoraRecord | None = None) -> GenerationInput:
+        """``adapter``: the LoRA adapter ``body.model`` names (None: the base model)."""
+        self._check_model(body.model, adapter)
         template = self._template()
         parser = tools.parser_for(template, self.settings.tool_call_parser) if body.tools else None
         messages = [self._message(m, parser, template) for m in body.messages]
@@ -101,7 +116,7 @@ class Validator:
         grammar = self._grammar(body.structured, self._structured_param(body))
         if body.calls_tools:
             grammar = self._tool_grammar(body, parser)
-        inp = self._build(body, token_ids, grammar)
+        inp = self._build(body, token_ids, grammar).with_adapter(adapter)
         if body.calls_tools:
             inp.tool_parser = parser
             if parser == "mistral":  # its marker is a special token: the parser reads it in the text
@@ -265,7 +280,9 @@ class Validator:
             echo=echo,
         )
 
-    def _check_model(self, model: str | None) -> None:
+    def _check_model(self, model: str | None, adapter: LoraRecord | None = None) -> None:
+        if adapter is not None and model == adapter.name:
+            return
         if model is not None and model not in self.model_names:
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
                                 f"{self.settings.model_name!r}", param="model")
