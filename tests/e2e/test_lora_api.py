@@ -24,7 +24,7 @@ from tandem.gateway.admin import pb, pb_grpc
 from tests.e2e.cluster import LocalCluster
 from tests.e2e.serve_cluster import Stream, wait_tokens
 from tests.gateway.conftest import wait_for
-from tests.engine.lora_testing import make_peft_adapter
+from tests.engine.lora_testing import make_peft_adapter, peft_greedy_generator
 
 pytestmark = pytest.mark.slow
 
@@ -58,27 +58,9 @@ def lora_cluster(tiny_llama, tmp_path_factory):
 def greedy(tiny_llama, adapters):
     """HF + PEFT over the same weights, fp32 on the CPU: (adapter or None, prompt, n) -> up to n greedy
     tokens, ending at EOS (the requests ignore EOS: they go on after it, and ``agrees`` compares up to it)."""
-    from peft import PeftModel
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    model = PeftModel.from_pretrained(base, adapters["ada"], adapter_name="ada").eval()
-    model.load_adapter(adapters["bea"], adapter_name="bea")
-
-    def generate(adapter: str | None, prompt: str, max_new_tokens: int) -> list[int]:
-        ids = tokenizer(prompt).input_ids
-        kwargs = dict(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                      max_new_tokens=max_new_tokens, do_sample=False)
-        with torch.inference_mode():
-            if adapter is None:
-                with model.disable_adapter():
-                    out = model.generate(**kwargs)
-            else:
-                model.set_adapter(adapter)
-                out = model.generate(**kwargs)
-        return out[0, len(ids):].tolist()
-
-    return generate
+    greedy = peft_greedy_generator(tiny_llama, {"ada": adapters["ada"], "bea": adapters["bea"]})
+    return lambda adapter, prompt, max_new_tokens: greedy(adapter, tokenizer(prompt).input_ids, max_new_tokens)
 
 
 def agrees(token_ids: list[int], expected: list[int]) -> bool:

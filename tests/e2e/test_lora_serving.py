@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.e2e.cluster import LAYOUTS, LocalCluster
 from tests.e2e.serve_cluster import Stream
-from tests.engine.lora_testing import make_peft_adapter
+from tests.engine.lora_testing import make_peft_adapter, peft_greedy_generator
 
 pytestmark = pytest.mark.slow
 
@@ -54,35 +54,7 @@ def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def peft_greedy(tiny_llama, adapters):
     """PeftModel over the same base weights, fp32 on the CPU: (adapter or None, prompt ids, n) -> tokens."""
-    from peft import PeftModel
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    names = list(adapters)
-    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0]).eval()
-    for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
-
-    def generate(adapter: str | None, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-        if ignore_eos:  # on past EOS, as the server does with ignore_eos (generate() would stop there)
-            model.set_adapter(adapter)
-            ids = list(prompt_ids)
-            with torch.inference_mode():
-                for _ in range(max_new_tokens):
-                    ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-            return ids[len(prompt_ids):]
-        kwargs = dict(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
-                                                                                     dtype=torch.long),
-                      max_new_tokens=max_new_tokens, do_sample=False)
-        with torch.inference_mode():
-            if adapter is None:
-                with model.disable_adapter():
-                    out = model.generate(**kwargs)
-            else:
-                model.set_adapter(adapter)
-                out = model.generate(**kwargs)
-        return out[0, len(prompt_ids):].tolist()
-
-    return generate
+    return peft_greedy_generator(tiny_llama, adapters)
 
 
 def _lora_settings(adapters: dict[str, str]) -> dict:

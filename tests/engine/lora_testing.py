@@ -42,3 +42,37 @@ def edit_config(path: str, **changes) -> None:
     config.update(changes)
     with open(file, "w") as f:
         json.dump(config, f)
+
+
+def peft_greedy_generator(base: str, adapters: dict[str, str]):
+    """PeftModel over ``base`` with every adapter of ``adapters`` (name -> directory), fp32 on the
+    CPU -> generate(adapter or None, prompt ids, n, ignore_eos=False): greedy tokens. generate()
+    stops at EOS; with ``ignore_eos`` the tokens go on past it, as the server's do."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    names = list(adapters)
+    model = PeftModel.from_pretrained(model, adapters[names[0]], adapter_name=names[0]).eval()
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+
+    def generate(adapter: str | None, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False):
+        with torch.inference_mode():
+            if ignore_eos:
+                model.set_adapter(adapter)
+                ids = list(prompt_ids)
+                for _ in range(max_new_tokens):
+                    ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+                return ids[len(prompt_ids):]
+            kwargs = dict(input_ids=torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+            if adapter is None:
+                with model.disable_adapter():
+                    out = model.generate(**kwargs)
+            else:
+                model.set_adapter(adapter)
+                out = model.generate(**kwargs)
+        return out[0, len(prompt_ids):].tolist()
+
+    return generate
