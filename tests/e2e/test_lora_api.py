@@ -17,8 +17,7 @@ import time
 import grpc
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tandem.gateway.admin import pb, pb_grpc
 from tests.e2e.cluster import LocalCluster

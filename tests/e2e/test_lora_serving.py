@@ -16,8 +16,7 @@ import asyncio
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tests.e2e.cluster import LAYOUTS, LocalCluster
 from tests.e2e.serve_cluster import Stream
