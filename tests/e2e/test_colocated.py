@@ -2,8 +2,8 @@
 
 The same requests sent to a cluster of each layout give the same answers: seeded sampling
 with ``n``, penalties and logit bias, structured outputs, logprobs and prompt logprobs
-(prompts longer than the 16-token step budget, so that prompt chunks share steps with
-decode rows). Two colocated workers: one killed mid-stream, the stream continues on the
+(prompts longer than the 16-token step budget, sent while a long stream decodes, so that
+prompt chunks share steps with decode rows). Two colocated workers: one killed mid-stream, the stream continues on the
 other and still equals HF greedy.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import httpx
 import pytest
@@ -55,7 +56,15 @@ def clusters(tiny_llama, tmp_path_factory):
 
 
 async def _answers(cluster: LocalCluster) -> dict[str, list[dict]]:
+    """The answers to REQUESTS, sent at once while a long stream decodes: their prompt chunks
+    find a decode row running, whatever the timing of their arrival."""
     model = cluster.settings.model_name
+    background = Stream(cluster.base_url, model, "Count:", 240, ignore_eos=True)
+    background.start()
+    deadline = time.monotonic() + 120
+    while not background.arrivals and background.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert background.arrivals, f"the background stream never decoded: {background.error}"
 
     async def one(client, body):
         resp = await client.post("/v1/completions", json={"model": model, "return_token_ids": True, **body})
@@ -64,6 +73,8 @@ async def _answers(cluster: LocalCluster) -> dict[str, list[dict]]:
 
     async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as client:  # all at once: shared steps
         results = await asyncio.gather(*(one(client, body) for body in REQUESTS.values()))
+    background.join(120)
+    assert background.done and background.error is None, background.error
     return dict(zip(REQUESTS, results))
 
 
@@ -92,7 +103,10 @@ def test_both_layouts_give_the_same_answers(clusters):
     assert len(colocated["seeded n"]["choices"]) == 3
     json.loads(colocated["structured"]["choices"][0]["text"])  # the schema held
     assert colocated["logprobs"]["choices"][0]["prompt_logprobs"]
-    # the colocated worker really mixed prompt chunks into decode steps
+    # the colocated worker really mixed prompt chunks into decode steps (its heartbeat tells)
+    deadline = time.monotonic() + 5
+    while clusters["colocated"].worker("decode", "decode-0").num_mixed_steps == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert clusters["colocated"].worker("decode", "decode-0").num_mixed_steps > 0
 
 
