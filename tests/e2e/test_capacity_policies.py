@@ -119,11 +119,16 @@ def test_policy_hash_starts_from_the_flag(small_pool):
 def test_overloaded_pool_matches_hf_greedy(small_pool, expected, policy):
     set_policy(small_pool, policy)
     before = preemptions_from_metrics(small_pool)
-    choices = asyncio.run(complete_all(small_pool.base_url, small_pool.settings.model_name))
-    for prompt, choice in zip(PROMPTS, choices):
-        assert choice["token_ids"] == expected[prompt], prompt
-        assert choice["finish_reason"] == ("length" if len(expected[prompt]) == MAX_TOKENS else "stop")
-    num_paused = preemptions_from_metrics(small_pool) - before
+    # a burst pauses requests only if enough of it runs at once; on a busy host the prompts can
+    # arrive spread out, so MAX_UTILIZATION gets up to three bursts to show a pause
+    for _ in range(3 if policy == "MAX_UTILIZATION" else 1):
+        choices = asyncio.run(complete_all(small_pool.base_url, small_pool.settings.model_name))
+        for prompt, choice in zip(PROMPTS, choices):
+            assert choice["token_ids"] == expected[prompt], prompt
+            assert choice["finish_reason"] == ("length" if len(expected[prompt]) == MAX_TOKENS else "stop")
+        num_paused = preemptions_from_metrics(small_pool) - before
+        if num_paused:
+            break
     if policy == "MAX_UTILIZATION":
         assert num_paused > 0
     else:
