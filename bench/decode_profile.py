@@ -69,7 +69,7 @@ def profile_batch(runner, batch: int, context: int = 256) -> dict:
 
 
 GEMM_MARKS = ("gemm", "gemv", "scaled_mm", "cutlass", "nvjet", "xmma", "matmul", "skinny", "sm90_")
-ATTENTION_MARKS = ("attention", "attn", "flash")
+ATTENTION_MARKS = ("attention", "attn", "flash", "_decode_partial", "_decode_reduce")  # ours: kernels/decode_attention.py
 
 
 def kinds(kernels_us: dict[str, float]) -> dict[str, float]:

@@ -7,7 +7,8 @@ from tandem.engine.config import ModelConfig
 
 def test_kernels_are_grouped_by_kind():
     table = {"nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT": 50.0, "_skinny_gemm_kernel": 20.0,
-             "_decode_attention_kernel": 15.0, "_fused_prefill_attention": 5.0, "_rms_norm_kernel": 7.0,
+             "_decode_partial_kernel": 12.0, "_decode_reduce_kernel": 3.0, "_fused_prefill_attention": 5.0,
+             "_rms_norm_kernel": 7.0,
              "void at::native::elementwise_kernel<...>": 3.0}
     assert kinds(table) == {"gemm": 70.0, "attention": 20.0, "other": 10.0}
 
