@@ -110,7 +110,8 @@ def dtypes(serve_args: list[str]) -> tuple[str, str]:
 
 def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, serve_args: list[str],
                    client_processes: int = 1, input_len_range: str = "64:511", output_len: int = 256,
-                   max_concurrency: int | None = None, max_batch_size: int = 128, pools: str = "auto") -> dict:
+                   max_concurrency: int | None = None, max_batch_size: int = 128, pools: str = "auto",
+                   lora_names: list[str] = ()) -> dict:
     max_input_len, max_seq_len = sequence_limits(input_len_range, output_len)
     serve_cmd = [*python_argv("-m", "tandem"), "serve", "--model", model_path, "--port", str(port),
                  "--max-batch-size", str(max_batch_size), "--max-num-tokens", "8192",
@@ -131,7 +132,8 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, s
                     "--output-len", str(output_len), *(["--max-concurrency", str(max_concurrency)]
                                                        if max_concurrency else []),
                     "--request-rate", "inf", "--seed", "0", "--min-token-id", "3", "--max-token-id", "499",
-                    "--result-json", result_json, "--no-progress", "--num-processes", str(client_processes)]
+                    "--result-json", result_json, "--no-progress", "--num-processes", str(client_processes),
+                    *(["--lora-modules", *lora_names] if lora_names else [])]
         subprocess.run(load_cmd, check=True, timeout=600)
         with open(result_json) as f:
             return json.load(f)
@@ -161,21 +163,35 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=128, help="tandem serve --max-batch-size")
     parser.add_argument("--pools", default="auto", choices=["auto", "colocated", "separate"],
                         help="tandem serve --pools (auto: one worker for both pools on one GPU)")
+    parser.add_argument("--lora-adapters", type=int, default=0,
+                        help="serve this many random LoRA adapters (rank --lora-rank, all seven projections) "
+                             "and spread the requests over them in turn")
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--out", default="cluster_mixed.json")
     args = parser.parse_args()
     name = args.model_shape
     path = write_checkpoint(name, args.checkpoint)
     torch.cuda.empty_cache()
-    result = serve_and_load(path, os.path.dirname(os.path.abspath(args.out)), args.port, args.num_prompts, args.serve_args.split(),
+    serve_args, lora_names = args.serve_args.split(), []
+    if args.lora_adapters:
+        from tandem.bench.lora_adapters import write_random_adapters
+        from tandem.engine.config import ModelConfig
+
+        adapters = write_random_adapters(ModelConfig.from_dict(hf_config_dict(name)),
+                                         os.path.join(path, "lora"), args.lora_adapters, args.lora_rank)
+        lora_names = list(adapters)
+        serve_args += ["--enable-lora", "--max-loras", str(args.lora_adapters), "--max-lora-rank",
+                       str(args.lora_rank), "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
+    result = serve_and_load(path, os.path.dirname(os.path.abspath(args.out)), args.port, args.num_prompts, serve_args,
                             args.client_processes, args.input_len_range, args.output_len, args.max_concurrency,
-                            args.max_batch_size, args.pools)
+                            args.max_batch_size, args.pools, lora_names)
     metrics = result.get("metrics", result)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, indent=1))
     tok_s = metrics.get("output_throughput")
     dtype, kv_dtype = dtypes(args.serve_args.split())
     pools = "colocated" if colocated(args.pools, count_gpus(), "auto") else "separate"  # what auto chose
     common = dict(workload=args.label, model=name, dtype=dtype, kv_dtype=kv_dtype, pools=pools,
-                  refused=bench_throughput.refused(metrics))
+                  refused=bench_throughput.refused(metrics), lora_adapters=args.lora_adapters)
     rows = [dict(common, metric="out_tok_per_s", value=tok_s, anchor=None, anchor_value=None, ratio=None)]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         stats = metrics.get(key) or {}

@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="model name to send (default: first id from GET /v1/models)")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME",
+                   help="LoRA adapter names the server serves: the requests take them in turn "
+                        "(request i asks for NAME i mod n), as vLLM's bench serve spreads load over adapters")
 
     g = parser.add_argument_group("load shape")
     g.add_argument("--num-prompts", type=_positive_int, default=100, help="requests to send")
@@ -158,6 +161,7 @@ def _config_from_args(args: argparse.Namespace) -> tuple[BenchConfig, list[float
         extra_body=extra,
         seed=args.seed,
         keep_text=args.save_text,
+        lora_modules=tuple(args.lora_modules),
         progress=progress,
     )
     return cfg, parse_percentiles(args.percentiles), parse_goodput(args.goodput)

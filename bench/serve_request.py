@@ -36,6 +36,7 @@ class BenchConfig:
     seed: int = 0
     keep_text: bool = False
     progress: bool = False
+    lora_modules: tuple[str, ...] = ()  # adapter names: request i asks for lora_modules[i % n]
 
     @property
     def chat(self) -> bool:
@@ -58,7 +59,8 @@ def api_root(base_url: str) -> str:
 
 
 def build_payload(cfg: BenchConfig, spec: RequestSpec) -> dict[str, Any]:
-    payload: dict[str, Any] = {"model": cfg.model}
+    model = cfg.lora_modules[spec.index % len(cfg.lora_modules)] if cfg.lora_modules else cfg.model
+    payload: dict[str, Any] = {"model": model}
     if cfg.chat:
         payload["messages"] = [{"role": "user", "content": spec.prompt}]
     else:

@@ -6,8 +6,17 @@ bucket; a batch of B sequences runs the graph of the smallest bucket >= B with
 the rows past B padded: slot -1 (the KV write skips it), seq_len 1 and block
 table row 0, so the padded rows read one harmless slot (which a real row may be
 writing in the same launch: the padded output is never used) and their logits
-are dropped. Batches larger than the largest bucket, prefill chunks and steps with
-LoRA adapter rows run eagerly. All graphs share one memory pool, captured largest first.
+are dropped. Batches larger than the largest bucket and prefill chunks run eagerly. All
+graphs share one memory pool, captured largest first.
+
+LoRA (a runner with adapter slots): each bucket has a second graph whose forward adds every
+projection's LoRA (engine.lora_batch) through static segment buffers: ``lora_order`` lists
+the adapter rows slot by slot, ``lora_starts`` [max_loras + 1] where each slot's run begins
+and ``lora_slots`` [max_loras] its slot, unused segments empty with slot -1. The LoRA kernels'
+grids depend on the bucket and ``max_loras`` only (programs past their segment's end
+return), so one capture serves any split of the rows among adapters. A projection no row's
+adapter targets is zero in every slot (engine.lora_weights) and adds nothing. A step without
+adapter rows replays the base graph.
 
 Block-table rows are written into pinned host memory through a numpy view and
 copied in one strided copy covering only the columns this batch uses: stale
@@ -22,6 +31,8 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.attention import AttentionMetadata, SeqChunk
+from tandem.engine.lora_batch import LoraBatch
+from tandem.engine.lora_weights import PROJECTION_TARGETS
 from tandem.engine.step_tokens import TokenFeed, gather_fed
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -48,17 +59,21 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
         self.feed_src = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self._staging = [_Staging(n, self.max_blocks, device), _Staging(n, self.max_blocks, device)]
+        self.lora_weights = None if runner.lora is None else runner.lora.weights
+        num_loras = 0 if self.lora_weights is None else self.lora_weights.max_loras
+        # static LoRA segments (module docstring): [order (n) | starts (num_loras + 1) | slots (num_loras)]
+        self.lora_segments = torch.zeros(n + 2 * num_loras + 1, dtype=torch.int64, device=device)
+        self._staging = [_Staging(n, self.max_blocks, num_loras, device) for _ in range(2)]
         self._turn = 0
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, bool], torch.Tensor] = {}
         self._capture_all()
 
     def can_run(self, chunks: list[SeqChunk]) -> bool:
         return (
             len(chunks) <= self.buckets[-1]
-            and all(len(c.token_ids) == 1 and len(c.block_ids) <= self.max_blocks and c.lora_slot < 0
-                    for c in chunks)  # LoRA rows run eagerly
+            and all(len(c.token_ids) == 1 and len(c.block_ids) <= self.max_blocks for c in chunks)
+            and (self.lora_weights is not None or all(c.lora_slot < 0 for c in chunks))
         )
 
     def forward(self, chunks: list[SeqChunk], feed: TokenFeed | None = None) -> torch.Tensor:
@@ -96,14 +111,42 @@ class DecodeGraphs:
             vec[3, num_seqs:bucket] = -1
             self.feed_src[:bucket].copy_(host_vec[3, :bucket], non_blocking=True)
             gather_fed(self.input_ids[:bucket], self.feed_src[:bucket], feed.tokens)
+        with_lora = self._stage_lora(chunks, stage)
         stage.copied()
-        self._graphs[bucket].replay()
+        self._graphs[bucket, with_lora].replay()
         # a copy: the static buffer is overwritten by the next replay
-        return self._logits[bucket][:num_seqs].clone()
+        return self._logits[bucket, with_lora][:num_seqs].clone()
+
+    def _stage_lora(self, chunks: list[SeqChunk], stage: "_Staging") -> bool:
+        """Fill the static LoRA segments for ``chunks`` -> whether any row carries an adapter."""
+        if self.lora_weights is None or all(c.lora_slot < 0 for c in chunks):
+            return False
+        rows_of: dict[int, list[int]] = {}
+        for i, chunk in enumerate(chunks):
+            if chunk.lora_slot >= 0:
+                if chunk.lora_slot >= self.lora_weights.max_loras or not self.lora_weights.occupied(chunk.lora_slot):
+                    raise ValueError(f"LoRA slot {chunk.lora_slot} holds no adapter")
+                rows_of.setdefault(chunk.lora_slot, []).append(i)
+        n, num_loras = self.buckets[-1], self.lora_weights.max_loras
+        segs = stage.lora_np
+        order, starts, slots = segs[:n], segs[n:n + num_loras + 1], segs[n + num_loras + 1:]
+        at = 0
+        starts[0] = 0
+        for k in range(num_loras):
+            if k < len(rows_of):
+                slot, rows = list(rows_of.items())[k]
+                order[at:at + len(rows)] = rows
+                at += len(rows)
+                slots[k] = slot
+            else:
+                slots[k] = -1
+            starts[k + 1] = at
+        self.lora_segments.copy_(stage.lora, non_blocking=True)
+        return True
 
     # ---- capture --------------------------------------------------------------------
-    def _metadata(self, bucket: int) -> AttentionMetadata:
-        return AttentionMetadata(
+    def _metadata(self, bucket: int, with_lora: bool = False) -> AttentionMetadata:
+        meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[: bucket + 1],
             seq_lens=self.seq_lens[:bucket],
             block_tables=self.block_tables[:bucket],
@@ -112,10 +155,17 @@ class DecodeGraphs:
             logits_indices=self.logits_indices[:bucket],
             is_decode=True,
         )
+        if with_lora:
+            n, num_loras = self.buckets[-1], self.lora_weights.max_loras
+            segs = self.lora_segments
+            meta.lora = LoraBatch(token_order=segs[:bucket], seg_starts=segs[n:n + num_loras + 1].to(torch.int32),
+                                  seg_slots=segs[n + num_loras + 1:].to(torch.int32), weights=self.lora_weights,
+                                  projections=frozenset(PROJECTION_TARGETS))
+        return meta
 
-    def _step(self, bucket: int) -> torch.Tensor:
+    def _step(self, bucket: int, with_lora: bool = False) -> torch.Tensor:
         model = self.runner.model
-        meta = self._metadata(bucket)
+        meta = self._metadata(bucket, with_lora)
         hidden = model(self.input_ids[:bucket], meta.positions, self.runner.kv_pool, meta)
         return model.compute_logits(hidden)
 
@@ -124,25 +174,31 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device=self.runner.device)
         side.wait_stream(torch.cuda.current_stream())
+        kinds = [False] if self.lora_weights is None else [False, True]
         with torch.cuda.stream(side):
             for bucket in self.buckets:  # compile every Triton kernel before capture
-                self._step(bucket)
+                for with_lora in kinds:
+                    self._step(bucket, with_lora)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         for bucket in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[bucket] = self._step(bucket)
-            self._graphs[bucket] = graph
+            for with_lora in kinds:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._logits[bucket, with_lora] = self._step(bucket, with_lora)
+                self._graphs[bucket, with_lora] = graph
         torch.cuda.synchronize()
 
 
 class _Staging:
     """Pinned host inputs of one step: rows 0-3 of ``vec`` = input ids, positions, slots,
-    feed sources (int64); seq_lens and block tables apart (int32)."""
+    feed sources (int64); seq_lens and block tables apart (int32); the LoRA segments (int64,
+    ``DecodeGraphs.lora_segments``' layout)."""
 
-    def __init__(self, n: int, max_blocks: int, device: torch.device):
+    def __init__(self, n: int, max_blocks: int, num_loras: int, device: torch.device):
         self.device = device
+        self.lora = torch.zeros(n + 2 * num_loras + 1, dtype=torch.int64, pin_memory=True)
+        self.lora_np = self.lora.numpy()
         self.vec = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
         self.seq_lens = torch.ones(n, dtype=torch.int32, pin_memory=True)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, pin_memory=True)

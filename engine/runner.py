@@ -10,7 +10,8 @@ per-layer, per-head scales (``tandem.engine.kv_scales``: the checkpoint's, else 
 
 LoRA (``enable_lora``): a chunk's ``lora_slot`` names the device slot of its adapter (the
 ``LoraManager``'s ``slots_for`` gives them); rows of several adapters and of the base model mix
-in one forward. Steps with adapter rows run eagerly (not as CUDA graphs).
+in one forward. Decode steps with adapter rows replay CUDA graphs of their own
+(``engine.cuda_graph``); prompt chunks with adapter rows run eagerly, as all prompt chunks do.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class ModelRunner:
         out their slots."""
         if self.lora is not None:
             raise ValueError("LoRA is already enabled on this runner")
+        if self.graphs is not None:
+            raise ValueError("enable LoRA before CUDA graphs: the decode graphs capture the adapter slots")
         if weights is None:
             weights = LoraWeights(self.config, max_loras, max_rank, self.dtype, self.device)
         self.lora = LoraManager(weights, self.config, max_cpu_loras or max_loras)

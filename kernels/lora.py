@@ -8,6 +8,12 @@ them by its slot's matrix with ``tl.dot``: one weight tile read serves every row
 Programs past their segment's end (the grid is sized by all the adapter rows, so it depends
 on shapes only, never on how the rows split) and segments of slot -1 return at once.
 
+The shrink's reduction runs over the projection's whole input (4,096-14,336 columns) and its
+grid is small (a decode step of 64 rows over 8 adapters: 8 programs), so it splits K: each of
+``split_k`` programs reduces one K range into its own fp32 partial, and the partials are summed
+in a fixed order (deterministic, unlike atomics). ``split_k`` is chosen so that the grid fills
+the device's SMs (``_split_k``); on the CPU it is 1 unless a caller asks.
+
 The shrink multiplies in the activations' dtype with fp32 accumulation (IEEE fp32 products for
 fp32) and writes fp32; the expand multiplies the fp32 shrink by B widened to fp32 (the rank is
 small), scales, adds to the output in fp32 and rounds once.
@@ -38,17 +44,20 @@ def _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M: tl.constexpr):
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, slots_ptr,
-    R, K, stride_xm, stride_as, stride_ar, stride_om,
+    R, K, K_PER_SPLIT, NUM_R_TILES, stride_xm, stride_as, stride_ar, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     slot, tokens, row_mask, active = _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M)
     if active:
-        rs = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        split = tl.program_id(2) // NUM_R_TILES
+        rs = (tl.program_id(2) % NUM_R_TILES) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_mask = rs < R
         a_base = a_ptr + slot.to(tl.int64) * stride_as
+        out_ptr += split.to(tl.int64) * stride_split
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = split * K_PER_SPLIT
+        for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < K
             x = tl.load(x_ptr + tokens[:, None] * stride_xm + ks[None, :],
@@ -97,28 +106,42 @@ def _check_segments(token_order: torch.Tensor, seg_starts: torch.Tensor, seg_slo
     assert seg_starts.shape == (seg_slots.shape[0] + 1,)
 
 
+def _split_k(x: torch.Tensor, num_programs: int, num_k_blocks: int) -> int:
+    """K ranges per program tile: enough programs for two per SM, each at least 4 K blocks."""
+    if x.device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return max(1, min(num_k_blocks // 4, (2 * sms) // max(num_programs, 1)))
+
+
 def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
-                seg_slots: torch.Tensor) -> torch.Tensor:
-    """As ``reference.lora_shrink``."""
+                seg_slots: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
+    """As ``reference.lora_shrink``. ``split_k``: K ranges reduced apart (module docstring;
+    None chooses)."""
     _check_segments(token_order, seg_starts, seg_slots)
     num_tokens, K = x.shape
     _, R, K_a = a_stacked.shape
     assert K_a == K and x.stride(1) == 1 and a_stacked.stride(2) == 1, "x [T, K], a_stacked [L, R, K], rows contiguous"
     assert x.dtype == a_stacked.dtype, "x and the A matrices share a dtype"
-    out = torch.zeros((num_tokens, R), dtype=torch.float32, device=x.device)
     num_rows, num_segs = token_order.shape[0], seg_slots.shape[0]
     if num_rows == 0 or num_segs == 0 or R == 0 or K == 0:
-        return out
-    block_m, block_r = _block(num_rows, 64), _block(R, 64)
-    grid = (num_segs, triton.cdiv(num_rows, block_m), triton.cdiv(R, block_r))
+        return torch.zeros((num_tokens, R), dtype=torch.float32, device=x.device)
+    block_m, block_r, block_k = _block(num_rows, 64), _block(R, 64), _block(K, 64)
+    r_tiles, k_blocks = triton.cdiv(R, block_r), triton.cdiv(K, block_k)
+    programs = num_segs * triton.cdiv(num_rows, block_m) * r_tiles
+    split = max(1, min(split_k or _split_k(x, programs, k_blocks), k_blocks))
+    k_per_split = triton.cdiv(k_blocks, split) * block_k
+    out = torch.zeros((split, num_tokens, R), dtype=torch.float32, device=x.device)
+    grid = (num_segs, triton.cdiv(num_rows, block_m), r_tiles * split)
     _lora_shrink_kernel[grid](
         x, a_stacked, out, token_order, seg_starts, seg_slots,
-        R, K, x.stride(0), a_stacked.stride(0), a_stacked.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=_block(K, 64),
+        R, K, k_per_split, r_tiles, x.stride(0), a_stacked.stride(0), a_stacked.stride(1), out.stride(1),
+        out.stride(0),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT_UPCAST=upcast_bf16_dot(x.dtype),
         num_warps=4,
     )
-    return out
+    return out[0] if split == 1 else out.sum(0)
 
 
 def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b_stacked: torch.Tensor, token_order: torch.Tensor,

@@ -23,6 +23,9 @@
 #   bash scripts/gpu.sh profile   one step of llama3-8b by kernel kind (GEMMs, attention, the rest) and the
 #                                 GEMMs' rate against the matmul rate of the same run: decode batches of
 #                                 256 and 1,024 and mixed steps, FP8 (then bf16) -> $OUT/profile_*.json
+#   bash scripts/gpu.sh lora      the LoRA GPU tests, tandem.bench.lora_step (llama3-8b, batch 64, base / one
+#                                 adapter / 8 adapters, rank 16 on all seven projections; LORA_DTYPES, default
+#                                 "bf16 fp8"), then 256 streams of 128/128 in FP8, base and over 8 adapters
 set -o pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh || exit 1
@@ -124,6 +127,24 @@ case "${1:-}" in
       rm -f "$OUT/$run/serve_result.json"  # also inside result.json
       echo "== $run (exit $status)"
       python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['serve']['metrics']; print({k: m.get(k) for k in ('completed','failed','output_throughput','duration')})" "$OUT/$run/result.json"
+    done ;;
+  lora)
+    timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels/test_lora.py tests/engine/test_lora_parity.py \
+      -m gpu 2>&1 | tee "$OUT/lora_tests.log" | tail -3
+    for q in ${LORA_DTYPES:-bf16 fp8}; do
+      flags=(); [ "$q" = fp8 ] && flags=(--quantization fp8 --kv-cache-dtype fp8)
+      timeout 150 python3 -m tandem.bench.lora_step --model llama3-8b --batch 64 --adapters 8 "${flags[@]}" \
+        --out "$OUT/lora_step_$q.json" 2>&1 | tee "$OUT/lora_step_$q.log" | grep -E "^lora_step|Error"
+    done
+    for n in ${LORA_SERVE:-0 8}; do
+      mkdir -p "$OUT/lora_c256_$n"
+      timeout 170 python3 -m tandem.bench.cluster_mixed --skip-hf --model-shape llama3-8b \
+        --checkpoint /tmp/tandem-bench-llama3-8b --client-processes "${CLIENTS:-8}" --num-prompts 1024 \
+        --input-len-range 128:128 --output-len 128 --max-concurrency 256 --max-batch-size 256 \
+        --serve-args "--quantization fp8 --kv-cache-dtype fp8 --max-num-tokens 2048" --lora-adapters "$n" \
+        --label "serve_c256_128_128_lora$n" --out "$OUT/lora_c256_$n/result.json" > "$OUT/lora_c256_$n/run.log" 2>&1
+      echo "== c256 over $n adapters (exit $?)"
+      python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['serve']['metrics']; print({k: m.get(k) for k in ('completed','failed','output_throughput')})" "$OUT/lora_c256_$n/result.json"
     done ;;
   *) sed -n 2,20p "$0" >&2; exit 2 ;;
 esac

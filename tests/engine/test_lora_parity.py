@@ -203,8 +203,9 @@ def test_an_adapter_moved_to_another_slot_computes_the_same(setup):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_the_gpu_beside_cuda_graphs(setup):
-    """The Triton LoRA kernels in the engine on a GPU (fp32): the CPU runner's tokens and logits; with
-    CUDA graphs enabled, LoRA steps run eagerly and a base-only decode step still replays a graph."""
+    """The Triton LoRA kernels in the engine on a GPU (fp32), CUDA graphs enabled: the CPU runner's
+    tokens and logits. Decode steps with adapter rows replay the LoRA graphs (engine.cuda_graph),
+    base-only ones the base graphs; a step mixing both equals the CPU's."""
     base, paths = setup
     cpu, gpu = _runner(base, paths), _runner(base, paths, "cuda")
     gpu.enable_cuda_graphs(max_batch_size=8, max_seq_len=64)
@@ -217,6 +218,11 @@ def test_on_the_gpu_beside_cuda_graphs(setup):
         for pos, row in a.logits.items():
             torch.testing.assert_close(b.logits[pos].cpu(), row, rtol=1e-3, atol=1e-3)
     base_rows = [SeqChunk([s.tokens[-1]], len(s.tokens) - 1, s.block_ids) for s in on_gpu if s.adapter is None]
-    lora_row = SeqChunk([3], 5, on_gpu[0].block_ids, lora_slot=gpu.lora.slot_of(on_gpu[0].adapter))
-    assert gpu.graphs.can_run(base_rows) and not gpu.graphs.can_run(base_rows + [lora_row])
-    torch.testing.assert_close(gpu.forward(base_rows).cpu(), cpu.forward(base_rows), rtol=1e-3, atol=1e-3)
+    lora_rows = [SeqChunk([s.tokens[-1]], len(s.tokens) - 1, s.block_ids, lora_slot=gpu.lora.slot_of(s.adapter))
+                 for s in on_gpu if s.adapter is not None]
+    cpu_rows = [SeqChunk([s.tokens[-1]], len(s.tokens) - 1, s.block_ids, lora_slot=cpu.lora.slot_of(s.adapter))
+                for s in on_cpu if s.adapter is not None]
+    assert gpu.graphs.can_run(base_rows) and gpu.graphs.can_run(lora_rows + base_rows)
+    torch.testing.assert_close(gpu.forward(lora_rows + base_rows).cpu(),
+                               cpu.forward(cpu_rows + [SeqChunk(c.token_ids, c.num_computed, c.block_ids)
+                                                       for c in base_rows]), rtol=1e-3, atol=1e-3)

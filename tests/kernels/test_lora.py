@@ -61,6 +61,18 @@ def test_shrink_matches_reference(dtype, K):
     assert torch.equal(got[base], torch.zeros_like(got[base]))
 
 
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_shrink_split_over_k_matches_reference(split_k):
+    """K reduced in ranges apart (a decode step's small grid on a GPU), summed in a fixed order."""
+    x = torch.randn(len(SLOTS), 200, device=DEVICE)
+    a = _stack(3, RANK, 200, RANKS, 1, torch.float32)
+    segments = _segments(SLOTS)
+    got = lora_shrink(x, a, *segments, split_k=split_k)
+    assert got.shape == (len(SLOTS), RANK)
+    assert_close(got, reference.lora_shrink(x, a, *segments), torch.float32)
+    assert torch.equal(lora_shrink(x, a, *segments, split_k=split_k), got)  # the same sum every time
+
+
 def test_shrink_with_a_slot_minus_one_segment_holding_rows():
     """Rows in a segment of slot -1 are the base model's: zero, as rows of no segment."""
     x = torch.randn(4, 32, device=DEVICE)
