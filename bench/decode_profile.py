@@ -58,7 +58,7 @@ def profile_batch(runner, batch: int, context: int = 256) -> dict:
     graphs = runner.graphs
     bucket = next(b for b in graphs.buckets if b >= batch)
     runner.forward(chunks)
-    replay_ms = median_ms(graphs._graphs[bucket].replay, reps=50, warmup=5)
+    replay_ms = median_ms(graphs.graph(bucket).replay, reps=50, warmup=5)
     runner.graphs = None
     try:
         eager_ms = median_ms(lambda: runner.forward(chunks), reps=10, warmup=2)

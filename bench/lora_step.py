@@ -15,6 +15,7 @@ import tempfile
 
 import torch
 
+from tandem.bench.decode_profile import _kernel_table
 from tandem.bench.lora_adapters import write_random_adapters
 from tandem.bench.shapes import hf_config_dict
 from tandem.bench.timing import median_ms
@@ -76,9 +77,18 @@ def main() -> int:
     for case, chunks in cases.items():
         ms = median_ms(lambda: runner.forward(chunks), reps=50, warmup=5)
         base_ms = base_ms or ms
-        result.append(dict(common, case=case, step_ms=ms, ratio_to_base=ms / base_ms))
+        # the kernels' device time, launched one by one (a graph replays the same kernels)
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            kernels = _kernel_table(lambda: runner.forward(chunks))
+        finally:
+            runner.graphs = graphs
+        lora_us = sum(us for name, us in kernels.items() if "lora" in name.lower())
+        result.append(dict(common, case=case, step_ms=ms, ratio_to_base=ms / base_ms, kernels_us=kernels,
+                           kernels_total_us=sum(kernels.values()), lora_kernels_us=lora_us))
         print(f"lora_step {args.model} batch {args.batch} {common['dtype']}: {case}: {ms:.3f} ms "
-              f"({ms / base_ms:.3f}x base)", flush=True)
+              f"({ms / base_ms:.3f}x base); kernels {sum(kernels.values()):.0f} us, of them LoRA {lora_us:.0f} us "
+              f"in {sum(1 for n in kernels if 'lora' in n.lower())} kinds", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

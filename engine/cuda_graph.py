@@ -144,6 +144,10 @@ class DecodeGraphs:
         self.lora_segments.copy_(stage.lora, non_blocking=True)
         return True
 
+    def graph(self, bucket: int, with_lora: bool = False) -> torch.cuda.CUDAGraph:
+        """The captured step of ``bucket`` rows (with_lora: the one adding the adapters' LoRA)."""
+        return self._graphs[bucket, with_lora]
+
     # ---- capture --------------------------------------------------------------------
     def _metadata(self, bucket: int, with_lora: bool = False) -> AttentionMetadata:
         meta = AttentionMetadata(

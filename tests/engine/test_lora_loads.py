@@ -87,3 +87,18 @@ def test_a_worker_serving_no_adapters_refuses_a_request_naming_one(base, adapter
     runner = ModelRunner(base, num_blocks=8, block_size=4)
     serving = AdapterLoads(runner.enable_lora(max_loras=1, max_rank=16))
     assert "lacks" in serving.problem(AdapterRef("a", "", ""))
+
+
+def test_startup_adapters_are_ready_before_the_first_request(base, adapters, tmp_path):
+    """--lora-modules are read at start: a request naming one with its weights runs at once; a
+    broken one is left out (its requests get the reason when they read it)."""
+    runner = ModelRunner(base, num_blocks=8, block_size=4)
+    loads = AdapterLoads(runner.enable_lora(max_loras=2, max_rank=16))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    keys = loads.preload({"a": adapters["a"], "b": adapters["b"], "broken": str(broken)})
+    a, b = _ref(runner, "a", adapters["a"]), _ref(runner, "b", adapters["b"])
+    assert keys == [a.key, b.key]
+    assert loads.ready(a) and loads.ready(b) and loads.num_waiting == 0
+    assert not loads.ready(AdapterRef("a", adapters["a"], "0" * 64))  # other weights: read again
+    loads.close()
