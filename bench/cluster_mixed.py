@@ -174,7 +174,7 @@ def main() -> int:
     torch.cuda.empty_cache()
     serve_args, lora_names = args.serve_args.split(), []
     if args.lora_adapters:
-        from tandem.bench.lora_adapters import write_random_adapters
+        from tandem.bench.random_lora import write_random_adapters
         from tandem.engine.config import ModelConfig
 
         adapters = write_random_adapters(ModelConfig.from_dict(hf_config_dict(name)),

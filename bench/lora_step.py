@@ -16,7 +16,7 @@ import tempfile
 import torch
 
 from tandem.bench.decode_profile import _kernel_table
-from tandem.bench.lora_adapters import write_random_adapters
+from tandem.bench.random_lora import write_random_adapters
 from tandem.bench.shapes import hf_config_dict
 from tandem.bench.timing import median_ms
 

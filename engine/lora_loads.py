@@ -8,9 +8,9 @@ checked; the request waits here (``hold``) and is handed back by ``poll`` once i
 registered with the worker's ``LoraManager`` (whose slots the steps use), or failed with the reason.
 
 The adapters a worker is started with (``--lora-modules``) are read before it serves
-(``preload``), as vLLM loads them at startup: a read on the thread competes for the GIL with a
-busy step loop (on one H200, 2026-12-05, a llama3-8b rank-16 adapter took ~7 s to read beside a
-step loop of 32 rows, 0.15 s alone), and the requests waiting for it would wait that long.
+(``preload``), as vLLM loads them at startup. A read at run time shares the GIL with the step
+loop; the reader takes it back only a few times per adapter (``engine.lora_adapter``), so a read
+beside a busy loop takes about as long as alone.
 
 An adapter is registered under its ``AdapterRef.key``, name and digest together: a name
 unloaded and loaded again with other weights is another adapter, and requests still running

@@ -102,3 +102,36 @@ def test_startup_adapters_are_ready_before_the_first_request(base, adapters, tmp
     assert loads.ready(a) and loads.ready(b) and loads.num_waiting == 0
     assert not loads.ready(AdapterRef("a", adapters["a"], "0" * 64))  # other weights: read again
     loads.close()
+
+
+def test_a_read_beside_a_busy_step_loop_is_not_starved(tmp_path):
+    """A worker reads adapters on a thread while its step loop keeps the GIL busy: the read takes
+    a few GIL hand-overs, not a few per tensor (224 tensors here; read tensor by tensor it took
+    seconds, each hand-over waiting out the busy thread's switch interval)."""
+    import threading
+
+    from tandem.bench.random_lora import write_random_adapter
+    from tandem.bench.shapes import hf_config_dict
+    from tandem.engine.config import ModelConfig
+
+    config = ModelConfig.from_dict(hf_config_dict("llama3.2-1b"))  # 16 layers x 7 projections
+    path = write_random_adapter(config, str(tmp_path / "adapter"), rank=4)
+    idle = load_lora_adapter(path, config, 16)
+    stop = threading.Event()
+
+    def step_loop():  # pure Python: holds the GIL but for the interpreter's switch interval
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    busy = threading.Thread(target=step_loop)
+    busy.start()
+    try:
+        t0 = time.monotonic()
+        again = load_lora_adapter(path, config, 16)
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        busy.join()
+    assert again.digest == idle.digest and len(again.modules) == 16 * 7
+    assert elapsed < 2.0, f"the read took {elapsed:.2f} s beside a busy thread"
