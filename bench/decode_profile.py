@@ -28,7 +28,7 @@ from tandem.bench.engine import build_runner, weight_bytes
 from tandem.bench.timing import ceilings, median_ms
 
 
-def _kernel_table(fn, steps: int = 5) -> dict[str, float]:
+def kernel_table(fn, steps: int = 5) -> dict[str, float]:
     """Kernel name -> device microseconds per call of ``fn``."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -62,7 +62,7 @@ def profile_batch(runner, batch: int, context: int = 256) -> dict:
     runner.graphs = None
     try:
         eager_ms = median_ms(lambda: runner.forward(chunks), reps=10, warmup=2)
-        kernels = _kernel_table(lambda: runner.forward(chunks))
+        kernels = kernel_table(lambda: runner.forward(chunks))
     finally:
         runner.graphs = graphs
     return {"step_ms": step_ms, "replay_ms": replay_ms, "eager_ms": eager_ms, "kernels_us": kernels}
@@ -112,7 +112,7 @@ def profile_mixed(runner, num_decode: int, prompt_len: int, context: int = 256) 
     graphs, runner.graphs = runner.graphs, None
     try:
         ms = median_ms(lambda: runner.forward(chunks), reps=10, warmup=2)
-        kernels = _kernel_table(lambda: runner.forward(chunks), steps=3)
+        kernels = kernel_table(lambda: runner.forward(chunks), steps=3)
     finally:
         runner.graphs = graphs
     return {"ms": ms, "kernels_us": kernels}
@@ -124,7 +124,7 @@ def profile_prefill(runner, prompt_len: int) -> dict:
     blocks = list(range(-(-prompt_len // runner.block_size)))
     chunk = [SeqChunk(list(range(3, prompt_len + 3)), 0, blocks)]
     ms = median_ms(lambda: runner.forward(chunk), reps=5, warmup=2)
-    return {"ms": ms, "kernels_us": _kernel_table(lambda: runner.forward(chunk), steps=3)}
+    return {"ms": ms, "kernels_us": kernel_table(lambda: runner.forward(chunk), steps=3)}
 
 
 def _print_kernels(kernels_us: dict[str, float], top: int = 16, summary: dict | None = None) -> None:

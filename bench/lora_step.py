@@ -15,7 +15,7 @@ import tempfile
 
 import torch
 
-from tandem.bench.decode_profile import _kernel_table
+from tandem.bench.decode_profile import kernel_table
 from tandem.bench.random_lora import write_random_adapters
 from tandem.bench.shapes import hf_config_dict
 from tandem.bench.timing import median_ms
@@ -80,7 +80,7 @@ def main() -> int:
         # the kernels' device time, launched one by one (a graph replays the same kernels)
         graphs, runner.graphs = runner.graphs, None
         try:
-            kernels = _kernel_table(lambda: runner.forward(chunks))
+            kernels = kernel_table(lambda: runner.forward(chunks))
         finally:
             runner.graphs = graphs
         lora_us = sum(us for name, us in kernels.items() if "lora" in name.lower())

@@ -100,9 +100,7 @@ class DecodeWorker:
             policy=settings.capacity_scheduler_policy,
             max_loras=settings.max_loras if self.runner.lora is not None else None,
         )
-        self.lora_loads = AdapterLoads(self.runner.lora)
-        if self.runner.lora is not None:  # --lora-modules: read before serving (engine.lora_loads)
-            self.lora_loads.preload(settings.lora_module_paths())
+        self.lora_loads = AdapterLoads(self.runner.lora, settings.lora_module_paths())  # reads --lora-modules
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)
         self.outbox = Outbox(self.redis)
         self.mailer = Mailer(self.redis)  # aborts for prefill workers, kept across a Redis error

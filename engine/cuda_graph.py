@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.attention import AttentionMetadata, SeqChunk
-from tandem.engine.lora_batch import LoraBatch
+from tandem.engine.lora_batch import LoraBatch, rows_by_slot
 from tandem.engine.lora_weights import PROJECTION_TARGETS
 from tandem.engine.step_tokens import TokenFeed, gather_fed
 
@@ -121,26 +121,16 @@ class DecodeGraphs:
         """Fill the static LoRA segments for ``chunks`` -> whether any row carries an adapter."""
         if self.lora_weights is None or all(c.lora_slot < 0 for c in chunks):
             return False
-        rows_of: dict[int, list[int]] = {}
-        for i, chunk in enumerate(chunks):
-            if chunk.lora_slot >= 0:
-                if chunk.lora_slot >= self.lora_weights.max_loras or not self.lora_weights.occupied(chunk.lora_slot):
-                    raise ValueError(f"LoRA slot {chunk.lora_slot} holds no adapter")
-                rows_of.setdefault(chunk.lora_slot, []).append(i)
+        segments = list(rows_by_slot([(c.lora_slot, 1) for c in chunks], self.lora_weights).items())
         n, num_loras = self.buckets[-1], self.lora_weights.max_loras
         segs = stage.lora_np
         order, starts, slots = segs[:n], segs[n:n + num_loras + 1], segs[n + num_loras + 1:]
-        at = 0
-        starts[0] = 0
-        for k in range(num_loras):
-            if k < len(rows_of):
-                slot, rows = list(rows_of.items())[k]
-                order[at:at + len(rows)] = rows
-                at += len(rows)
-                slots[k] = slot
-            else:
-                slots[k] = -1
-            starts[k + 1] = at
+        starts[0] = at = 0
+        for k in range(num_loras):  # the segments the step has, then empty ones of slot -1
+            slot, rows = segments[k] if k < len(segments) else (-1, [])
+            order[at:at + len(rows)] = rows
+            at += len(rows)
+            slots[k], starts[k + 1] = slot, at
         self.lora_segments.copy_(stage.lora, non_blocking=True)
         return True
 

@@ -218,18 +218,16 @@ def _check_finite(stored: _Stored) -> None:
         else:
             runs.append([dtype, start, end, [name]])
     for dtype, start, end, names in runs:
-        word, mask = _EXPONENT[dtype]
-        bits = numpy.frombuffer(stored.data, dtype=word, count=(end - start) // numpy.dtype(word).itemsize,
-                                offset=start)
-        if ((bits & mask) == mask).any():
-            bad = next(n for n in names if _has_nonfinite(stored, n, word, mask))
+        if _nonfinite(stored.data, dtype, start, end):
+            bad = next(n for n in names if _nonfinite(stored.data, *stored.ranges[n]))
             module = _LORA_TENSOR.match(bad)
             raise AdapterError("file", f"{module['module'] if module else bad}: its weights hold NaN or infinite values")
 
 
-def _has_nonfinite(stored: _Stored, name: str, word: str, mask: int) -> bool:
-    _, start, end = stored.ranges[name]
-    bits = numpy.frombuffer(stored.data, dtype=word, count=(end - start) // numpy.dtype(word).itemsize, offset=start)
+def _nonfinite(data: bytes, dtype: str, start: int, end: int) -> bool:
+    """Whether bytes start..end of ``data``, floats of safetensors type ``dtype``, hold a NaN or infinity."""
+    word, mask = _EXPONENT[dtype]
+    bits = numpy.frombuffer(data, dtype=word, count=(end - start) // numpy.dtype(word).itemsize, offset=start)
     return bool(((bits & mask) == mask).any())
 
 

@@ -40,6 +40,20 @@ class LoraBatch:
                             stack.scales[part])
 
 
+def rows_by_slot(chunk_slots: list[tuple[int, int]], weights: LoraWeights) -> dict[int, list[int]]:
+    """``chunk_slots`` as ``build_lora_batch`` takes them -> each slot a row names: its rows, slots
+    in the order the step first names them. Every slot named must hold an adapter."""
+    rows_of: dict[int, list[int]] = {}
+    row = 0
+    for slot, num_tokens in chunk_slots:
+        if slot >= 0:
+            if slot >= weights.max_loras or not weights.occupied(slot):
+                raise ValueError(f"LoRA slot {slot} holds no adapter")
+            rows_of.setdefault(slot, []).extend(range(row, row + num_tokens))
+        row += num_tokens
+    return rows_of
+
+
 def build_lora_batch(chunk_slots: list[tuple[int, int]], weights: LoraWeights | None,
                      device: torch.device | str) -> LoraBatch | None:
     """``chunk_slots``: (slot, number of new tokens) of each chunk of a step, in the step's order
@@ -49,14 +63,7 @@ def build_lora_batch(chunk_slots: list[tuple[int, int]], weights: LoraWeights | 
         return None
     if weights is None:
         raise ValueError("a chunk carries a LoRA slot but the runner has no LoRA slots (enable_lora)")
-    rows_of: dict[int, list[int]] = {}
-    row = 0
-    for slot, num_tokens in chunk_slots:
-        if slot >= 0:
-            if slot >= weights.max_loras or not weights.occupied(slot):
-                raise ValueError(f"LoRA slot {slot} holds no adapter")
-            rows_of.setdefault(slot, []).extend(range(row, row + num_tokens))
-        row += num_tokens
+    rows_of = rows_by_slot(chunk_slots, weights)
     order, starts = [], [0]
     for rows in rows_of.values():
         order.extend(rows)

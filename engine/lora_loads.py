@@ -58,11 +58,14 @@ class AdapterLoads(Generic[T]):
     """Requests (anything: the worker's records) waiting for their adapter, and the reads under way.
     ``manager`` None: the worker serves no adapters, and every request naming one is refused."""
 
-    def __init__(self, manager: LoraManager | None) -> None:
+    def __init__(self, manager: LoraManager | None, startup: dict[str, str] | None = None) -> None:
+        """``startup``: the adapters the worker was started with (name -> path), read now."""
         self.manager = manager
         self._executor: ThreadPoolExecutor | None = None
         self._reads: dict[str, tuple[AdapterRef, Future]] = {}  # key -> the read under way
         self._waiting: dict[str, list[T]] = {}  # key -> requests waiting for it, in arrival order
+        if manager is not None and startup:
+            self.preload(startup)
 
     def preload(self, modules: dict[str, str]) -> list[str]:
         """Read and register ``modules`` (name -> path) now, each under the key requests naming it

@@ -21,6 +21,8 @@ small), scales, adds to the output in fp32 and rounds once.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -106,12 +108,16 @@ def _check_segments(token_order: torch.Tensor, seg_starts: torch.Tensor, seg_slo
     assert seg_starts.shape == (seg_slots.shape[0] + 1,)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _split_k(x: torch.Tensor, num_programs: int, num_k_blocks: int) -> int:
     """K ranges per program tile: enough programs for two per SM, each at least 4 K blocks."""
     if x.device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return max(1, min(num_k_blocks // 4, (2 * sms) // max(num_programs, 1)))
+    return max(1, min(num_k_blocks // 4, (2 * _num_sms(x.device)) // max(num_programs, 1)))
 
 
 def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,

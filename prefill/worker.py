@@ -84,9 +84,7 @@ class PrefillWorker:
             attention_window=self.runner.config.attention_window(),
             max_loras=settings.max_loras if self.runner.lora is not None else None,
         )
-        self.lora_loads = AdapterLoads(self.runner.lora)
-        if self.runner.lora is not None:  # --lora-modules: read before serving (engine.lora_loads)
-            self.lora_loads.preload(settings.lora_module_paths())
+        self.lora_loads = AdapterLoads(self.runner.lora, settings.lora_module_paths())  # reads --lora-modules
         self.prefix_index = None  # what the decode workers route by
         if settings.enable_prefix_caching:
             self.prefix_index = PrefixIndex(self.redis, self.worker_id, self.prefix_cache,
