@@ -10,7 +10,9 @@ profile of one eager forward grouped by kernel (the same kernels the graph
 replays), each group's time per step and, for the matmuls, the bandwidth they
 reach on their weights. ``--prefill N`` also profiles one N-token prefill forward
 by kernel; ``--mixed D:P`` profiles a colocated worker's mixed step: D decode rows
-and one P-token prompt chunk in one forward. Every profile also sums its kernels by
+and one P-token prompt chunk in one forward, replayed as piecewise graphs
+(``engine.mixed_graph``, as the colocated worker runs it) and eagerly, each with the host's
+part (until the call returns); the kernels are the eager forward's. Every profile also sums its kernels by
 kind (GEMMs, attention, the rest) and gives the GEMMs' rate against the matmul rate
 measured in the same run (FP8 weights: the FP8 rate; else bf16). Prints a table;
 writes the rows as JSON.
@@ -110,12 +112,35 @@ def profile_mixed(runner, num_decode: int, prompt_len: int, context: int = 256) 
     chunks.append(SeqChunk(list(range(3, prompt_len + 3)), 0,
                            list(range(first, first + -(-prompt_len // runner.block_size)))))
     graphs, runner.graphs = runner.graphs, None
+    mixed_graphs = runner.mixed_graphs
+    result = {}
     try:
-        ms = median_ms(lambda: runner.forward(chunks), reps=10, warmup=2)
-        kernels = kernel_table(lambda: runner.forward(chunks), steps=3)
+        if mixed_graphs is not None and mixed_graphs.can_run(chunks):  # as the colocated worker runs it
+            result["graph_ms"] = median_ms(lambda: runner.forward(chunks), reps=10, warmup=2)
+            result["graph_host_ms"] = host_ms(lambda: runner.forward(chunks))
+        runner.mixed_graphs = None
+        result["ms"] = median_ms(lambda: runner.forward(chunks), reps=10, warmup=2)
+        result["host_ms"] = host_ms(lambda: runner.forward(chunks))
+        result["kernels_us"] = kernel_table(lambda: runner.forward(chunks), steps=3)
     finally:
-        runner.graphs = graphs
-    return {"ms": ms, "kernels_us": kernels}
+        runner.graphs, runner.mixed_graphs = graphs, mixed_graphs
+    return result
+
+
+def host_ms(fn, reps: int = 5) -> float:
+    """Median milliseconds until ``fn`` returns, the device idle at the call: the host's part of
+    a step (launches, metadata) when nothing waits for the device."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def profile_prefill(runner, prompt_len: int) -> dict:
@@ -161,6 +186,8 @@ def main() -> int:
     need = max([max(batches) * 288, args.prefill] + [d * 288 + p for d, p in mixed]) + 1024
     runner = build_runner(args.model, num_tokens=need, max_seq_len=1024, max_batch_size=max(batches),
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    if mixed:  # the colocated worker's graphs for steps with prompt chunks
+        runner.enable_mixed_graphs(max(d + p for d, p in mixed))
     config = runner.config
     floor_ms = weight_bytes(runner) / (ceil["hbm_copy_TBps"] * 1e12) * 1e3
     result = {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
@@ -178,7 +205,8 @@ def main() -> int:
         r["summary"] = gemm_summary(r, config, num_decode + prompt_len, num_decode + 1, matmul_tflops)
         result["mixed"][f"{num_decode}:{prompt_len}"] = r
         print(f"\n== {args.model} mixed step, {num_decode} decode rows + a {prompt_len}-token chunk: "
-              f"{r['ms']:.3f} ms, kernels {sum(r['kernels_us'].values()) / 1e3:.3f} ms")
+              f"graphs {r.get('graph_ms', 0):.3f} ms (host {r.get('graph_host_ms', 0):.3f} ms), eager {r['ms']:.3f} ms "
+              f"(host {r['host_ms']:.3f} ms), kernels {sum(r['kernels_us'].values()) / 1e3:.3f} ms")
         _print_kernels(r["kernels_us"], summary=r["summary"])
     if args.prefill:
         r = result["prefill"] = profile_prefill(runner, args.prefill)

@@ -61,7 +61,8 @@ class AttentionMetadata:
 
 
 def build_metadata(seqs: list[SeqChunk], block_size: int, device: torch.device | str) -> AttentionMetadata:
-    """Build the metadata on the host in Python lists, then one copy per tensor to ``device``."""
+    """Build the metadata on the host in Python lists, then one asynchronous copy to ``device``
+    (``upload``)."""
     if not seqs:
         raise ValueError("build_metadata needs at least one sequence")
     query_start_loc = [0]
@@ -72,32 +73,65 @@ def build_metadata(seqs: list[SeqChunk], block_size: int, device: torch.device |
         _check(i, seq, block_size)
         query_start_loc.append(query_start_loc[-1] + len(seq.token_ids))
         seq_lens.append(seq.seq_len)
-        for pos in range(seq.num_computed, seq.seq_len):
-            positions.append(pos)
-            slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+        positions.extend(range(seq.num_computed, seq.seq_len))
+        slots.extend(_slots(seq, block_size))
     max_blocks = max(len(seq.block_ids) for seq in seqs)
-    block_tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in seqs]
+    tables: list[int] = []
+    for seq in seqs:
+        tables.extend(seq.block_ids)
+        tables.extend([0] * (max_blocks - len(seq.block_ids)))
     num_decode = next((i for i, seq in enumerate(seqs) if len(seq.token_ids) != 1), len(seqs))
-    prefill_starts = None
-    if 0 < num_decode < len(seqs):
-        prefill_starts = torch.tensor([q - num_decode for q in query_start_loc[num_decode:]], dtype=torch.int32,
-                                      device=device)
+    mixed = 0 < num_decode < len(seqs)
+    prefill_starts = [q - num_decode for q in query_start_loc[num_decode:]] if mixed else []
+    logits_indices = [end - 1 for end in query_start_loc[1:]]
+    starts, lens, block_tables, slot_mapping, positions_t, logits_t, prefill_t = upload(
+        [query_start_loc, seq_lens, tables, slots, positions, logits_indices, prefill_starts], device)
     return AttentionMetadata(
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        logits_indices=torch.tensor([end - 1 for end in query_start_loc[1:]], dtype=torch.int64, device=device),
+        query_start_loc=starts.to(torch.int32),
+        seq_lens=lens.to(torch.int32),
+        block_tables=block_tables.view(len(seqs), max_blocks).to(torch.int32),
+        slot_mapping=slot_mapping,
+        positions=positions_t,
+        logits_indices=logits_t,
         is_decode=num_decode == len(seqs),
         num_decode=num_decode,
-        prefill_query_start_loc=prefill_starts,
+        prefill_query_start_loc=prefill_t.to(torch.int32) if mixed else None,
     )
 
 
 def build_input_ids(seqs: list[SeqChunk], device: torch.device | str) -> torch.Tensor:
     """-> [T] int64, the new tokens of every sequence, concatenated in order."""
-    return torch.tensor([t for seq in seqs for t in seq.token_ids], dtype=torch.int64, device=device)
+    return upload([[t for seq in seqs for t in seq.token_ids]], device)[0]
+
+
+def upload(rows: list[list[int]], device: torch.device | str) -> list[torch.Tensor]:
+    """Lists of ints -> int64 tensors on ``device``, in one copy. On CUDA the copy is from pinned
+    memory and asynchronous: a copy from pageable memory waits for every kernel already queued on
+    the stream, which would stall a step launched while the previous one runs."""
+    flat = torch.tensor([v for row in rows for v in row], dtype=torch.int64)
+    device = torch.device(device)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it until copied
+    elif device.type != "cpu":
+        flat = flat.to(device)
+    out, at = [], 0
+    for row in rows:
+        out.append(flat[at : at + len(row)])
+        at += len(row)
+    return out
+
+
+def _slots(seq: SeqChunk, block_size: int) -> list[int]:
+    """Where each new token's K/V goes: its block's first slot plus its offset, a block's run at a time."""
+    out: list[int] = []
+    pos, end = seq.num_computed, seq.seq_len
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        n = min(block_size - offset, end - pos)
+        first = seq.block_ids[block] * block_size + offset
+        out.extend(range(first, first + n))
+        pos += n
+    return out
 
 
 def _check(index: int, seq: SeqChunk, block_size: int) -> None:

@@ -77,8 +77,13 @@ class DecoderLayer(nn.Module):
         """-> (the stream after this layer normed by ``next_norm``, the stream). Each residual
         add and the norm after it are fused into the projection before them (kernels.ops)."""
         attn = self._attention(hidden, positions, cos_sin_cache, kv_pool, meta)  # [T, q_size]
-        if meta.lora is not None:
-            return self._after_attention_with_lora(attn, residual, next_norm, meta.lora)
+        return self.after_attention(attn, residual, next_norm, meta.lora)
+
+    def after_attention(self, attn, residual, next_norm, lora: LoraBatch | None = None):
+        """From the attention's output [T, q_size] to (the stream after this layer normed by
+        ``next_norm``, the stream): o_proj, its residual add and norm, the MLP, its add and norm."""
+        if lora is not None:
+            return self._after_attention_with_lora(attn, residual, next_norm, lora)
         hidden, residual = ops.linear_add_rms_norm(attn, projection_weight(self.o_proj), residual,
                                                    self.post_attention_layernorm, self.eps)
         act = ops.gate_up_silu_mul(hidden, projection_weight(self.gate_up_proj))  # [T, intermediate]
@@ -96,46 +101,63 @@ class DecoderLayer(nn.Module):
         lora.add("down_proj", self.layer_idx, act, out)
         return ops.fused_add_rms_norm(out, residual, next_norm, self.eps)
 
-    def _attention(self, hidden, positions, cos_sin_cache, kv_pool: KVCachePool, meta: AttentionMetadata):
+    def project_qkv(self, hidden, lora: LoraBatch | None = None):
+        """-> q [T, Hq, D], k and v [T, Hkv, D] (views of one projection), unrotated."""
         num_tokens = hidden.shape[0]
         qkv = ops.linear(hidden, projection_weight(self.qkv_proj), self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
-        if meta.lora is not None:
-            meta.lora.add("qkv_proj", self.layer_idx, hidden, qkv)
+        if lora is not None:
+            lora.add("qkv_proj", self.layer_idx, hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_q_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return (q.view(num_tokens, self.num_q_heads, self.head_dim),
+                k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))
+
+    def rotary_kv_write(self, q, k, v, positions, cos_sin_cache, kv_pool: KVCachePool, slot_mapping):
+        """-> (q, k) rotated; the rotated k and v written to this layer's cache (slot -1: not written)."""
         k_cache, v_cache = kv_pool.layer(self.layer_idx)
         k_scale, v_scale = kv_pool.layer_scales(self.layer_idx)  # an FP8 pool's; None otherwise
+        return ops.rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def attend(self, q, k, v, kv_pool: KVCachePool, meta: AttentionMetadata, out: torch.Tensor | None = None):
+        """Attention of rotated q (k, v: this forward's own keys and values, already in the cache)
+        -> [T, Hq, D]: decode rows through the decode kernel, prompt chunks through the prefill
+        kernel, a mixed step each part its own. ``out``: written there (and returned)."""
+        k_cache, v_cache = kv_pool.layer(self.layer_idx)
+        k_scale, v_scale = kv_pool.layer_scales(self.layer_idx)
+        if meta.is_decode:
+            result = ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                          self.sliding_window, k_scale, v_scale)
+        elif meta.is_mixed:  # decode rows and prompt chunks in one step: each part its own kernel
+            d = meta.num_decode
+            parts = [
+                ops.decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d],
+                                     self.scale, self.sliding_window, k_scale, v_scale),
+                ops.prefill_attention(q[d:], k_cache, v_cache, meta.block_tables[d:], meta.prefill_query_start_loc,
+                                      meta.seq_lens[d:], self.scale, self.sliding_window, chunk_kv=(k[d:], v[d:]),
+                                      k_scale=k_scale, v_scale=v_scale),
+            ]
+            return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+        else:
+            result = ops.prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                self.scale, self.sliding_window, chunk_kv=(k, v),  # the chunk's keys: contiguous reads
+                k_scale=k_scale, v_scale=v_scale,
+            )
+        return result if out is None else out.copy_(result)
+
+    def _attention(self, hidden, positions, cos_sin_cache, kv_pool: KVCachePool, meta: AttentionMetadata):
+        num_tokens = hidden.shape[0]
+        q, k, v = self.project_qkv(hidden, meta.lora)
         if meta.is_decode and q.is_cuda and ops.fused_decode_rotary(num_tokens):
+            k_cache, v_cache = kv_pool.layer(self.layer_idx)
+            k_scale, v_scale = kv_pool.layer_scales(self.layer_idx)
             out = ops.decode_attention_new_token(
                 q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                 meta.seq_lens, self.scale, self.sliding_window, k_scale, v_scale,
             )
         else:
-            q, k = ops.rotary_kv_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
-                                       k_scale, v_scale)
-            if meta.is_decode:
-                out = ops.decode_attention(
-                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
-                    k_scale, v_scale,
-                )
-            elif meta.is_mixed:  # decode rows and prompt chunks in one step: each part its own kernel
-                d = meta.num_decode
-                out = torch.cat([
-                    ops.decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d], meta.seq_lens[:d],
-                                         self.scale, self.sliding_window, k_scale, v_scale),
-                    ops.prefill_attention(q[d:], k_cache, v_cache, meta.block_tables[d:],
-                                          meta.prefill_query_start_loc, meta.seq_lens[d:], self.scale,
-                                          self.sliding_window, chunk_kv=(k[d:], v[d:]),
-                                          k_scale=k_scale, v_scale=v_scale),
-                ])
-            else:
-                out = ops.prefill_attention(
-                    q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                    self.scale, self.sliding_window, chunk_kv=(k, v),  # the chunk's keys: contiguous reads
-                    k_scale=k_scale, v_scale=v_scale,
-                )
+            q, k = self.rotary_kv_write(q, k, v, positions, cos_sin_cache, kv_pool, meta.slot_mapping)
+            out = self.attend(q, k, v, kv_pool, meta)
         return out.reshape(num_tokens, self.q_size)
 
 

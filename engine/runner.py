@@ -11,7 +11,11 @@ per-layer, per-head scales (``tandem.engine.kv_scales``: the checkpoint's, else 
 LoRA (``enable_lora``): a chunk's ``lora_slot`` names the device slot of its adapter (the
 ``LoraManager``'s ``slots_for`` gives them); rows of several adapters and of the base model mix
 in one forward. Decode steps with adapter rows replay CUDA graphs of their own
-(``engine.cuda_graph``); prompt chunks with adapter rows run eagerly, as all prompt chunks do.
+(``engine.cuda_graph``); steps with prompt chunks and adapter rows run eagerly.
+
+CUDA graphs: decode steps (``enable_cuda_graphs``: whole steps per batch-size bucket) and steps
+with prompt chunks (``enable_mixed_graphs``: per token-count bucket, captured piecewise around
+the attention, which runs eagerly between the pieces); anything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import os
 
 import torch
 
-from tandem.engine.attention import SeqChunk, build_input_ids, build_metadata
+from tandem.engine.attention import SeqChunk, build_input_ids, build_metadata, upload
 from tandem.engine.kv_cache import KVCachePool, resolve_kv_dtype
 from tandem.engine.kv_scales import kv_scales
 from tandem.engine.loader import load_model
@@ -78,6 +82,7 @@ class ModelRunner:
         self.block_size = kv_pool.block_size
         self.num_blocks = kv_pool.num_blocks
         self.graphs = None  # engine.cuda_graph.DecodeGraphs once enable_cuda_graphs() ran
+        self.mixed_graphs = None  # engine.mixed_graph.MixedGraphs once enable_mixed_graphs() ran
         self.lora: LoraManager | None = None  # once enable_lora() ran
 
     def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
@@ -88,7 +93,7 @@ class ModelRunner:
         out their slots."""
         if self.lora is not None:
             raise ValueError("LoRA is already enabled on this runner")
-        if self.graphs is not None:
+        if self.graphs is not None or self.mixed_graphs is not None:
             raise ValueError("enable LoRA before CUDA graphs: the decode graphs capture the adapter slots")
         if weights is None:
             weights = LoraWeights(self.config, max_loras, max_rank, self.dtype, self.device)
@@ -100,6 +105,13 @@ class ModelRunner:
         from tandem.engine.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, max_batch_size, max_seq_len)
+
+    def enable_mixed_graphs(self, max_num_tokens: int) -> None:
+        """Capture steps with prompt chunks (and any decode rows) of up to ``max_num_tokens`` tokens,
+        piecewise around their attention (CUDA only; ``engine.mixed_graph``)."""
+        from tandem.engine.mixed_graph import MixedGraphs
+
+        self.mixed_graphs = MixedGraphs(self, max_num_tokens)
 
     @property
     def max_position(self) -> int:
@@ -117,6 +129,8 @@ class ModelRunner:
         self._check_feed(chunks, feed)
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.forward(chunks, feed)
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(chunks):
+            return self.mixed_graphs.forward(chunks, feed)
         hidden, meta = self._hidden(chunks, feed)
         return self.model.compute_logits(hidden[meta.logits_indices])  # [B, vocab]
 
@@ -153,12 +167,15 @@ class ModelRunner:
         longest = max(chunk.seq_len for chunk in chunks)
         if longest > self.max_position:
             raise ValueError(f"a sequence reaches {longest} tokens, beyond the rotary table's {self.max_position}")
+        return self.model(self.input_ids(chunks, feed), meta.positions, self.kv_pool, meta), meta  # [T, hidden]
+
+    def input_ids(self, chunks: list[SeqChunk], feed: TokenFeed | None) -> torch.Tensor:
+        """-> [T] int64 on the device: the chunks' new tokens, the fed rows' from ``feed``."""
         input_ids = build_input_ids(chunks, self.device)
         if feed is not None:  # the fed rows lead, one token each: row i is token i
-            rows = feed.rows + [-1] * (input_ids.shape[0] - len(feed.rows))
-            src = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            src = upload([feed.rows + [-1] * (input_ids.shape[0] - len(feed.rows))], self.device)[0]
             gather_fed(input_ids, src, feed.tokens)
-        return self.model(input_ids, meta.positions, self.kv_pool, meta), meta  # [T, hidden]
+        return input_ids
 
     def _check_pool(self, pool: KVCachePool, block_size: int) -> None:
         want = (self.config.num_layers, block_size, self.config.num_kv_heads, self.config.head_dim, self.dtype)

@@ -195,6 +195,8 @@ class ColocatedWorker(DecodeWorker):
                                      runner=self.runner, outbox=self.outbox, publish=self._publish)
         # the prefill attention's compilations happen before traffic, not in a first mixed step
         warm_up_prefill(self.runner, self.allocator, settings.max_num_tokens)
+        if self.runner.device.type == "cuda":  # steps with prompt chunks replay graphs, piecewise
+            self.runner.enable_mixed_graphs(settings.max_num_tokens)
 
     def _prompt_rows(self, num_decode: int) -> list[PromptRow]:
         return self.handoffs.rows(num_decode, self.policies.context_chunking_policy)
