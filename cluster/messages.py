@@ -283,6 +283,13 @@ class WorkerInfo:
     heartbeat_ttl_s: float = 0.0  # how long its record lives without a beat (0 unknown)
     heartbeat_interval_s: float = 0.0  # how often it beats (0 unknown)
     liveness_channel: str = ""  # the channel its process stays subscribed to ("" none: tandem.cluster.liveness)
+    # prefill, with --kv-host-cache-gb: its host KV tier (blocks it holds, of how many; running totals)
+    host_tier_blocks: int = 0
+    host_tier_capacity: int = 0
+    host_tier_hits: int = 0  # blocks copied back to the device for a prompt (prefix hits from the host)
+    host_tier_evictions: int = 0  # host blocks dropped for room
+    host_tier_bytes_out: int = 0  # device -> host
+    host_tier_bytes_in: int = 0  # host -> device
     kind: ClassVar[str]
     rules: ClassVar[dict[str, Rule]] = {
         "worker_id": ID, "role": text(choices=("prefill", "decode")), "model": text(), "inbox": text(),
@@ -292,4 +299,6 @@ class WorkerInfo:
         "capacity_scheduler_policy": text(), "max_batch_size": integer(), "max_admitted": integer(), "num_preemptions": integer(),
         "device": text(), "computes_prompts": BOOL, "num_mixed_steps": integer(0), "pid_namespace": integer(), "num_restarts": integer(), "heartbeat_ttl_s": number(),
         "heartbeat_interval_s": number(lo=0.0), "liveness_channel": text(),
+        "host_tier_blocks": integer(0), "host_tier_capacity": integer(0), "host_tier_hits": integer(0),
+        "host_tier_evictions": integer(0), "host_tier_bytes_out": integer(0), "host_tier_bytes_in": integer(0),
     }

@@ -129,6 +129,10 @@ class Settings:
     kv_cache_free_gpu_mem_fraction: float = setting(0.90, POOLS_GROUP, "share of free GPU memory for the KV pool")
     enable_prefix_caching: bool = setting(False, POOLS_GROUP,
                                           "reuse the KV of full prompt blocks a prefill worker computed before")
+    kv_host_cache_gb: float = setting(0.0, POOLS_GROUP, "host memory (GB) under each prefill worker's prefix cache: "
+                                                        "blocks evicted from the device pool are kept there and "
+                                                        "copied back for a later prompt instead of recomputed "
+                                                        "(0: off; needs --enable-prefix-caching)")
     cpu_threads: int = setting(0, POOLS_GROUP, "torch threads of each worker on the CPU (0: tandem serve divides the "
                                                "machine's cores among its workers; a worker alone keeps torch's default)")
     shm_dir: str | None = setting(None, POOLS_GROUP, "where a CPU decode worker keeps its KV pool file, shared memory "

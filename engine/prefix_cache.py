@@ -18,6 +18,11 @@ first. Lifecycle of a block id here::
 
 ``PrefixCache(allocator, enabled=False)`` is a pass-through (no matches, no
 inserts), so the prefill scheduler has one code path either way.
+
+A host tier (``host_tier``: ``engine.host_kv_tier.HostKVTier``, duck-typed here) keeps what the
+device evicts: ``evict`` hands the evicted blocks' hashes and ids to the tier before their ids go
+free, ``match_host`` counts how far a prefix continues there, and ``load_host`` copies such
+blocks into fresh device blocks and caches them as if they had been computed here.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ def num_reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator, *, enabled: bool = True):
+    def __init__(self, allocator: BlockAllocator, *, enabled: bool = True, host_tier=None):
         self.allocator = allocator
+        self.host_tier = host_tier if enabled else None
         self.block_size = allocator.block_size
         self.enabled = enabled
         self._block_of: dict[bytes, int] = {}  # hash -> cached block id
@@ -92,6 +98,20 @@ class PrefixCache:
             block_ids.append(block_id)
         return block_ids
 
+    def match_host(self, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` the host tier holds (0 without one)."""
+        return 0 if self.host_tier is None else self.host_tier.match(hashes)
+
+    def load_host(self, hashes: list[bytes], block_ids: list[int]) -> int:
+        """Copy the host tier's blocks of the leading ``hashes`` into the held fresh ``block_ids`` and
+        cache them; -> how many (fewer when the tier dropped one or one failed its checksum)."""
+        if self.host_tier is None or not hashes:
+            return 0
+        loaded = self.host_tier.load(hashes, block_ids)
+        for block_hash, block_id in zip(hashes[:loaded], block_ids):
+            self.insert(block_hash, block_id)
+        return loaded
+
     def acquire(self, block_ids: list[int]) -> None:
         """Hold cached blocks for a job (from ``match``): they are no longer evictable."""
         for block_id in block_ids:
@@ -111,15 +131,18 @@ class PrefixCache:
 
     def evict(self, num_blocks: int) -> int:
         """Return up to ``num_blocks`` evictable blocks to the free list; how many were."""
-        count = 0
-        while count < num_blocks and self._evictable:
+        evicted = []
+        while len(evicted) < num_blocks and self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             block_hash = self._hash_of.pop(block_id)
             del self._block_of[block_hash]
             self._changes[block_hash] = False
+            evicted.append((block_hash, block_id))
+        if evicted and self.host_tier is not None:
+            self.host_tier.store(evicted)  # before the ids go free: their next owner writes after the copy
+        for _, block_id in evicted:
             self.allocator.free([block_id])
-            count += 1
-        return count
+        return len(evicted)
 
     def clear(self) -> int:
         """Evict every cached block no job holds."""

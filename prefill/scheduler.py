@@ -9,7 +9,8 @@ Prefix caching (``tandem.engine.prefix_cache``): at admission a job takes the ca
 blocks of its longest cached prefix (never the block of its last token, whose
 logits are needed) and starts computing after them (a job computing its prompt
 logprobs takes none: it needs every position's logits); every block that becomes
-full is cached. Sliding window: between chunks, blocks no later query of the
+full is cached. With a host tier under the cache, the prefix may go on in host memory: those
+blocks are copied into the job's fresh blocks and count as cached too. Sliding window: between chunks, blocks no later query of the
 prompt attends to are given back (``release_out_of_window``).
 
 LoRA: the jobs in prefill name at most ``max_loras`` adapters together, so that every forward's
@@ -105,8 +106,14 @@ class PrefillScheduler:
                 break
             self.waiting.pop(i)
             adapters.add(state.lora_key)
-            state.block_ids = cached + self.cache.allocate(num_new)
-            state.num_cached_tokens = state.num_computed = len(cached) * block_size
+            fresh = self.cache.allocate(num_new)
+            # the prefix may go on in the host tier: those blocks are copied in instead of computed
+            after = state.block_hashes[len(cached) : num_reusable_blocks(state.num_prompt_tokens, block_size)]
+            num_host = 0 if state.scores_prompt else self.cache.match_host(after)
+            loaded = self.cache.load_host(after[:num_host], fresh)
+            state.block_ids = cached + fresh
+            state.num_host_cached_tokens = loaded * block_size
+            state.num_cached_tokens = state.num_computed = (len(cached) + loaded) * block_size
             state.status = RequestStatus.PREFILLING
             self.prefilling.append(state)
 

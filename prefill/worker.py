@@ -39,6 +39,7 @@ from tandem.engine.lora_slots import lora_slots
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.warmup import warm_up_prefill
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_transport
+from tandem.engine.host_kv_tier import HostKVTier
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
 from tandem.engine.guide import Guides
@@ -56,6 +57,7 @@ log = structlog.get_logger(__name__)
 class PrefillWorker:
     role = "prefill"
     lora_loads: AdapterLoads = AdapterLoads(None)  # serving no adapters (set at start with --enable-lora)
+    host_tier: HostKVTier | None = None  # blocks the prefix cache evicts, kept in host memory (--kv-host-cache-gb)
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -74,7 +76,10 @@ class PrefillWorker:
                 f"less than --max-seq-len {settings.max_seq_len} (a resumed request can be that long)"
             )
         warm_up_prefill(self.runner, self.allocator, settings.max_num_tokens)
-        self.prefix_cache = PrefixCache(self.allocator, enabled=settings.enable_prefix_caching)
+        if settings.enable_prefix_caching and settings.kv_host_cache_gb > 0:
+            self.host_tier = HostKVTier(self.runner.kv_pool, int(settings.kv_host_cache_gb * 1e9))
+        self.prefix_cache = PrefixCache(self.allocator, enabled=settings.enable_prefix_caching,
+                                        host_tier=self.host_tier)
         self.scheduler = PrefillScheduler(
             self.allocator,
             max_num_tokens=settings.max_num_tokens,
@@ -127,8 +132,12 @@ class PrefillWorker:
         self._accept_deferred()
         if self.prefix_index is not None:
             self.prefix_index.sync()
+        host = {}
+        if self.host_tier is not None:
+            self.host_tier.poll()
+            host = {"host_blocks": len(self.host_tier), "host_hits": self.host_tier.stats.loaded_blocks}
         self.stats.maybe_log(jobs=len(self.scheduler.jobs), transferring=len(self.scheduler.transferring),
-                             free_blocks=self.allocator.num_free)
+                             free_blocks=self.allocator.num_free, **host)
 
     def serve(self, stop) -> None:
         self.heartbeat.start()
@@ -149,7 +158,16 @@ class PrefillWorker:
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting + self.lora_loads.num_waiting,
             device=self._device_identity,
+            **self._host_tier_info(),
         )
+
+    def _host_tier_info(self) -> dict:
+        tier = self.host_tier
+        if tier is None:
+            return {}
+        return {"host_tier_blocks": len(tier), "host_tier_capacity": tier.capacity,
+                "host_tier_hits": tier.stats.loaded_blocks, "host_tier_evictions": tier.stats.evicted_blocks,
+                "host_tier_bytes_out": tier.stats.bytes_out, "host_tier_bytes_in": tier.stats.bytes_in}
 
     # ---- helpers --------------------------------------------------------------------
     def _handle_messages(self, messages: list) -> None:

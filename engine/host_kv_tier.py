@@ -1,0 +1,208 @@
+"""A host-memory tier under a worker's KV pool: prefix blocks evicted from the device live on here.
+
+The prefix cache (``engine.prefix_cache``) names a full prompt block by the hash chained over
+its prefix. When it evicts a cached block from the device pool, the block's K/V (every layer,
+K and V: ``block_bytes``) is copied here under the same hash; a later prompt whose prefix
+continues past the device-cached blocks into host-resident ones gets those copied back into
+fresh device blocks instead of computing them again. The tier is an LRU of its own, in slots of
+one block each: storing into a full tier drops its least recently used block.
+
+On a GPU the tier is one pinned buffer. A store gathers the evicted blocks into one contiguous
+device buffer on the compute stream (the blocks may be reallocated by the next step, which then
+runs after the gather), and a copy stream moves it to the host asynchronously; the compute
+stream never waits for it. A load gathers the host slots into a pinned staging buffer, copies
+it to the device in one transfer on the copy stream, and the compute stream waits for that copy
+before the scatter into the blocks, so no step reads a block before its K/V arrived. On the
+CPU the same code runs with ordinary memory and plain copies.
+
+Each stored block gets a checksum once its copy has landed on the host; a load checks it first,
+and a block that fails (or that the tier dropped meanwhile) is not loaded: the prompt computes
+it and everything after it, as without the tier.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class HostTierStats:
+    """Running totals, for the worker's statistics and registry record."""
+
+    stored_blocks: int = 0  # blocks copied to the host
+    loaded_blocks: int = 0  # blocks copied back (prefix hits from the host)
+    evicted_blocks: int = 0  # host blocks dropped for room
+    bad_blocks: int = 0  # host blocks that failed their checksum when wanted (not loaded)
+    bytes_out: int = 0  # device -> host
+    bytes_in: int = 0  # host -> device
+    load_seconds: float = 0.0  # host time in loads, waits for stores still in flight included
+
+
+class HostKVTier:
+    def __init__(self, kv_pool, capacity_bytes: int):
+        # the pool's bytes: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim * element size]
+        self.kv = kv_pool.kv.view(torch.uint8)
+        shape = (self.kv.shape[0], 2) + tuple(self.kv.shape[3:])  # one block: every layer's K and V
+        self.block_bytes = int(np.prod(shape))
+        self.capacity = int(capacity_bytes // self.block_bytes)
+        if self.capacity < 1:
+            raise ValueError(f"a host KV tier of {capacity_bytes} bytes holds no block of {self.block_bytes} bytes")
+        self.device = self.kv.device
+        self.cuda = self.device.type == "cuda"
+        self.host = torch.empty((self.capacity,) + shape, dtype=torch.uint8, pin_memory=self.cuda)
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
+        self._free = list(range(self.capacity - 1, -1, -1))  # popped from the end: lowest slot first
+        self._checksum: dict[int, int] = {}  # slot -> checksum of its bytes, once they landed
+        self._in_flight: list[tuple[object, list[tuple[int, bytes]]]] = []  # (copy done, its (slot, hash)s)
+        self._copy_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.stats = HostTierStats()
+
+    # ---- lookups ----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._slot_of
+
+    def match(self, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` the tier holds (no side effects)."""
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self._slot_of:
+                break
+            count += 1
+        return count
+
+    # ---- device -> host ---------------------------------------------------------------
+    def store(self, blocks: list[tuple[bytes, int]]) -> int:
+        """Copy evicted device blocks (hash, block id) to the host, dropping least recently used host
+        blocks for room; a hash already here is only touched. -> how many were copied."""
+        todo = []
+        for block_hash, block_id in blocks:
+            if block_hash in self._slot_of:
+                self._slot_of.move_to_end(block_hash)
+            else:
+                todo.append((block_hash, block_id))
+        todo = todo[-self.capacity:]  # more than the tier holds: the last evicted (most recent) win
+        if not todo:
+            return 0
+        slots = []
+        for block_hash, _ in todo:
+            if not self._free:
+                self._drop(next(iter(self._slot_of)))
+                self.stats.evicted_blocks += 1
+            slot = self._free.pop()
+            self._slot_of[block_hash] = slot
+            slots.append(slot)
+        ids = torch.tensor([block_id for _, block_id in todo], device=self.device)
+        gathered = self.kv.index_select(2, ids).movedim(2, 0).contiguous()  # [n, layers, 2, block, heads, bytes]
+        pairs = [(slot, block_hash) for slot, (block_hash, _) in zip(slots, todo)]
+        if self.cuda:  # the gather ran on the compute stream; the copy to the host runs beside it
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                for start, end in _runs(slots):
+                    self.host[slots[start] : slots[start] + end - start].copy_(gathered[start:end], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+            gathered.record_stream(self._copy_stream)
+            self._in_flight.append((done, pairs))
+        else:
+            self.host[torch.tensor(slots)] = gathered
+            self._land(pairs)
+        self.stats.stored_blocks += len(todo)
+        self.stats.bytes_out += len(todo) * self.block_bytes
+        return len(todo)
+
+    def poll(self) -> None:
+        """Seal the stores whose copies have landed (their slots get checksums)."""
+        while self._in_flight and self._in_flight[0][0].query():
+            self._land(self._in_flight.pop(0)[1])
+
+    def _land(self, pairs: list[tuple[int, bytes]]) -> None:
+        for slot, block_hash in pairs:
+            if self._slot_of.get(block_hash) == slot:  # not dropped (and the slot reused) meanwhile
+                self._checksum[slot] = _checksum(self.host[slot])
+
+    # ---- host -> device ---------------------------------------------------------------
+    def load(self, hashes: list[bytes], block_ids: list[int]) -> int:
+        """Copy the host blocks of the leading ``hashes`` into device ``block_ids`` (one each), up to
+        the first the tier no longer holds or whose bytes fail their checksum (that one is dropped).
+        -> how many were loaded; the device blocks hold their K/V for every step launched after."""
+        started = time.perf_counter()
+        slots = []
+        for block_hash in hashes[: len(block_ids)]:
+            slot = self._slot_of.get(block_hash)
+            if slot is None:
+                break
+            if slot not in self._checksum:  # its store is still in flight: wait for it
+                self._wait_for(slot)
+            if _checksum(self.host[slot]) != self._checksum.get(slot):
+                self._drop(block_hash)
+                self.stats.bad_blocks += 1
+                break
+            self._slot_of.move_to_end(block_hash)
+            slots.append(slot)
+        if slots:
+            index = torch.tensor(slots)
+            ids = torch.tensor(block_ids[: len(slots)], device=self.device)
+            if self.cuda:  # one transfer from pinned staging on the copy stream; the step waits for it
+                staging = torch.empty((len(slots),) + tuple(self.host.shape[1:]), dtype=torch.uint8, pin_memory=True)
+                torch.index_select(self.host, 0, index, out=staging)
+                compute = torch.cuda.current_stream(self.device)
+                self._copy_stream.wait_stream(compute)  # the blocks' earlier users are done with them
+                with torch.cuda.stream(self._copy_stream):
+                    blocks = staging.to(self.device, non_blocking=True)
+                compute.wait_stream(self._copy_stream)
+                blocks.record_stream(compute)
+            else:
+                blocks = self.host[index]
+            self.kv.index_copy_(2, ids, blocks.movedim(0, 2))
+        self.stats.loaded_blocks += len(slots)
+        self.stats.bytes_in += len(slots) * self.block_bytes
+        self.stats.load_seconds += time.perf_counter() - started
+        return len(slots)
+
+    def _wait_for(self, slot: int) -> None:
+        while slot not in self._checksum and self._in_flight:
+            done, pairs = self._in_flight.pop(0)
+            done.synchronize()
+            self._land(pairs)
+
+    def _drop(self, block_hash: bytes) -> None:
+        slot = self._slot_of.pop(block_hash)
+        self._checksum.pop(slot, None)
+        self._free.append(slot)
+
+    def drop(self, block_hash: bytes) -> bool:
+        """Forget a block (its slot is reused); False if the tier does not hold it."""
+        if block_hash not in self._slot_of:
+            return False
+        self._drop(block_hash)
+        return True
+
+    def slot(self, block_hash: bytes) -> int | None:
+        """The host slot holding ``block_hash`` (its bytes: ``host[slot]``), if any."""
+        return self._slot_of.get(block_hash)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """(start, end) index ranges of ``slots`` that are consecutive slot numbers: one copy each."""
+    runs, start = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def _checksum(block: torch.Tensor) -> int:
+    """A cheap checksum of a host block's bytes: a sum and an xor of its 64-bit words (its bytes
+    where their count is not a multiple of 8)."""
+    raw = block.reshape(-1).numpy()
+    words = raw.view(np.uint64) if raw.size % 8 == 0 else raw.astype(np.uint64)
+    return int(words.sum(dtype=np.uint64)) ^ (int(np.bitwise_xor.reduce(words)) << 1)

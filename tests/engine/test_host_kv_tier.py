@@ -1,0 +1,128 @@
+"""The host KV tier under the prefix cache (``tandem.engine.host_kv_tier``), on the CPU with a real
+model: blocks the device pool evicts come back byte for byte and give the logits of a full
+recompute; its LRU drops the oldest; a corrupted or dropped host block is recomputed instead of
+loaded; no block leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.cluster.messages import PrefillJob
+from tandem.cluster.request_state import RequestStatus
+from tandem.cluster.sampling import SamplingParams
+from tandem.engine.attention import SeqChunk
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.host_kv_tier import HostKVTier, _runs
+from tandem.engine.prefix_cache import PrefixCache, block_hashes
+from tandem.engine.runner import ModelRunner
+from tandem.prefill.job import PrefillState
+from tandem.prefill.scheduler import PrefillScheduler
+
+BS = 4
+NUM_BLOCKS = 24  # 96 tokens: two 40-token prompts do not fit with a third
+
+
+@pytest.fixture
+def engine(tiny_checkpoints):
+    runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=NUM_BLOCKS, block_size=BS)
+    alloc = BlockAllocator(NUM_BLOCKS, BS)
+    tier = HostKVTier(runner.kv_pool, 64 * _block_bytes(runner))
+    cache = PrefixCache(alloc, host_tier=tier)
+    sched = PrefillScheduler(alloc, max_num_tokens=64, max_batch_size=4, prefix_cache=cache)
+    return runner, alloc, tier, cache, sched
+
+
+def _block_bytes(runner) -> int:
+    kv = runner.kv_pool.kv
+    return kv.shape[0] * 2 * kv[0, 0, 0].numel() * kv.element_size()
+
+
+def _prompt(seed: int, n: int, vocab: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _prefill(runner, sched, rid: str, tokens: list[int]) -> tuple[torch.Tensor, PrefillState]:
+    """Admit and compute a prompt through the scheduler and the model -> (last token's logits, its state)."""
+    state = PrefillState(job=PrefillJob(rid, list(tokens), SamplingParams(0.0), 4, [], {}, "d0"))
+    sched.add(state)
+    logits = None
+    while state.status in (RequestStatus.QUEUED, RequestStatus.PREFILLING):
+        chunks = sched.schedule()
+        assert chunks, "job was not admitted"
+        seqs = [SeqChunk(s.job.prompt_token_ids[s.num_computed : s.num_computed + n], s.num_computed, s.block_ids)
+                for s, n in chunks]
+        out = runner.forward(seqs)
+        for i, (s, n) in enumerate(chunks):
+            if s is state and s.num_computed + n == s.num_prompt_tokens:
+                logits = out[i].clone()
+            sched.on_chunk_done(s, n)
+    sched.finish(state, RequestStatus.FINISHED)
+    return logits, state
+
+
+def test_evicted_prefix_comes_back_from_the_host_with_the_logits_of_a_recompute(engine, tiny_checkpoints):
+    runner, alloc, tier, cache, sched = engine
+    vocab = runner.config.vocab_size
+    a, b, c = (_prompt(seed, 41, vocab) for seed in (1, 2, 3))
+    first, _ = _prefill(runner, sched, "a", a)
+    _prefill(runner, sched, "b", b)
+    _prefill(runner, sched, "c", c)  # the pool is short: a's blocks are evicted to the host
+    hashes = block_hashes(a, BS)
+    on_device = len(cache.match(hashes))  # the pool evicts a sequence's tail first: its head may stay
+    assert on_device < len(hashes) and tier.match(hashes[on_device:]) == len(hashes) - on_device
+    again, state = _prefill(runner, sched, "a2", a)
+    host = len(hashes) - on_device
+    assert state.num_host_cached_tokens == host * BS and state.num_cached_tokens == 40  # the 11th block computed
+    torch.testing.assert_close(again, first, rtol=0, atol=1e-5)
+    assert tier.stats.loaded_blocks == host and tier.stats.bytes_in == host * tier.block_bytes
+    cache.clear()
+    assert alloc.num_free == NUM_BLOCKS  # nothing leaks
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "drop"])
+def test_a_bad_or_dropped_host_block_is_recomputed(engine, fault):
+    runner, alloc, tier, cache, sched = engine
+    vocab = runner.config.vocab_size
+    a = _prompt(1, 41, vocab)
+    first, _ = _prefill(runner, sched, "a", a)
+    for seed in (2, 3):
+        _prefill(runner, sched, f"x{seed}", _prompt(seed, 41, vocab))
+    hashes = block_hashes(a, BS)
+    bad = len(cache.match(hashes)) + 2  # the third block of the prefix's part on the host
+    if fault == "corrupt":
+        tier.host[tier.slot(hashes[bad])].view(-1)[7] ^= 0x5A  # one byte of it
+    else:
+        tier.drop(hashes[bad])
+    again, state = _prefill(runner, sched, "a2", a)
+    assert state.num_host_cached_tokens == 2 * BS  # two blocks from the host, the bad one on recomputed
+    torch.testing.assert_close(again, first, rtol=0, atol=1e-5)
+    assert tier.stats.bad_blocks == (1 if fault == "corrupt" else 0)
+    assert hashes[bad] not in tier
+    cache.clear()
+    assert alloc.num_free == NUM_BLOCKS
+
+
+def test_a_full_tier_drops_its_least_recently_used_blocks(tiny_checkpoints):
+    runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=8, block_size=BS)
+    tier = HostKVTier(runner.kv_pool, 3 * _block_bytes(runner))
+    assert tier.capacity == 3
+    runner.kv_pool.kv.normal_()
+    tier.store([(b"h0", 0), (b"h1", 1), (b"h2", 2)])
+    tier.store([(b"h0", 5)])  # already held: touched, not copied
+    tier.store([(b"h3", 3)])  # full: h1, the least recently used, goes
+    assert b"h1" not in tier and all(h in tier for h in (b"h0", b"h2", b"h3"))
+    assert tier.stats.stored_blocks == 4 and tier.stats.evicted_blocks == 1
+    blocks = runner.kv_pool.kv.clone()
+    assert tier.load([b"h0", b"h2", b"h1"], [6, 7, 4]) == 2  # up to the first it does not hold
+    torch.testing.assert_close(runner.kv_pool.kv[:, :, 6], blocks[:, :, 0], rtol=0, atol=0)
+    torch.testing.assert_close(runner.kv_pool.kv[:, :, 7], blocks[:, :, 2], rtol=0, atol=0)
+    torch.testing.assert_close(runner.kv_pool.kv[:, :, 4], blocks[:, :, 4], rtol=0, atol=0)  # untouched
+
+
+def test_runs_and_a_tier_too_small_for_a_block(tiny_checkpoints):
+    assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3), (3, 5), (5, 6)]
+    assert _runs([]) == []
+    runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=4, block_size=BS)
+    with pytest.raises(ValueError, match="holds no block"):
+        HostKVTier(runner.kv_pool, 16)
