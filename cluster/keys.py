@@ -29,6 +29,11 @@ def prefix_index(worker_id: str) -> str:
     return f"{PREFIX}:prefix:{worker_id}"
 
 
+def prefix_host_index(worker_id: str) -> str:
+    """Set of the chained block hashes a prefill worker's host KV tier holds (``tandem.cluster.prefix_index``)."""
+    return f"{PREFIX}:prefix-host:{worker_id}"
+
+
 
 def gateway_output(gateway_id: str) -> str:
     """A gateway's output stream: TokenBatches for every request it submitted."""

@@ -7,11 +7,16 @@ since the last step travel). The set is bounded by the worker's KV pool and
 expires with the worker: its TTL is the heartbeat TTL, refreshed every
 heartbeat interval, and it is rebuilt whole if it expired meanwhile.
 
+A worker with a host KV tier (``tandem.engine.host_kv_tier``) mirrors the tier's hashes the
+same way into ``tandem:prefix-host:<worker>``.
+
 A decode worker checks a prompt's chain hashes against every live prefill
-worker's set in one pipelined round trip (SMISMEMBER, ``longest_prefixes``)
+worker's sets in one pipelined round trip (SMISMEMBER, ``longest_prefixes``)
 and sends the job to the worker holding the longest prefix, then the least
-loaded, then the next in turn (``choose_prefill_worker``). The index is a
-hint: a block evicted after the check is recomputed.
+loaded, then the next in turn (``choose_prefill_worker``). A prefix counts its
+blocks on the device whole and the blocks it goes on with in host memory at
+``HOST_BLOCK_WEIGHT`` each: they save the compute but cost a copy. The index is
+a hint: a block evicted after the check is recomputed.
 """
 
 from __future__ import annotations
@@ -24,57 +29,75 @@ from tandem.cluster import keys
 from tandem.cluster.messages import WorkerInfo
 
 
-class PrefixIndex:
-    """Prefill side: keeps ``tandem:prefix:<worker_id>`` equal to a ``PrefixCache``'s hashes."""
+HOST_BLOCK_WEIGHT = 0.5  # a block in a worker's host tier, against one on its device
 
-    def __init__(self, client: redis.Redis, worker_id: str, cache, ttl_s: float, refresh_s: float):
+
+class PrefixIndex:
+    """Prefill side: keeps ``tandem:prefix:<worker_id>`` equal to a ``PrefixCache``'s hashes (and
+    ``tandem:prefix-host:<worker_id>`` to its host tier's, with one)."""
+
+    def __init__(self, client: redis.Redis, worker_id: str, cache, ttl_s: float, refresh_s: float, host_tier=None):
         self._client = client
-        self._key = keys.prefix_index(worker_id)
-        self._cache = cache
+        # each source has take_changes(), cached_hashes() and num_cached
+        self._sets = [(keys.prefix_index(worker_id), cache)]
+        if host_tier is not None:
+            self._sets.append((keys.prefix_host_index(worker_id), host_tier))
         self._ttl_ms = int(ttl_s * 1000)
         self._refresh_s = refresh_s
         self._refresh_at = 0.0
 
     def sync(self) -> None:
-        added, removed = self._cache.take_changes()
+        changes = [source.take_changes() for _, source in self._sets]
         now = time.monotonic()
-        if not added and not removed and now < self._refresh_at:
+        if not any(added or removed for added, removed in changes) and now < self._refresh_at:
             return
         pipe = self._client.pipeline(transaction=False)
-        pipe.exists(self._key)
-        if removed:
-            pipe.srem(self._key, *removed)
-        if added:
-            pipe.sadd(self._key, *added)
-        pipe.pexpire(self._key, self._ttl_ms)
-        existed = pipe.execute()[0]
-        if not existed and self._cache.num_cached > len(added):
-            # the set expired (the loop stalled past the TTL): write it whole again
-            pipe.sadd(self._key, *self._cache.cached_hashes())
-            pipe.pexpire(self._key, self._ttl_ms)
-            pipe.execute()
+        for (key, _), (added, removed) in zip(self._sets, changes):
+            pipe.exists(key)
+            if removed:
+                pipe.srem(key, *removed)
+            if added:
+                pipe.sadd(key, *added)
+            pipe.pexpire(key, self._ttl_ms)
+        results = pipe.execute()
+        at = 0
+        for (key, source), (added, removed) in zip(self._sets, changes):
+            existed = results[at]
+            at += 1 + bool(removed) + bool(added) + 1
+            if not existed and source.num_cached > len(added):
+                # the set expired (the loop stalled past the TTL): write it whole again
+                pipe.sadd(key, *source.cached_hashes())
+                pipe.pexpire(key, self._ttl_ms)
+        pipe.execute()
         self._refresh_at = now + self._refresh_s
 
     def delete(self) -> None:
         try:
-            self._client.delete(self._key)
+            self._client.delete(*(key for key, _ in self._sets))
         except redis.RedisError:
             pass
 
 
-def longest_prefixes(client: redis.Redis, worker_ids: list[str], hashes: list[bytes]) -> dict[str, int]:
-    """worker id -> how many leading ``hashes`` its prefix cache holds (one round trip)."""
+def longest_prefixes(client: redis.Redis, worker_ids: list[str], hashes: list[bytes]) -> dict[str, float]:
+    """worker id -> how many leading ``hashes`` it holds (one round trip): its device prefix cache's
+    leading run, plus ``HOST_BLOCK_WEIGHT`` for each block the prefix goes on with in its host tier."""
     if not hashes or not worker_ids:
         return {worker_id: 0 for worker_id in worker_ids}
     pipe = client.pipeline(transaction=False)
     for worker_id in worker_ids:
         pipe.smismember(keys.prefix_index(worker_id), hashes)
+        pipe.smismember(keys.prefix_host_index(worker_id), hashes)
+    results = pipe.execute()
     matches = {}
-    for worker_id, flags in zip(worker_ids, pipe.execute()):
+    for i, worker_id in enumerate(worker_ids):
+        device, host = results[2 * i], results[2 * i + 1]
         count = 0
-        while count < len(flags) and flags[count]:
+        while count < len(device) and device[count]:
             count += 1
-        matches[worker_id] = count
+        more = count
+        while more < len(host) and (host[more] or device[more]):
+            more += 1
+        matches[worker_id] = count + HOST_BLOCK_WEIGHT * (more - count) if more > count else count
     return matches
 
 

@@ -60,6 +60,7 @@ class HostKVTier:
         self._checksum: dict[int, int] = {}  # slot -> checksum of its bytes, once they landed
         self._in_flight: list[tuple[object, list[tuple[int, bytes]]]] = []  # (copy done, its (slot, hash)s)
         self._copy_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._changes: dict[bytes, bool] = {}  # hash -> held now? since take_changes() (the routing index)
         self.stats = HostTierStats()
 
     # ---- lookups ----------------------------------------------------------------------
@@ -68,6 +69,18 @@ class HostKVTier:
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._slot_of
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._slot_of)
+
+    def cached_hashes(self) -> list[bytes]:
+        return list(self._slot_of)
+
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes stored, hashes dropped) since the last call: for the worker's routing index."""
+        changes, self._changes = self._changes, {}
+        return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
 
     def match(self, hashes: list[bytes]) -> int:
         """How many leading ``hashes`` the tier holds (no side effects)."""
@@ -98,6 +111,7 @@ class HostKVTier:
                 self.stats.evicted_blocks += 1
             slot = self._free.pop()
             self._slot_of[block_hash] = slot
+            self._changes[block_hash] = True
             slots.append(slot)
         ids = torch.tensor([block_id for _, block_id in todo], device=self.device)
         gathered = self.kv.index_select(2, ids).movedim(2, 0).contiguous()  # [n, layers, 2, block, heads, bytes]
@@ -175,6 +189,7 @@ class HostKVTier:
 
     def _drop(self, block_hash: bytes) -> None:
         slot = self._slot_of.pop(block_hash)
+        self._changes[block_hash] = False
         self._checksum.pop(slot, None)
         self._free.append(slot)
 

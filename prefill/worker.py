@@ -93,7 +93,7 @@ class PrefillWorker:
         self.prefix_index = None  # what the decode workers route by
         if settings.enable_prefix_caching:
             self.prefix_index = PrefixIndex(self.redis, self.worker_id, self.prefix_cache,
-                                            settings.heartbeat_ttl_s, settings.heartbeat_interval_s)
+                                            settings.heartbeat_ttl_s, settings.heartbeat_interval_s, self.host_tier)
         self.eos_token_ids = self.runner.config.eos_token_ids
         self.guides = Guides(settings.tokenizer or settings.model, self.runner.config.vocab_size, self.eos_token_ids)
         self.inbox = Inbox(self.redis, keys.inbox(self.role, self.worker_id), self.worker_id)

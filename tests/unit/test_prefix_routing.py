@@ -70,3 +70,41 @@ def test_choose_prefers_longest_prefix_then_load_then_takes_turns():
     assert choose_prefill_worker([a, b, c], {"a": 2, "b": 2}, turn=0) is b  # equal prefixes: the load decides
     picks = {choose_prefill_worker([c, b], {}, turn).worker_id for turn in range(4)}
     assert picks == {"b", "c"}  # equal in everything: turns alternate
+
+
+class _Tier:
+    """The host tier's side of the index (take_changes, cached_hashes, num_cached) without torch."""
+
+    def __init__(self, hashes):
+        self.held, self.pending = list(hashes), (list(hashes), [])
+
+    @property
+    def num_cached(self):
+        return len(self.held)
+
+    def cached_hashes(self):
+        return list(self.held)
+
+    def take_changes(self):
+        changes, self.pending = self.pending, ([], [])
+        return changes
+
+
+def test_host_tier_prefixes_count_at_their_weight(client):
+    from tandem.cluster.prefix_index import HOST_BLOCK_WEIGHT
+
+    prompt = list(range(100, 124))  # 6 blocks
+    hashes = block_hashes(prompt, BS)
+    # "dev" holds 2 blocks on its device and blocks 2-5 in its host tier; "host" holds all 6 on its host only
+    dev = PrefixIndex(client, "dev", cache_with(prompt[:8]), 5.0, 1.0, host_tier=_Tier(hashes[2:]))
+    host = PrefixIndex(client, "host", cache_with([]), 5.0, 1.0, host_tier=_Tier(hashes))
+    dev.sync()
+    host.sync()
+    assert client.smembers(keys.prefix_host_index("host")) == set(hashes)
+    scores = longest_prefixes(client, ["dev", "host", "nobody"], hashes)
+    assert scores == {"dev": 2 + 4 * HOST_BLOCK_WEIGHT, "host": 6 * HOST_BLOCK_WEIGHT, "nobody": 0}
+    a, b = worker("dev", load=1), worker("host")
+    assert choose_prefill_worker([a, b], scores, turn=0) is a  # 4 device-equivalent blocks beat 3
+    dev.delete()
+    host.delete()
+    assert not client.exists(keys.prefix_host_index("dev"), keys.prefix_index("dev"))
