@@ -284,6 +284,7 @@ class WorkerInfo:
     heartbeat_interval_s: float = 0.0  # how often it beats (0 unknown)
     liveness_channel: str = ""  # the channel its process stays subscribed to ("" none: tandem.cluster.liveness)
     # prefill, with --kv-host-cache-gb: its host KV tier (blocks it holds, of how many; running totals)
+    prefix_device_hits: int = 0  # prefill: prompt blocks taken from its device prefix cache (running total)
     host_tier_blocks: int = 0
     host_tier_capacity: int = 0
     host_tier_hits: int = 0  # blocks copied back to the device for a prompt (prefix hits from the host)
@@ -299,6 +300,6 @@ class WorkerInfo:
         "capacity_scheduler_policy": text(), "max_batch_size": integer(), "max_admitted": integer(), "num_preemptions": integer(),
         "device": text(), "computes_prompts": BOOL, "num_mixed_steps": integer(0), "pid_namespace": integer(), "num_restarts": integer(), "heartbeat_ttl_s": number(),
         "heartbeat_interval_s": number(lo=0.0), "liveness_channel": text(),
-        "host_tier_blocks": integer(0), "host_tier_capacity": integer(0), "host_tier_hits": integer(0),
+        "prefix_device_hits": integer(0), "host_tier_blocks": integer(0), "host_tier_capacity": integer(0), "host_tier_hits": integer(0),
         "host_tier_evictions": integer(0), "host_tier_bytes_out": integer(0), "host_tier_bytes_in": integer(0),
     }

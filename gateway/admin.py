@@ -135,6 +135,9 @@ def worker_message(worker: WorkerInfo, draining: bool, drained: bool = False):
         block_size=worker.block_size, max_seq_len=worker.max_seq_len, max_batch_size=worker.max_batch_size,
         capacity_scheduler_policy=worker.capacity_scheduler_policy, num_preemptions=worker.num_preemptions,
         device=worker.device, draining=draining, drained=drained, num_restarts=worker.num_restarts,
+        host_tier_blocks=worker.host_tier_blocks, host_tier_capacity=worker.host_tier_capacity,
+        host_tier_hits=worker.host_tier_hits, host_tier_evictions=worker.host_tier_evictions,
+        host_tier_bytes_out=worker.host_tier_bytes_out, host_tier_bytes_in=worker.host_tier_bytes_in,
     )
 
 

@@ -106,6 +106,16 @@ class _WorkerLoadCollector:
                                           labels=["worker"])
         restarts = CounterMetricFamily("tandem_worker_restarts", "Times tandem serve's supervisor restarted a worker",
                                        labels=["worker", "role"])
+        tier_blocks = GaugeMetricFamily("tandem_kv_host_tier_blocks", "KV blocks a prefill worker's host tier holds",
+                                        labels=["worker"])
+        tier_capacity = GaugeMetricFamily("tandem_kv_host_tier_capacity_blocks", "KV blocks its host tier can hold",
+                                          labels=["worker"])
+        tier_hits = CounterMetricFamily("tandem_kv_cache_hit_blocks", "Prompt blocks reused from a KV cache tier",
+                                        labels=["worker", "tier"])
+        tier_evictions = CounterMetricFamily("tandem_kv_host_tier_evictions", "Host tier blocks dropped for room",
+                                             labels=["worker"])
+        tier_bytes = CounterMetricFamily("tandem_kv_host_tier_bytes", "Bytes copied between the device pool and "
+                                         "the host tier (rate(): the throughput)", labels=["worker", "direction"])
         for role, workers in self._snapshot().items():
             for worker in workers:
                 for name, family in families.items():
@@ -113,6 +123,16 @@ class _WorkerLoadCollector:
                 if role == "decode":
                     preemptions.add_metric([worker.worker_id], float(worker.num_preemptions))
                 restarts.add_metric([worker.worker_id, role], float(worker.num_restarts))
+                if role == "prefill" and worker.prefix_device_hits:
+                    tier_hits.add_metric([worker.worker_id, "device"], float(worker.prefix_device_hits))
+                if worker.host_tier_capacity:
+                    tier_blocks.add_metric([worker.worker_id], float(worker.host_tier_blocks))
+                    tier_capacity.add_metric([worker.worker_id], float(worker.host_tier_capacity))
+                    tier_hits.add_metric([worker.worker_id, "host"], float(worker.host_tier_hits))
+                    tier_evictions.add_metric([worker.worker_id], float(worker.host_tier_evictions))
+                    tier_bytes.add_metric([worker.worker_id, "to_host"], float(worker.host_tier_bytes_out))
+                    tier_bytes.add_metric([worker.worker_id, "to_device"], float(worker.host_tier_bytes_in))
+        yield from (tier_blocks, tier_capacity, tier_hits, tier_evictions, tier_bytes)
         yield from families.values()
         yield restarts
         yield preemptions

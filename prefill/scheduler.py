@@ -56,6 +56,7 @@ class PrefillScheduler:
         self.waiting: list[PrefillState] = []  # QUEUED
         self.prefilling: list[PrefillState] = []  # PREFILLING, in admission order
         self.transferring: list[PrefillState] = []  # TRANSFERRING
+        self.num_device_hit_blocks = 0  # prompt blocks taken from the device prefix cache (running total)
 
     def set_policy(self, name: str) -> None:
         """Switch the chunking policy (between forwards: the next chunk is planned under it)."""
@@ -111,6 +112,7 @@ class PrefillScheduler:
             after = state.block_hashes[len(cached) : num_reusable_blocks(state.num_prompt_tokens, block_size)]
             num_host = 0 if state.scores_prompt else self.cache.match_host(after)
             loaded = self.cache.load_host(after[:num_host], fresh)
+            self.num_device_hit_blocks += len(cached)
             state.block_ids = cached + fresh
             state.num_host_cached_tokens = loaded * block_size
             state.num_cached_tokens = state.num_computed = (len(cached) + loaded) * block_size

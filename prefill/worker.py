@@ -158,6 +158,7 @@ class PrefillWorker:
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting + self.lora_loads.num_waiting,
             device=self._device_identity,
+            prefix_device_hits=self.scheduler.num_device_hit_blocks,
             **self._host_tier_info(),
         )
 

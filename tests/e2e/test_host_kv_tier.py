@@ -68,5 +68,8 @@ def test_multi_turn_chats_get_prefix_hits_from_host_memory(tiered_cluster, hf_gr
     info = cluster.worker("prefill", "prefill-0")
     assert info.host_tier_capacity > 0 and info.host_tier_hits > 0, info
     assert info.host_tier_bytes_in > 0 and info.host_tier_bytes_out > 0
+    metrics = httpx.get(f"{cluster.base_url}/metrics").text
+    assert 'tandem_kv_cache_hit_blocks_total{tier="host",worker="prefill-0"}' in metrics
+    assert 'tandem_kv_host_tier_bytes_total{direction="to_device",worker="prefill-0"}' in metrics
     # most later turns reuse the earlier turn's prompt, which the device pool could not keep
     assert sum(1 for n in cached if n > 0) >= len(cached) // 2, cached
