@@ -9,13 +9,14 @@ one block each: storing into a full tier drops its least recently used block.
 
 On a GPU the tier is one pinned buffer. A store gathers the evicted blocks into one contiguous
 device buffer on the compute stream (the blocks may be reallocated by the next step, which then
-runs after the gather), and a copy stream moves it to the host asynchronously; the compute
-stream never waits for it. A load gathers the host slots into a pinned staging buffer, copies
-it to the device in one transfer on the copy stream, and the compute stream waits for that copy
-before the scatter into the blocks, so no step reads a block before its K/V arrived. On the
-CPU the same code runs with ordinary memory and plain copies.
+runs after the gather), and a copy stream moves it to the host asynchronously, one transfer per
+run of consecutive slots; the compute stream never waits for it. A load checks a run of
+consecutive slots, starts its transfer on the copy stream and checks the next meanwhile; the
+compute stream waits for the transfers before the scatter into the blocks, so no step reads a
+block before its K/V arrived. On the CPU the same code runs with ordinary memory and plain copies.
 
-Each stored block gets a checksum once its copy has landed on the host; a load checks it first,
+Each stored block gets a checksum (the wrapping sum of its 64-bit words) once its copy has landed
+on the host; a load checks it first,
 and a block that fails (or that the tier dropped meanwhile) is not loaded: the prompt computes
 it and everything after it, as without the tier.
 """
@@ -56,6 +57,7 @@ class HostKVTier:
         self.cuda = self.device.type == "cuda"
         self.host = torch.empty((self.capacity,) + shape, dtype=torch.uint8, pin_memory=self.cuda)
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
+        self._hash_in: dict[int, bytes] = {}  # slot -> hash
         self._free = list(range(self.capacity - 1, -1, -1))  # popped from the end: lowest slot first
         self._checksum: dict[int, int] = {}  # slot -> checksum of its bytes, once they landed
         self._in_flight: list[tuple[object, list[tuple[int, bytes]]]] = []  # (copy done, its (slot, hash)s)
@@ -111,6 +113,7 @@ class HostKVTier:
                 self.stats.evicted_blocks += 1
             slot = self._free.pop()
             self._slot_of[block_hash] = slot
+            self._hash_in[slot] = block_hash
             self._changes[block_hash] = True
             slots.append(slot)
         ids = torch.tensor([block_id for _, block_id in todo], device=self.device)
@@ -138,9 +141,10 @@ class HostKVTier:
             self._land(self._in_flight.pop(0)[1])
 
     def _land(self, pairs: list[tuple[int, bytes]]) -> None:
-        for slot, block_hash in pairs:
-            if self._slot_of.get(block_hash) == slot:  # not dropped (and the slot reused) meanwhile
-                self._checksum[slot] = _checksum(self.host[slot])
+        live = [slot for slot, block_hash in pairs if self._slot_of.get(block_hash) == slot]  # not dropped meanwhile
+        for start, end in _runs(live):
+            sums = _checksums(self.host[live[start] : live[start] + end - start])
+            self._checksum.update(zip(live[start:end], sums))
 
     # ---- host -> device ---------------------------------------------------------------
     def load(self, hashes: list[bytes], block_ids: list[int]) -> int:
@@ -155,31 +159,42 @@ class HostKVTier:
                 break
             if slot not in self._checksum:  # its store is still in flight: wait for it
                 self._wait_for(slot)
-            if _checksum(self.host[slot]) != self._checksum.get(slot):
-                self._drop(block_hash)
+            slots.append(slot)
+        good, parts = [], []
+        if self.cuda:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks' users are done
+        for start, end in _runs(slots):  # check a run, start its copy, check the next meanwhile
+            run = self.host[slots[start] : slots[start] + end - start]
+            sums = _checksums(run)
+            bad = next((i for i, value in enumerate(sums) if value != self._checksum.get(slots[start + i])), None)
+            if bad is not None:
+                run = run[:bad]
+            if len(run):
+                if self.cuda:
+                    with torch.cuda.stream(self._copy_stream):
+                        parts.append(run.to(self.device, non_blocking=True))
+                else:
+                    parts.append(run)
+                good += slots[start : start + len(run)]
+            if bad is not None:
+                self._drop(self._hash_in[slots[start + bad]])
                 self.stats.bad_blocks += 1
                 break
-            self._slot_of.move_to_end(block_hash)
-            slots.append(slot)
-        if slots:
-            index = torch.tensor(slots)
-            ids = torch.tensor(block_ids[: len(slots)], device=self.device)
-            if self.cuda:  # one transfer from pinned staging on the copy stream; the step waits for it
-                staging = torch.empty((len(slots),) + tuple(self.host.shape[1:]), dtype=torch.uint8, pin_memory=True)
-                torch.index_select(self.host, 0, index, out=staging)
+        for slot in good:
+            self._slot_of.move_to_end(self._hash_in[slot])
+        if parts:
+            ids = torch.tensor(block_ids[: len(good)], device=self.device)
+            if self.cuda:
                 compute = torch.cuda.current_stream(self.device)
-                self._copy_stream.wait_stream(compute)  # the blocks' earlier users are done with them
-                with torch.cuda.stream(self._copy_stream):
-                    blocks = staging.to(self.device, non_blocking=True)
                 compute.wait_stream(self._copy_stream)
-                blocks.record_stream(compute)
-            else:
-                blocks = self.host[index]
+                for part in parts:
+                    part.record_stream(compute)
+            blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
             self.kv.index_copy_(2, ids, blocks.movedim(0, 2))
-        self.stats.loaded_blocks += len(slots)
-        self.stats.bytes_in += len(slots) * self.block_bytes
+        self.stats.loaded_blocks += len(good)
+        self.stats.bytes_in += len(good) * self.block_bytes
         self.stats.load_seconds += time.perf_counter() - started
-        return len(slots)
+        return len(good)
 
     def _wait_for(self, slot: int) -> None:
         while slot not in self._checksum and self._in_flight:
@@ -189,6 +204,7 @@ class HostKVTier:
 
     def _drop(self, block_hash: bytes) -> None:
         slot = self._slot_of.pop(block_hash)
+        del self._hash_in[slot]
         self._changes[block_hash] = False
         self._checksum.pop(slot, None)
         self._free.append(slot)
@@ -215,9 +231,10 @@ def _runs(slots: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _checksum(block: torch.Tensor) -> int:
-    """A cheap checksum of a host block's bytes: a sum and an xor of its 64-bit words (its bytes
-    where their count is not a multiple of 8)."""
-    raw = block.reshape(-1).numpy()
-    words = raw.view(np.uint64) if raw.size % 8 == 0 else raw.astype(np.uint64)
-    return int(words.sum(dtype=np.uint64)) ^ (int(np.bitwise_xor.reduce(words)) << 1)
+def _checksums(blocks: torch.Tensor) -> list[int]:
+    """A checksum of each host block's bytes: the wrapping sum of its 64-bit words (torch's CPU
+    reduction, on the worker's threads); any single changed byte changes it."""
+    words = blocks.reshape(blocks.shape[0], -1)
+    if words.shape[1] % 8 == 0:
+        return words.view(torch.int64).sum(dim=1).tolist()
+    return words.to(torch.int64).sum(dim=1).tolist()
