@@ -23,6 +23,8 @@
 #   bash scripts/gpu.sh profile   one step of llama3-8b by kernel kind (GEMMs, attention, the rest) and the
 #                                 GEMMs' rate against the matmul rate of the same run: decode batches of
 #                                 256 and 1,024 and mixed steps, FP8 (then bf16) -> $OUT/profile_*.json
+#   bash scripts/gpu.sh host-tier the host KV tier's GPU test paths and its copies against the link
+#                                 (tandem.bench.host_tier, bf16 and FP8 KV) -> $OUT/host_tier_*.json
 #   bash scripts/gpu.sh lora      the LoRA GPU tests, tandem.bench.lora_step (llama3-8b, batch 64, base / one
 #                                 adapter / 8 adapters, rank 16 on all seven projections; LORA_DTYPES, default
 #                                 "bf16 fp8"), then 256 streams of 128/128 in FP8, base and over 8 adapters
@@ -127,6 +129,11 @@ case "${1:-}" in
       rm -f "$OUT/$run/serve_result.json"  # also inside result.json
       echo "== $run (exit $status)"
       python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['serve']['metrics']; print({k: m.get(k) for k in ('completed','failed','output_throughput','duration')})" "$OUT/$run/result.json"
+    done ;;
+  host-tier)
+    for q in bf16 fp8; do
+      timeout 120 python3 -m tandem.bench.host_tier --kv-dtype $q --out "$OUT/host_tier_$q.json" 2>&1 \
+        | tee "$OUT/host_tier_$q.log" | grep -E "GBps|fraction|equal|Error"
     done ;;
   lora)
     timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels/test_lora.py tests/engine/test_lora_parity.py \

@@ -126,3 +126,31 @@ def test_runs_and_a_tier_too_small_for_a_block(tiny_checkpoints):
     runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=4, block_size=BS)
     with pytest.raises(ValueError, match="holds no block"):
         HostKVTier(runner.kv_pool, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_on_the_gpu_blocks_come_back_byte_for_byte_and_prefixes_give_the_same_logits(tiny_checkpoints,
+                                                                                     kv_cache_dtype):
+    runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=NUM_BLOCKS, block_size=BS, device="cuda",
+                         kv_cache_dtype=kv_cache_dtype)
+    alloc = BlockAllocator(NUM_BLOCKS, BS)
+    tier = HostKVTier(runner.kv_pool, 64 * _block_bytes(runner))
+    cache = PrefixCache(alloc, host_tier=tier)
+    sched = PrefillScheduler(alloc, max_num_tokens=64, max_batch_size=4, prefix_cache=cache)
+    vocab = runner.config.vocab_size
+    a = _prompt(1, 41, vocab)
+    first, _ = _prefill(runner, sched, "a", a)
+    for seed in (2, 3):
+        _prefill(runner, sched, f"x{seed}", _prompt(seed, 41, vocab))
+    again, state = _prefill(runner, sched, "a2", a)  # the stores may still be in flight: the load waits
+    assert state.num_host_cached_tokens > 0
+    torch.testing.assert_close(again, first, rtol=0, atol=1e-4)
+    raw = runner.kv_pool.kv.view(torch.uint8)
+    raw[:, :, :4].random_(0, 256)
+    before = raw[:, :, :4].clone()
+    tier.store([(b"r0", 0), (b"r1", 1), (b"r2", 2), (b"r3", 3)])
+    assert tier.load([b"r0", b"r1", b"r2", b"r3"], [20, 21, 22, 23]) == 4  # straight after the store
+    torch.cuda.synchronize()
+    assert torch.equal(raw[:, :, 20:24], before)
