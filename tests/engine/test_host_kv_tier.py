@@ -141,7 +141,11 @@ def test_on_the_gpu_blocks_come_back_byte_for_byte_and_prefixes_give_the_same_lo
     sched = PrefillScheduler(alloc, max_num_tokens=64, max_batch_size=4, prefix_cache=cache)
     vocab = runner.config.vocab_size
     a = _prompt(1, 41, vocab)
-    first, _ = _prefill(runner, sched, "a", a)
+    _prefill(runner, sched, "a", a)
+    # the reference reads the prefix from the cache too: a computed chunk attends to its own keys
+    # unquantized, a cached prefix to the FP8 codes the pool holds
+    first, state = _prefill(runner, sched, "a1", a)
+    assert state.num_cached_tokens == 40 and state.num_host_cached_tokens == 0
     for seed in (2, 3):
         _prefill(runner, sched, f"x{seed}", _prompt(seed, 41, vocab))
     again, state = _prefill(runner, sched, "a2", a)  # the stores may still be in flight: the load waits

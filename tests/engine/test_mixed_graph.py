@@ -13,7 +13,7 @@ from tandem.engine.runner import ModelRunner
 from tandem.engine.step_tokens import StepTokens, TokenFeed
 
 BLOCK = 8
-BLOCKS_PER_SEQ = 40  # 320 tokens a sequence
+BLOCKS_PER_SEQ = 52  # 416 tokens a sequence
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -64,8 +64,11 @@ def test_graph_steps_equal_eager_steps(tiny_checkpoints, kv_cache_dtype, fed):
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     kv = runner.kv_pool.kv.float()
-    # every block the steps wrote holds the same K/V; the padded rows (slot -1) wrote nothing
-    torch.testing.assert_close(kv[:, :, eager_blocks], kv[:, :, graph_blocks], rtol=0, atol=1e-4)
+    # every block the steps wrote holds the same K/V; the padded rows (slot -1) wrote nothing. The
+    # GEMMs of a padded bucket may round differently in the last bit, which can move an FP8 code by
+    # one step (an eighth of its value, E4M3) where a value sits on a rounding boundary
+    tolerance = {"rtol": 0, "atol": 1e-4} if kv_cache_dtype == "auto" else {"rtol": 0.125, "atol": 1e-3}
+    torch.testing.assert_close(kv[:, :, eager_blocks], kv[:, :, graph_blocks], **tolerance)
 
 
 @pytest.mark.gpu
