@@ -123,6 +123,7 @@ def test_a_full_tier_drops_its_least_recently_used_blocks(tiny_checkpoints):
 def test_runs_and_a_tier_too_small_for_a_block(tiny_checkpoints):
     assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3), (3, 5), (5, 6)]
     assert _runs([]) == []
+    assert _runs(list(range(5)), 2) == [(0, 2), (2, 4), (4, 5)]
     runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=4, block_size=BS)
     with pytest.raises(ValueError, match="holds no block"):
         HostKVTier(runner.kv_pool, 16)
