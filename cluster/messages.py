@@ -275,6 +275,8 @@ class WorkerInfo:
     max_batch_size: int = 0  # decode: most requests in one step's batch (0: no limit)
     max_admitted: int = 0  # decode: most requests it holds admitted, running and waiting (0: max_batch_size)
     num_preemptions: int = 0  # decode: requests paused since it started (monotonic)
+    num_swaps_out: int = 0  # decode, with a host KV tier: paused requests whose KV went to host memory
+    num_swaps_in: int = 0  # decode: paused requests resumed from host memory, with no prefill
     device: str = ""  # what it computes on, the same string for the same GPU in any process ("" unknown)
     computes_prompts: bool = False  # decode: runs both pools (tandem.colocated), needs no prefill worker
     num_mixed_steps: int = 0  # decode, computing its prompts: steps that carried decode rows and prompt chunks
@@ -297,7 +299,7 @@ class WorkerInfo:
         "pid": integer(), "host": text(), "started_at": number(), "heartbeat_at": number(),
         "num_total_blocks": integer(), "num_free_blocks": integer(), "num_running": integer(),
         "num_waiting": integer(), "block_size": integer(1), "max_seq_len": integer(), "kv_endpoint": STR_MAP,
-        "capacity_scheduler_policy": text(), "max_batch_size": integer(), "max_admitted": integer(), "num_preemptions": integer(),
+        "capacity_scheduler_policy": text(), "max_batch_size": integer(), "max_admitted": integer(), "num_preemptions": integer(), "num_swaps_out": integer(0), "num_swaps_in": integer(0),
         "device": text(), "computes_prompts": BOOL, "num_mixed_steps": integer(0), "pid_namespace": integer(), "num_restarts": integer(), "heartbeat_ttl_s": number(),
         "heartbeat_interval_s": number(lo=0.0), "liveness_channel": text(),
         "prefix_device_hits": integer(0), "host_tier_blocks": integer(0), "host_tier_capacity": integer(0), "host_tier_hits": integer(0),

@@ -129,10 +129,11 @@ class Settings:
     kv_cache_free_gpu_mem_fraction: float = setting(0.90, POOLS_GROUP, "share of free GPU memory for the KV pool")
     enable_prefix_caching: bool = setting(False, POOLS_GROUP,
                                           "reuse the KV of full prompt blocks a prefill worker computed before")
-    kv_host_cache_gb: float = setting(0.0, POOLS_GROUP, "host memory (GB) under each prefill worker's prefix cache: "
-                                                        "blocks evicted from the device pool are kept there and "
-                                                        "copied back for a later prompt instead of recomputed "
-                                                        "(0: off; needs --enable-prefix-caching)")
+    kv_host_cache_gb: float = setting(0.0, POOLS_GROUP, "host memory (GB) per worker for KV blocks: a prefill "
+                                                        "worker's prefix cache keeps the blocks it evicts there (with "
+                                                        "--enable-prefix-caching) and copies them back for a later "
+                                                        "prompt; a decode worker keeps a preempted request's blocks "
+                                                        "there and resumes it without a prefill (0: off)")
     cpu_threads: int = setting(0, POOLS_GROUP, "torch threads of each worker on the CPU (0: tandem serve divides the "
                                                "machine's cores among its workers; a worker alone keeps torch's default)")
     shm_dir: str | None = setting(None, POOLS_GROUP, "where a CPU decode worker keeps its KV pool file, shared memory "

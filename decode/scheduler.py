@@ -54,8 +54,12 @@ class DecodeScheduler:
         attention_window: int | None = None,
         policy: str = GUARANTEED_NO_EVICT,
         max_loras: int | None = None,
+        swap=None,
     ):
+        """``swap``: a ``decode.swap.SwapSpace`` (a paused request's KV waits in host memory), or None."""
         self.allocator = allocator
+        # no swap with a sliding window: a paused request's released blocks hold no KV to keep
+        self.swap = swap if not attention_window else None
         self.max_loras = max_loras  # LoRA adapters the admitted requests may name together (None: any)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -128,6 +132,9 @@ class DecodeScheduler:
             self.waiting.pop(i)
             self.reserve(request)
             adapters.add(request.lora_key)
+            if request.is_resuming and self.swap is not None and self.swap.restore(request):
+                self.on_prefill_done(request, None, None)  # its KV is back: it decodes on, no prefill
+                continue
             started.append(request)
         return started
 
@@ -207,8 +214,11 @@ class DecodeScheduler:
         self.allocator.append(request.block_ids, request.num_scheduled_tokens)
 
     def pause(self, request: DecodeRequest) -> None:
-        """Preempt a running request: its blocks go back; its KV is recomputed when it resumes."""
+        """Preempt a running request: its blocks go back; its KV is recomputed when it resumes, or
+        with a swap space copied to host memory now and back then."""
         self.running.remove(request)
+        if self.swap is not None:
+            self.swap.save(request)  # its KV to host memory first: the blocks are free after
         self._free_blocks(request)
         request.status = RequestStatus.PAUSED
         request.num_pending = 0  # a token still on the device is dropped: the resume recomputes it
@@ -319,6 +329,8 @@ class DecodeScheduler:
         request.block_ids, request.spare_block_ids, request.num_released_blocks = [], [], 0
 
     def _end(self, request: DecodeRequest, status: RequestStatus, reason: str) -> None:
+        if self.swap is not None:
+            self.swap.discard(request.request_id)
         request.status = status
         request.finish_reason = reason
         self._free_blocks(request)

@@ -34,8 +34,10 @@ from tandem.decode.device_steps import DeviceStep, DeviceSteps, PromptRow, run_a
 from tandem.decode.handoffs import PrefillHandoffs
 from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
+from tandem.decode.swap import SwapSpace
 from tandem.engine.block_allocator import BlockAllocator, blocks_for
 from tandem.engine.guide import Guides
+from tandem.engine.host_kv_tier import HostKVTier
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.kvtransfer import get_transport
@@ -80,6 +82,13 @@ class DecodeWorker:
             self.runner.kv_pool.close()  # a start that fails leaves no pool file behind
             raise
 
+    def _swap_space(self, settings: Settings) -> SwapSpace | None:
+        """With --kv-host-cache-gb: host memory a paused request's KV waits in (``decode.swap``)."""
+        if settings.kv_host_cache_gb <= 0:
+            return None
+        tier = HostKVTier(self.runner.kv_pool, int(settings.kv_host_cache_gb * 1e9))
+        return SwapSpace(tier, settings.tokens_per_block)
+
     def _set_up(self, settings: Settings) -> None:
         if self.runner.device.type == "cuda":
             self.runner.enable_cuda_graphs(settings.max_batch_size, settings.max_seq_len)
@@ -98,6 +107,7 @@ class DecodeWorker:
             eos_token_ids=self.runner.config.eos_token_ids,
             attention_window=self.runner.config.attention_window(),
             policy=settings.capacity_scheduler_policy,
+            swap=self._swap_space(settings),
             max_loras=settings.max_loras if self.runner.lora is not None else None,
         )
         self.lora_loads = AdapterLoads(self.runner.lora, settings.lora_module_paths())  # reads --lora-modules
@@ -215,6 +225,8 @@ class DecodeWorker:
             max_batch_size=self.settings.max_batch_size,
             max_admitted=ADMITTED_BATCHES * self.settings.max_batch_size,
             num_preemptions=self.scheduler.num_preemptions,
+            num_swaps_out=0 if self.scheduler.swap is None else self.scheduler.swap.num_swapped_out,
+            num_swaps_in=0 if self.scheduler.swap is None else self.scheduler.swap.num_swapped_in,
             device=self._device_identity,
             computes_prompts=self.computes_prompts,
             num_mixed_steps=self.num_mixed_steps,

@@ -103,7 +103,7 @@ def _valid_values():
         "max_batch_size": st.integers(0, 8), "max_admitted": st.integers(0, 16), "num_preemptions": st.integers(0, 3), "device": st.just("cpu"),
         "computes_prompts": st.booleans(), "num_mixed_steps": st.integers(0, 9), "pid_namespace": st.integers(0, 10), "num_restarts": st.integers(0, 5),
         "heartbeat_ttl_s": st.floats(0, 10), "heartbeat_interval_s": st.floats(0, 5), "liveness_channel": st.text(max_size=40),
-        **{name: st.integers(0, 1 << 40) for name in ("prefix_device_hits", "host_tier_blocks", "host_tier_capacity", "host_tier_hits",
+        **{name: st.integers(0, 1 << 40) for name in ("num_swaps_out", "num_swaps_in", "prefix_device_hits", "host_tier_blocks", "host_tier_capacity", "host_tier_hits",
                                                        "host_tier_evictions", "host_tier_bytes_out", "host_tier_bytes_in")},
     }
 
