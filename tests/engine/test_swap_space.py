@@ -5,6 +5,7 @@ paused request leaves nothing in the tier."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tandem.cluster.messages import GenerateRequest
@@ -20,8 +21,12 @@ from tandem.engine.kv_cache import KVCachePool
 BS = 4
 
 
-def _setup(num_blocks=12):
-    pool = KVCachePool(2, num_blocks, BS, 2, 8, torch.float32)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+def _setup(num_blocks=12, device="cpu"):
+    pool = KVCachePool(2, num_blocks, BS, 2, 8, torch.float32, device)
     pool.kv.normal_()
     tier = HostKVTier(pool, 1 << 20)
     alloc = BlockAllocator(num_blocks, BS)
@@ -38,8 +43,9 @@ def _running(sched, rid: str, prompt_len: int = 9) -> DecodeRequest:
     return request
 
 
-def test_a_paused_request_resumes_from_host_memory_without_a_prefill():
-    pool, tier, alloc, sched = _setup()
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_paused_request_resumes_from_host_memory_without_a_prefill(device):
+    pool, tier, alloc, sched = _setup(device=device)
     request = _running(sched, "a")  # 10 tokens: its KV (9 tokens) fills blocks 0-2
     kv = pool.kv[:, :, request.block_ids[:3]].clone()
     sched.pause(request)
