@@ -79,11 +79,20 @@ def _streams(cluster) -> list[Stream]:
     return streams
 
 
+class _Idle:
+    num_running = 0
+
+
 def _kill_mid_prefill(cluster, streams) -> float:
-    """SIGKILL prefill-0 once the first stream has its first token (the other prompts are being
-    computed); -> when (monotonic)."""
+    """SIGKILL prefill-0 once the first stream has its first token and prefill-0 reports jobs in
+    hand (the other prompts are being computed); -> when (monotonic)."""
     deadline = time.monotonic() + 60
     while not any(s.token_ids for s in streams):
+        assert time.monotonic() < deadline and not any(s.error for s in streams), cluster.logs()
+        time.sleep(0.002)
+    # and prefill-0 holds jobs (its record, a heartbeat old): on a loaded machine the prompts it
+    # had may all be done by the first token while others still wait for the second worker
+    while not (cluster.worker("prefill", "prefill-0") or _Idle).num_running:
         assert time.monotonic() < deadline and not any(s.error for s in streams), cluster.logs()
         time.sleep(0.002)
     cluster.procs["prefill-0"].send_signal(signal.SIGKILL)
