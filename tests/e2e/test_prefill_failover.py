@@ -83,16 +83,16 @@ class _Idle:
     num_running = 0
 
 
-def _kill_mid_prefill(cluster, streams) -> float:
-    """SIGKILL prefill-0 once the first stream has its first token and prefill-0 reports jobs in
-    hand (the other prompts are being computed); -> when (monotonic)."""
+def _kill_mid_prefill(cluster, streams, holding: bool = False) -> float:
+    """SIGKILL prefill-0 once the first stream has its first token (the other prompts are being
+    computed) and, with ``holding``, prefill-0 reports jobs in hand; -> when (monotonic)."""
     deadline = time.monotonic() + 60
     while not any(s.token_ids for s in streams):
         assert time.monotonic() < deadline and not any(s.error for s in streams), cluster.logs()
         time.sleep(0.002)
     # and prefill-0 holds jobs (its record, a heartbeat old): on a loaded machine the prompts it
     # had may all be done by the first token while others still wait for the second worker
-    while not (cluster.worker("prefill", "prefill-0") or _Idle).num_running:
+    while holding and not (cluster.worker("prefill", "prefill-0") or _Idle).num_running:
         assert time.monotonic() < deadline and not any(s.error for s in streams), cluster.logs()
         time.sleep(0.002)
     cluster.procs["prefill-0"].send_signal(signal.SIGKILL)
@@ -117,7 +117,7 @@ def _finish(cluster, streams, hf_greedy) -> None:
 def test_with_another_prefill_worker_every_stream_goes_on_within_2_s_of_the_kill(separate_services, hf_greedy):
     cluster = separate_services(2)
     streams = _streams(cluster)
-    killed_at = _kill_mid_prefill(cluster, streams)
+    killed_at = _kill_mid_prefill(cluster, streams, holding=True)
     waiting = sum(not s.token_ids for s in streams)
     for stream in streams:
         stream.join(120)
