@@ -52,7 +52,9 @@ class PrefixIndex:
         if not any(added or removed for added, removed in changes) and now < self._refresh_at:
             return
         pipe = self._client.pipeline(transaction=False)
+        exists_at = []  # where each set's EXISTS reply lands in the pipeline's results
         for (key, _), (added, removed) in zip(self._sets, changes):
+            exists_at.append(len(pipe))
             pipe.exists(key)
             if removed:
                 pipe.srem(key, *removed)
@@ -60,11 +62,8 @@ class PrefixIndex:
                 pipe.sadd(key, *added)
             pipe.pexpire(key, self._ttl_ms)
         results = pipe.execute()
-        at = 0
-        for (key, source), (added, removed) in zip(self._sets, changes):
-            existed = results[at]
-            at += 1 + bool(removed) + bool(added) + 1
-            if not existed and source.num_cached > len(added):
+        for (key, source), (added, _), at in zip(self._sets, changes, exists_at):
+            if not results[at] and source.num_cached > len(added):
                 # the set expired (the loop stalled past the TTL): write it whole again
                 pipe.sadd(key, *source.cached_hashes())
                 pipe.pexpire(key, self._ttl_ms)
@@ -97,7 +96,7 @@ def longest_prefixes(client: redis.Redis, worker_ids: list[str], hashes: list[by
         more = count
         while more < len(host) and (host[more] or device[more]):
             more += 1
-        matches[worker_id] = count + HOST_BLOCK_WEIGHT * (more - count) if more > count else count
+        matches[worker_id] = count + HOST_BLOCK_WEIGHT * (more - count)
     return matches
 
 

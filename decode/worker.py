@@ -177,6 +177,8 @@ class DecodeWorker:
         self.handoffs.check()
         self._release_admissions()
         self.steps.penalties.release(self.scheduler.pop_left_batch())  # their slots of token counts
+        if self.scheduler.swap is not None:
+            self.scheduler.swap.tier.poll()  # checksums of landed stores, so a resume only checks them
         self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
                              waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free,
                              holds=self.batch_wait.num_holds)

@@ -12,19 +12,16 @@ device buffer on the compute stream (the blocks may be reallocated by the next s
 runs after the gather), and a copy stream moves it to the host asynchronously, one transfer per
 run of consecutive slots; the compute stream never waits for it. A load checks a piece of
 consecutive slots (``LOAD_PIECE_BLOCKS``), starts its transfer on the copy stream and checks the
-next meanwhile; the
-compute stream waits for the transfers before the scatter into the blocks, so no step reads a
-block before its K/V arrived. On the CPU the same code runs with ordinary memory and plain copies.
+next meanwhile; the compute stream waits for the transfers before the scatter into the blocks,
+so no step reads a block before its K/V arrived. On the CPU the same code runs with ordinary memory and plain copies.
 
 Each stored block gets a checksum (the wrapping sum of its 64-bit words) once its copy has landed
-on the host; a load checks it first,
-and a block that fails (or that the tier dropped meanwhile) is not loaded: the prompt computes
-it and everything after it, as without the tier.
+on the host; a load checks it first, and a block that fails (or that the tier dropped meanwhile)
+is not loaded: the prompt computes it and everything after it, as without the tier.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -42,12 +39,11 @@ class HostTierStats:
     bad_blocks: int = 0  # host blocks that failed their checksum when wanted (not loaded)
     bytes_out: int = 0  # device -> host
     bytes_in: int = 0  # host -> device
-    load_seconds: float = 0.0  # host time in loads, waits for stores still in flight included
 
 
 # A load checks and copies this many blocks at a time, so the host checks one piece while the
-# previous one crosses the link (checking a whole run before its one copy left the link idle:
-# 31 GB/s of 55 on an H100 at ce5d8e4, tandem.bench.host_tier).
+# previous one crosses the link. Checking a whole run before its one copy loaded 31 GB/s of the
+# link's 55 on an H100 at ce5d8e4 (tandem.bench.host_tier); this form is not measured yet.
 LOAD_PIECE_BLOCKS = 16
 
 
@@ -159,7 +155,6 @@ class HostKVTier:
         """Copy the host blocks of the leading ``hashes`` into device ``block_ids`` (one each), up to
         the first the tier no longer holds or whose bytes fail their checksum (that one is dropped).
         -> how many were loaded; the device blocks hold their K/V for every step launched after."""
-        started = time.perf_counter()
         slots = []
         for block_hash in hashes[: len(block_ids)]:
             slot = self._slot_of.get(block_hash)
@@ -199,7 +194,6 @@ class HostKVTier:
             self.kv.index_copy_(2, ids, dest[:good].movedim(0, 2))
         self.stats.loaded_blocks += good
         self.stats.bytes_in += good * self.block_bytes
-        self.stats.load_seconds += time.perf_counter() - started
         return good
 
     def _wait_for(self, slot: int) -> None:

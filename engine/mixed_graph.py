@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.attention import SeqChunk, build_metadata
+from tandem.engine.attention import SeqChunk
 from tandem.engine.step_tokens import TokenFeed
 from tandem.kernels import ops
 
@@ -75,10 +75,7 @@ class MixedGraphs:
         """-> [B, vocab] fp32 logits of each chunk's last new token; writes the chunks' K/V
         (``ModelRunner.forward``)."""
         runner = self.runner
-        meta = build_metadata(chunks, runner.block_size, runner.device)  # validates the chunks
-        longest = max(chunk.seq_len for chunk in chunks)
-        if longest > runner.max_position:
-            raise ValueError(f"a sequence reaches {longest} tokens, beyond the rotary table's {runner.max_position}")
+        meta = runner.metadata(chunks)
         num_tokens = meta.num_tokens
         bucket = self.bucket(num_tokens)
         self.input_ids[:num_tokens].copy_(runner.input_ids(chunks, feed))

@@ -161,13 +161,19 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     def _hidden(self, chunks: list[SeqChunk], feed: TokenFeed | None):
-        meta = build_metadata(chunks, self.block_size, self.device)  # validates the chunks
+        meta = self.metadata(chunks)
         meta.lora = build_lora_batch([(chunk.lora_slot, len(chunk.token_ids)) for chunk in chunks],
                                      None if self.lora is None else self.lora.weights, self.device)
+        return self.model(self.input_ids(chunks, feed), meta.positions, self.kv_pool, meta), meta  # [T, hidden]
+
+    def metadata(self, chunks: list[SeqChunk]):
+        """The step's ``AttentionMetadata`` on the device; refuses chunks that are malformed or
+        reach past the rotary table."""
+        meta = build_metadata(chunks, self.block_size, self.device)  # validates the chunks
         longest = max(chunk.seq_len for chunk in chunks)
         if longest > self.max_position:
             raise ValueError(f"a sequence reaches {longest} tokens, beyond the rotary table's {self.max_position}")
-        return self.model(self.input_ids(chunks, feed), meta.positions, self.kv_pool, meta), meta  # [T, hidden]
+        return meta
 
     def input_ids(self, chunks: list[SeqChunk], feed: TokenFeed | None) -> torch.Tensor:
         """-> [T] int64 on the device: the chunks' new tokens, the fed rows' from ``feed``."""

@@ -10,8 +10,8 @@ blocks of its longest cached prefix (never the block of its last token, whose
 logits are needed) and starts computing after them (a job computing its prompt
 logprobs takes none: it needs every position's logits); every block that becomes
 full is cached. With a host tier under the cache, the prefix may go on in host memory: those
-blocks are copied into the job's fresh blocks and count as cached too. Sliding window: between chunks, blocks no later query of the
-prompt attends to are given back (``release_out_of_window``).
+blocks are copied into the job's fresh blocks and count as cached too. Sliding window: between
+chunks, blocks no later query of the prompt attends to are given back (``release_out_of_window``).
 
 LoRA: the jobs in prefill name at most ``max_loras`` adapters together, so that every forward's
 adapters fit the device slots (``tandem.engine.lora_slots``); a job's prefix-cache hashes start
