@@ -286,7 +286,7 @@ class WorkerInfo:
     heartbeat_interval_s: float = 0.0  # how often it beats (0 unknown)
     liveness_channel: str = ""  # the channel its process stays subscribed to ("" none: tandem.cluster.liveness)
     # prefill, with --kv-host-cache-gb: its host KV tier (blocks it holds, of how many; running totals)
-    prefix_device_hits: int = 0  # prefill: prompt blocks taken from its device prefix cache (running total)
+    prefix_device_hits: int = 0  # prompt blocks taken from its device prefix cache (running total)
     host_tier_blocks: int = 0
     host_tier_capacity: int = 0
     host_tier_hits: int = 0  # blocks copied back to the device for a prompt (prefix hits from the host)

@@ -271,7 +271,7 @@ def prefill_job(request: DecodeRequest, worker_id: str, kv_endpoint: dict) -> Pr
     resume = request.is_resuming
     return PrefillJob(
         request_id=spec.request_id,
-        prompt_token_ids=spec.prompt_token_ids + request.output_token_ids[:-1] if resume else spec.prompt_token_ids,
+        prompt_token_ids=request.prefill_token_ids,
         sampling=spec.sampling,
         max_tokens=spec.max_tokens,
         dst_block_ids=request.block_ids,

@@ -32,6 +32,10 @@ class DecodeRequest:
     num_preemptions: int = 0
     guide: object | None = None  # engine.guide.Guide of a structured output, once in a decode step
     lora_key: str | None = None  # its LoRA adapter as the worker's LoraManager holds it (engine.lora_loads)
+    # with a prefix cache (one device running both pools): the chained hashes of the full blocks of
+    # prefill_token_ids, and how many of its tokens' KV came from the cache at its last admission
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -49,6 +53,14 @@ class DecodeRequest:
     def num_scheduled_tokens(self) -> int:
         """Tokens including those still on the device: the next step writes position this - 1."""
         return self.num_tokens + self.num_pending
+
+    @property
+    def prefill_token_ids(self) -> list[int]:
+        """The tokens its prefill computes: the prompt; when resuming, the prompt and every output token
+        but the last (decoding goes on from that one)."""
+        if self.is_resuming:
+            return self.spec.prompt_token_ids + self.output_token_ids[:-1]
+        return self.spec.prompt_token_ids
 
     @property
     def is_resuming(self) -> bool:

@@ -27,6 +27,15 @@ no longer attends to are released and recycled for its later positions, so a
 request reserves and holds only about a window's worth of blocks beyond its
 prompt (``tandem.decode.window``).
 
+Prefix caching (``prefix_cache``, one device running both pools: ``tandem.colocated``): the
+allocator is then an ``engine.caching_allocator.CachingAllocator`` over the cache, whose free
+blocks include the cached ones no request holds. At admission a request takes the cached blocks of
+its longest cached prefix (``engine.prefix_cache``; never the block of its last token, which is
+computed for its logits), and with a host tier under the cache the prefix goes on with blocks
+copied in from host memory; ``num_cached_tokens`` tells its prefill where to start. The prefill
+caches each prompt block as it fills; a request that stops decoding (it ends, or is paused) caches
+the full blocks of its output too, so the next turn of a conversation finds its answer's KV.
+
 LoRA: the admitted requests (prefilling and running) name at most ``max_loras`` adapters
 together (``tandem.engine.lora_slots``), so every step's adapters fit the device's slots. A
 request whose adapter would be one too many waits, and from then on only requests of no
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 from tandem.cluster.policies import GUARANTEED_NO_EVICT, capacity_policy
 from tandem.cluster.request_state import RequestStatus, finish_reason
+from tandem.decode.prefix_reuse import PrefixReuse
 from tandem.decode.request import DecodeRequest
 from tandem.decode.window import SlidingWindow, held_block_ids
 from tandem.engine.block_allocator import BlockAllocator, blocks_for
@@ -55,11 +65,16 @@ class DecodeScheduler:
         policy: str = GUARANTEED_NO_EVICT,
         max_loras: int | None = None,
         swap=None,
+        prefix_cache=None,
     ):
-        """``swap``: a ``decode.swap.SwapSpace`` (a paused request's KV waits in host memory), or None."""
+        """``swap``: a ``decode.swap.SwapSpace`` (a paused request's KV waits in host memory), or None.
+        ``prefix_cache``: the ``engine.prefix_cache.PrefixCache`` ``allocator`` (a ``CachingAllocator``)
+        allocates through, or None."""
         self.allocator = allocator
         # no swap with a sliding window: a paused request's released blocks hold no KV to keep
         self.swap = swap if not attention_window else None
+        # nor a prefix cache: a request's blocks out of the window are recycled for later positions
+        self.prefix = PrefixReuse(prefix_cache if not attention_window else None, self.swap, allocator.block_size)
         self.max_loras = max_loras  # LoRA adapters the admitted requests may name together (None: any)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -104,10 +119,17 @@ class DecodeScheduler:
 
     def can_reserve(self, request: DecodeRequest) -> bool:
         needed = blocks_for(self.reserved_tokens(request), self.allocator.block_size)
+        # a cached block it takes needs no new one, but one nobody held stops counting as free
+        needed -= self.prefix.num_held(self.prefix.match(request))
         return needed + self.policy.headroom_blocks(self) <= self.allocator.num_free
 
     def reserve(self, request: DecodeRequest) -> None:
-        request.block_ids = self.allocator.allocate(self.reserved_tokens(request))
+        num_blocks = blocks_for(self.reserved_tokens(request), self.allocator.block_size)
+        cached = self.prefix.take(request)  # held from now: not evicted for the fresh blocks
+        fresh = self.allocator.allocate_blocks(num_blocks - len(cached))
+        request.block_ids = cached + fresh
+        num_loaded = self.prefix.load_host(request, len(cached), fresh)
+        request.num_cached_tokens = (len(cached) + num_loaded) * self.allocator.block_size
         request.reserved_to_end = self.policy.reserves_to_end
         request.status = RequestStatus.PREFILLING
         if request.admitted_seq is None:
@@ -219,6 +241,7 @@ class DecodeScheduler:
         self.running.remove(request)
         if self.swap is not None:
             self.swap.save(request)  # its KV to host memory first: the blocks are free after
+        self.prefix.cache_output(request)
         self._free_blocks(request)
         request.status = RequestStatus.PAUSED
         request.num_pending = 0  # a token still on the device is dropped: the resume recomputes it
@@ -331,6 +354,8 @@ class DecodeScheduler:
     def _end(self, request: DecodeRequest, status: RequestStatus, reason: str) -> None:
         if self.swap is not None:
             self.swap.discard(request.request_id)
+        if request.status is RequestStatus.DECODING and status is not RequestStatus.FAILED:
+            self.prefix.cache_output(request)  # not after an engine error: its last step's KV is in doubt
         request.status = status
         request.finish_reason = reason
         self._free_blocks(request)

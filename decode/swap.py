@@ -40,6 +40,10 @@ class SwapSpace:
         self._saved[request.request_id] = n
         self.num_swapped_out += 1
 
+    def holds(self, request_id: str) -> bool:
+        """Whether blocks of a paused request were saved (a resume will try them)."""
+        return request_id in self._saved
+
     def restore(self, request) -> bool:
         """As a paused ``request`` is admitted again (its blocks reserved): copy its KV back -> True;
         False (nothing usable kept: it is recomputed) when the tier lost or rejected a block."""

@@ -37,7 +37,9 @@ from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.swap import SwapSpace
 from tandem.engine.block_allocator import BlockAllocator, blocks_for
 from tandem.engine.guide import Guides
-from tandem.engine.host_kv_tier import HostKVTier
+from tandem.engine.caching_allocator import CachingAllocator
+from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
+from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.kvtransfer import get_transport
@@ -62,6 +64,7 @@ class DecodeWorker:
     computes_prompts = False  # prompts go to prefill workers (tandem.colocated computes its own)
     num_mixed_steps = 0  # steps that carried decode rows and prompt chunks (tandem.colocated)
     lora_loads: AdapterLoads = AdapterLoads(None)  # serving no adapters (set at start with --enable-lora)
+    host_tier: HostKVTier | None = None  # --kv-host-cache-gb: swapped-out KV, and what a prefix cache evicts
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -82,18 +85,24 @@ class DecodeWorker:
             self.runner.kv_pool.close()  # a start that fails leaves no pool file behind
             raise
 
-    def _swap_space(self, settings: Settings) -> SwapSpace | None:
-        """With --kv-host-cache-gb: host memory a paused request's KV waits in (``decode.swap``)."""
-        if settings.kv_host_cache_gb <= 0:
-            return None
-        tier = HostKVTier(self.runner.kv_pool, int(settings.kv_host_cache_gb * 1e9))
-        return SwapSpace(tier, settings.tokens_per_block)
+    def _prefix_cache(self, settings: Settings) -> PrefixCache | None:
+        """The prefix cache over the worker's pool: none here (prompts are computed by prefill
+        workers, which cache them); a worker that computes its own prompts has one."""
+        return None
 
     def _set_up(self, settings: Settings) -> None:
         if self.runner.device.type == "cuda":
             self.runner.enable_cuda_graphs(settings.max_batch_size, settings.max_seq_len)
         self.kv_endpoint = self.transport.export_pool(self.runner.kv_pool)
         self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, settings.tokens_per_block)
+        # with --kv-host-cache-gb: host memory a paused request's KV waits in (decode.swap), and
+        # what a prefix cache evicts
+        self.host_tier = None
+        if settings.kv_host_cache_gb > 0:
+            self.host_tier = HostKVTier(self.runner.kv_pool, int(settings.kv_host_cache_gb * 1e9))
+        self.prefix_cache = self._prefix_cache(settings)
+        if self.prefix_cache is not None:  # its cached blocks nobody holds count as free
+            self.allocator = CachingAllocator(self.allocator, self.prefix_cache)
         if self.allocator.num_total * settings.tokens_per_block < settings.max_seq_len:
             # a request of max_seq_len tokens could never be admitted and would block the queue
             raise ValueError(
@@ -107,7 +116,8 @@ class DecodeWorker:
             eos_token_ids=self.runner.config.eos_token_ids,
             attention_window=self.runner.config.attention_window(),
             policy=settings.capacity_scheduler_policy,
-            swap=self._swap_space(settings),
+            swap=None if self.host_tier is None else SwapSpace(self.host_tier, settings.tokens_per_block),
+            prefix_cache=self.prefix_cache,
             max_loras=settings.max_loras if self.runner.lora is not None else None,
         )
         self.lora_loads = AdapterLoads(self.runner.lora, settings.lora_module_paths())  # reads --lora-modules
@@ -177,8 +187,8 @@ class DecodeWorker:
         self.handoffs.check()
         self._release_admissions()
         self.steps.penalties.release(self.scheduler.pop_left_batch())  # their slots of token counts
-        if self.scheduler.swap is not None:
-            self.scheduler.swap.tier.poll()  # checksums of landed stores, so a resume only checks them
+        if self.host_tier is not None:
+            self.host_tier.poll()  # checksums of landed stores, so a resume only checks them
         self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
                              waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free,
                              holds=self.batch_wait.num_holds)
@@ -232,6 +242,8 @@ class DecodeWorker:
             device=self._device_identity,
             computes_prompts=self.computes_prompts,
             num_mixed_steps=self.num_mixed_steps,
+            prefix_device_hits=self.scheduler.prefix.num_device_hit_blocks,
+            **host_tier_info(self.host_tier),
         )
 
     # ---- helpers --------------------------------------------------------------------

@@ -85,7 +85,10 @@ class BlockAllocator:
                 raise ValueError(f"block {block_id} is not allocated")
             self._ref_counts[block_id] += 1
 
-    def free(self, block_ids: list[int]) -> None:
+    def free(self, block_ids: list[int], now: bool = False) -> None:
+        """Drop a holder of each block. ``now``: blocks that reach no holder go free at once even
+        while a step is on the device (for a pool only this process's one stream reads and writes,
+        where the next step's writes come after the launched step's reads)."""
         released = []
         for block_id in block_ids:
             count = self._ref_counts[block_id]
@@ -94,7 +97,7 @@ class BlockAllocator:
             self._ref_counts[block_id] = count - 1
             if count == 1:
                 released.append(block_id)
-        if self._busy_step is not None and released:
+        if self._busy_step is not None and released and not now:
             self._held.append((self._busy_step, released))
         else:
             self._free.extend(released)

@@ -239,3 +239,12 @@ def _checksums(blocks: torch.Tensor) -> list[int]:
     if words.shape[1] % 8 == 0:
         return words.view(torch.int64).sum(dim=1).tolist()
     return words.to(torch.int64).sum(dim=1).tolist()
+
+
+def host_tier_info(tier: HostKVTier | None) -> dict:
+    """A worker's record fields (``cluster.messages.WorkerInfo``) for its host tier: none without one."""
+    if tier is None:
+        return {}
+    return {"host_tier_blocks": len(tier), "host_tier_capacity": tier.capacity,
+            "host_tier_hits": tier.stats.loaded_blocks, "host_tier_evictions": tier.stats.evicted_blocks,
+            "host_tier_bytes_out": tier.stats.bytes_out, "host_tier_bytes_in": tier.stats.bytes_in}

@@ -58,8 +58,12 @@ def num_reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:
 
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator, *, enabled: bool = True, host_tier=None):
+    def __init__(self, allocator: BlockAllocator, *, enabled: bool = True, host_tier=None,
+                 evicted_free_now: bool = False):
+        """``evicted_free_now``: an evicted block goes free at once even while a step is on the
+        device (``BlockAllocator.free(now=True)``: the pool is only this process's stream's)."""
         self.allocator = allocator
+        self.evicted_free_now = evicted_free_now
         self.host_tier = host_tier if enabled else None
         self.block_size = allocator.block_size
         self.enabled = enabled
@@ -84,6 +88,10 @@ class PrefixCache:
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of
+
+    def is_evictable(self, block_id: int) -> bool:
+        """Cached and held by no job: it counts as available until a job acquires it."""
+        return block_id in self._evictable
 
     # ---- lookups ----------------------------------------------------------------------
     def match(self, hashes: list[bytes]) -> list[int]:
@@ -141,7 +149,7 @@ class PrefixCache:
         if evicted and self.host_tier is not None:
             self.host_tier.store(evicted)  # before the ids go free: their next owner writes after the copy
         for _, block_id in evicted:
-            self.allocator.free([block_id])
+            self.allocator.free([block_id], now=self.evicted_free_now)
         return len(evicted)
 
     def clear(self) -> int:

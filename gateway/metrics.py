@@ -123,7 +123,7 @@ class _WorkerLoadCollector:
                 if role == "decode":
                     preemptions.add_metric([worker.worker_id], float(worker.num_preemptions))
                 restarts.add_metric([worker.worker_id, role], float(worker.num_restarts))
-                if role == "prefill" and worker.prefix_device_hits:
+                if worker.prefix_device_hits:
                     tier_hits.add_metric([worker.worker_id, "device"], float(worker.prefix_device_hits))
                 if worker.host_tier_capacity:
                     tier_blocks.add_metric([worker.worker_id], float(worker.host_tier_blocks))

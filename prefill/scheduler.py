@@ -67,7 +67,7 @@ class PrefillScheduler:
         if state.request_id in self.jobs:
             raise ValueError(f"duplicate request id {state.request_id}")
         self.jobs[state.request_id] = state
-        if self.cache.enabled:
+        if self.cache.enabled and not state.block_hashes:  # a borrowed job's came with it
             # an adapter's KV is its own: the chain starts from its digest (engine.prefix_cache)
             state.block_hashes = block_hashes(state.job.prompt_token_ids, self.allocator.block_size,
                                               salt=state.job.lora_digest)

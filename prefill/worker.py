@@ -39,7 +39,7 @@ from tandem.engine.lora_slots import lora_slots
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.warmup import warm_up_prefill
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_transport
-from tandem.engine.host_kv_tier import HostKVTier
+from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
 from tandem.engine.guide import Guides
@@ -159,16 +159,8 @@ class PrefillWorker:
             num_waiting=self.scheduler.num_waiting + self.lora_loads.num_waiting,
             device=self._device_identity,
             prefix_device_hits=self.scheduler.num_device_hit_blocks,
-            **self._host_tier_info(),
+            **host_tier_info(self.host_tier),
         )
-
-    def _host_tier_info(self) -> dict:
-        tier = self.host_tier
-        if tier is None:
-            return {}
-        return {"host_tier_blocks": len(tier), "host_tier_capacity": tier.capacity,
-                "host_tier_hits": tier.stats.loaded_blocks, "host_tier_evictions": tier.stats.evicted_blocks,
-                "host_tier_bytes_out": tier.stats.bytes_out, "host_tier_bytes_in": tier.stats.bytes_in}
 
     # ---- helpers --------------------------------------------------------------------
     def _handle_messages(self, messages: list) -> None:

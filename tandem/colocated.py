@@ -21,6 +21,10 @@ in-flight batching, vLLM's chunked prefill):
   prompts what is left (at least one block's worth, so a full batch never starves them).
 - A step without prompt chunks is a plain decode step (CUDA graphs, run-ahead); a mixed
   step runs eagerly, its decode rows still fed from the previous step on the device.
+- With ``--enable-prefix-caching`` a request's reservation starts from the cached blocks of its
+  longest cached prefix and its prompt from after them (``tandem.decode.prefix_reuse``); prompt
+  blocks are cached as their chunks fill them, a finished request's output blocks as it ends. With
+  ``--kv-host-cache-gb`` evicted blocks go on in host memory and come back for a later prompt.
 - First tokens are sampled in the step by the same pipeline as the decode rows
   (``tandem.engine.sampling_pipeline``); they go out, in order, with the step's tokens.
 
@@ -40,6 +44,7 @@ from tandem.decode.handoffs import prefill_job
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.worker import DecodeWorker
 from tandem.engine.attention import SeqChunk
+from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
 from tandem.engine.sampling_pipeline import FirstToken
 from tandem.engine.warmup import warm_up_prefill
@@ -64,9 +69,11 @@ class LocalPrefill:
         self.outbox = outbox
         self._publish = publish
         self.block_size = scheduler.allocator.block_size
+        # with the decode side's prefix cache: each prompt block is cached as its chunk fills it
         self.prefill = PrefillScheduler(scheduler.allocator, max_num_tokens=settings.max_num_tokens,
                                         max_batch_size=settings.max_batch_size,
-                                        policy=settings.context_chunking_policy)
+                                        policy=settings.context_chunking_policy,
+                                        prefix_cache=scheduler.prefix.cache)
         self.eos_token_ids = list(runner.config.eos_token_ids)
 
     # ---- what the decode loop calls (as for remote prefill workers) -------------------
@@ -84,8 +91,10 @@ class LocalPrefill:
         """Requests the capacity scheduler admits now: their prompts go into the blocks it reserved."""
         for request in self.scheduler.schedule_prefills():
             job = prefill_job(request, self.worker_id, {})
+            cached = request.num_cached_tokens  # its prefix's KV is in the blocks already (decode.prefix_reuse)
             self.prefill.add(PrefillState(job=job, block_ids=list(request.block_ids), borrowed=True,
-                                          lora_key=request.lora_key))
+                                          lora_key=request.lora_key, num_computed=cached, num_cached_tokens=cached,
+                                          block_hashes=request.block_hashes))
 
     def check(self) -> None:
         """Prompts whose request was aborted: dropped (a step still on the device keeps their blocks
@@ -152,12 +161,14 @@ class LocalPrefill:
                 self.scheduler.on_prefill_done(request, None, None)
             elif not job.max_tokens:  # the prompt only scored: one event, no token
                 self.outbox.keep([(job.reply_to, TokenEvent(job.request_id, 0, [], "length",
+                                                            num_cached_tokens=state.num_cached_tokens,
                                                             prompt_logprobs=state.prompt_logprobs))])
                 self.scheduler.on_prefill_done(request, None, None)
             else:
                 reason = self.scheduler.on_prefill_done(request, token_id, None)
                 if reason != "abort":  # an aborted request's client had its last event
                     self.outbox.keep([(job.reply_to, TokenEvent(job.request_id, 0, [token_id], reason,
+                                                                num_cached_tokens=state.num_cached_tokens,
                                                                 logprobs=None if entry is None else [entry],
                                                                 prompt_logprobs=state.prompt_logprobs))])
 
@@ -189,14 +200,20 @@ class ColocatedWorker(DecodeWorker):
 
     def _set_up(self, settings: Settings) -> None:
         super()._set_up(settings)
-        if settings.enable_prefix_caching:
-            log.warning("prefix caching is not used by a worker that runs both pools (--pools colocated)")
         self.handoffs = LocalPrefill(settings=settings, worker_id=self.worker_id, scheduler=self.scheduler,
                                      runner=self.runner, outbox=self.outbox, publish=self._publish)
         # the prefill attention's compilations happen before traffic, not in a first mixed step
         warm_up_prefill(self.runner, self.allocator, settings.max_num_tokens)
         if self.runner.device.type == "cuda":  # steps with prompt chunks replay graphs, piecewise
             self.runner.enable_mixed_graphs(settings.max_num_tokens)
+
+    def _prefix_cache(self, settings: Settings) -> PrefixCache | None:
+        """With --enable-prefix-caching: the cache every admission matches first (``decode.prefix_reuse``),
+        over the host tier when there is one. Only this process's stream reads and writes the pool,
+        so an evicted block is free at once."""
+        if not settings.enable_prefix_caching:
+            return None
+        return PrefixCache(self.allocator, host_tier=self.host_tier, evicted_free_now=True)
 
     def _prompt_rows(self, num_decode: int) -> list[PromptRow]:
         return self.handoffs.rows(num_decode, self.policies.context_chunking_policy)
