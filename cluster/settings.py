@@ -128,9 +128,10 @@ class Settings:
                            f"{CPU_DEFAULT_KV_TOKENS}); an FP8 cache holds that many bytes' worth: more tokens")
     kv_cache_free_gpu_mem_fraction: float = setting(0.90, POOLS_GROUP, "share of free GPU memory for the KV pool")
     enable_prefix_caching: bool = setting(False, POOLS_GROUP,
-                                          "reuse the KV of full prompt blocks a prefill worker computed before")
+                                          "reuse the KV of full blocks computed before: a prefill worker's prompts; "
+                                          "on one device running both pools, prompts and answers")
     kv_host_cache_gb: float = setting(0.0, POOLS_GROUP, "host memory (GB) per worker for KV blocks: a prefill "
-                                                        "worker's prefix cache keeps the blocks it evicts there (with "
+                                                        "or colocated worker's prefix cache keeps the blocks it evicts there (with "
                                                         "--enable-prefix-caching) and copies them back for a later "
                                                         "prompt; a decode worker keeps a preempted request's blocks "
                                                         "there and resumes it without a prefill (0: off)")

@@ -1,0 +1,68 @@
+"""End to end on the CPU: prefix caching in the worker that runs both pools on one device
+(``--pools colocated --enable-prefix-caching``), its steps run ahead of the host.
+
+Eight streams share a long system prefix and differ after it; sent in two waves, the second finds
+the prefix cached and computes only its own tail. Each conversation then goes on with its whole
+history (prompt, answer, a new question) and finds its answer's blocks cached too. The pool is
+small, so cached blocks are evicted for new ones on the way. Every answer equals HF greedy, and
+once idle the worker holds nothing (cached blocks nobody holds count as free).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+BLOCK, MAX_TOKENS = 4, 8
+PREFIX = [3 + (5 * j) % 400 for j in range(64)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory):
+    # 640 tokens of pool: four 100-token turns in flight, a few conversations' worth cached
+    c = LocalCluster(tiny_llama, str(tmp_path_factory.mktemp("logs-colocated-prefix")), layout="colocated",
+                     tokens_per_block=BLOCK, max_num_tokens=32, max_seq_len=256, max_input_len=200,
+                     enable_prefix_caching=True, max_tokens_in_paged_kv_cache=640, decode_run_ahead="on")
+    c.start()
+    yield c
+    c.stop()
+
+
+def _complete(http: httpx.Client, cluster, prompt: list[int]) -> tuple[list[int], int]:
+    resp = http.post("/v1/completions", json={"model": cluster.settings.model_name, "prompt": prompt,
+                                              "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True})
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    return out["choices"][0]["token_ids"], out["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+def test_a_shared_prefix_and_each_conversation_s_history_are_computed_once(cluster, hf_greedy):
+    prompts = [PREFIX + [400 + i, 7, 11 + i] for i in range(8)]
+    with httpx.Client(base_url=cluster.base_url, timeout=120) as http, ThreadPoolExecutor(4) as pool:
+        first = list(pool.map(lambda p: _complete(http, cluster, p), prompts[:1]))
+        rest = list(pool.map(lambda p: _complete(http, cluster, p), prompts[1:]))
+        for prompt, (answer, _) in zip(prompts, first + rest):
+            assert answer == hf_greedy(prompt, MAX_TOKENS)
+        # every later stream found the shared prefix (16 blocks) in the cache
+        assert all(cached >= len(PREFIX) for _, cached in rest), [c for _, c in rest]
+
+        # the next turn: the conversation so far, then a question; sent one at a time, each finds
+        # its own history (the prompt and the answer's full blocks) cached
+        for prompt, (answer, _) in list(zip(prompts, first + rest))[:4]:
+            history = prompt + [a if a < 500 else 5 for a in answer]  # the tokenizer's vocabulary is smaller
+            follow_up = history + [21, 22, 23]
+            next_answer, cached = _complete(http, cluster, follow_up)
+            assert next_answer == hf_greedy(follow_up, MAX_TOKENS)
+            # KV was written for every position of the history but its last token
+            expected = (len(history) - 1) // BLOCK * BLOCK if max(answer) < 500 else len(prompt) // BLOCK * BLOCK
+            assert cached >= expected, (cached, len(history), answer)
+    info = cluster.wait_blocks_free("decode", "decode-0")
+    assert info.prefix_device_hits > 0, info
+    metrics = httpx.get(f"{cluster.base_url}/metrics").text
+    assert 'tandem_kv_cache_hit_blocks_total{tier="device",worker="decode-0"}' in metrics
