@@ -10,6 +10,8 @@ workers on this GPU, cuda_ipc handoff) and drives it with ``tandem.bench.serve``
 128 requests, prompts uniform in [64, 511] tokens (seed 0), 256 new tokens
 each, all submitted at once (``--num-prompts``, ``--input-len-range``, ``--output-len`` and
 ``--max-concurrency`` change the load; ``--serve-args`` the cluster, e.g. its FP8 flags).
+``--multi-turn "FLAGS"`` drives it with ``tandem.bench.multi_turn`` (conversations, each turn
+the whole conversation so far) instead, its flags as given.
 Rows as in ``tandem.bench.engine``.
 """
 
@@ -27,6 +29,7 @@ import time
 import torch
 
 from tandem.bench import cluster_timeline
+from tandem.bench import multi_turn as bench_multi_turn
 from tandem.bench import throughput as bench_throughput
 from tandem.bench.shapes import SHAPES, hf_config_dict
 from tandem.import_guard import python_argv
@@ -111,8 +114,13 @@ def dtypes(serve_args: list[str]) -> tuple[str, str]:
 def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, serve_args: list[str],
                    client_processes: int = 1, input_len_range: str = "64:511", output_len: int = 256,
                    max_concurrency: int | None = None, max_batch_size: int = 128, pools: str = "auto",
-                   lora_names: list[str] = ()) -> dict:
+                   lora_names: list[str] = (), multi_turn: list[str] | None = None) -> dict:
+    """Start ``tandem serve``, run the load client against it (``tandem.bench.serve``, or with
+    ``multi_turn`` ``tandem.bench.multi_turn`` with those flags) -> the client's result file."""
     max_input_len, max_seq_len = sequence_limits(input_len_range, output_len)
+    if multi_turn is not None:
+        longest = bench_multi_turn.history_len(_multi_turn_parser().parse_args(multi_turn))
+        max_input_len, max_seq_len = sequence_limits(f"1:{longest}", 0)
     serve_cmd = [*python_argv("-m", "tandem"), "serve", "--model", model_path, "--port", str(port),
                  "--max-batch-size", str(max_batch_size), "--max-num-tokens", "8192",
                  "--max-seq-len", str(max_seq_len), "--max-input-len", str(max_input_len),
@@ -134,6 +142,9 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, s
                     "--request-rate", "inf", "--seed", "0", "--min-token-id", "3", "--max-token-id", "499",
                     "--result-json", result_json, "--no-progress", "--num-processes", str(client_processes),
                     *(["--lora-modules", *lora_names] if lora_names else [])]
+        if multi_turn is not None:
+            load_cmd = [*python_argv("-m", "tandem.bench.multi_turn"), "--base-url", f"http://127.0.0.1:{port}",
+                        *multi_turn, "--result-json", result_json]
         subprocess.run(load_cmd, check=True, timeout=600)
         with open(result_json) as f:
             return json.load(f)
@@ -143,6 +154,12 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, s
             cluster.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(cluster.pid, signal.SIGKILL)
+
+
+def _multi_turn_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    bench_multi_turn.add_arguments(parser)
+    return parser
 
 
 def main() -> int:
@@ -167,6 +184,8 @@ def main() -> int:
                         help="serve this many random LoRA adapters (rank --lora-rank, all seven projections) "
                              "and spread the requests over them in turn")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--multi-turn", default=None,
+                        help="run tandem.bench.multi_turn with these flags instead of the serve load")
     parser.add_argument("--out", default="cluster_mixed.json")
     args = parser.parse_args()
     name = args.model_shape
@@ -184,7 +203,8 @@ def main() -> int:
                        str(args.lora_rank), "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
     result = serve_and_load(path, os.path.dirname(os.path.abspath(args.out)), args.port, args.num_prompts, serve_args,
                             args.client_processes, args.input_len_range, args.output_len, args.max_concurrency,
-                            args.max_batch_size, args.pools, lora_names)
+                            args.max_batch_size, args.pools, lora_names,
+                            None if args.multi_turn is None else args.multi_turn.split())
     metrics = result.get("metrics", result)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, (list, dict))}, indent=1))
     tok_s = metrics.get("output_throughput")
@@ -193,7 +213,10 @@ def main() -> int:
     common = dict(workload=args.label, model=name, dtype=dtype, kv_dtype=kv_dtype, pools=pools,
                   refused=bench_throughput.refused(metrics), lora_adapters=args.lora_adapters)
     rows = [dict(common, metric="out_tok_per_s", value=tok_s, anchor=None, anchor_value=None, ratio=None)]
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+    if metrics.get("cached_fraction_later_turns") is not None:
+        rows.append(dict(common, metric="cached_fraction_later_turns", value=metrics["cached_fraction_later_turns"],
+                         anchor=None, anchor_value=None, ratio=None))
+    for key in ("ttft_ms", "ttft_ms_later_turns", "tpot_ms", "itl_ms", "e2el_ms"):
         stats = metrics.get(key) or {}
         for pct in ("p50", "p99"):
             if pct in stats:

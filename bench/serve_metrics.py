@@ -52,6 +52,8 @@ class RequestResult:
     usage_output_tokens: int | None = None
     finish_reason: str | None = None
     generated_text: str = ""
+    usage_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
+    token_ids: list[int] = field(default_factory=list)  # the output's ids, when the server sends them (return_token_ids)
 
     @property
     def tpot(self) -> float | None:

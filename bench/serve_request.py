@@ -142,14 +142,21 @@ def _replay(cfg: BenchConfig, reads: list[tuple[float, bytes]], t0: float, res: 
                 if cfg.keep_text:
                     text.append(content)
             for choice in obj.get("choices") or ():
-                if isinstance(choice, dict) and choice.get("finish_reason"):
+                if not isinstance(choice, dict):
+                    continue
+                if choice.get("finish_reason"):
                     res.finish_reason = str(choice["finish_reason"])
+                if isinstance(choice.get("token_ids"), list):
+                    res.token_ids += [int(t) for t in choice["token_ids"]]
             usage = obj.get("usage")
             if isinstance(usage, dict):
                 if usage.get("completion_tokens") is not None:
                     res.usage_output_tokens = int(usage["completion_tokens"])
                 if usage.get("prompt_tokens") is not None:
                     res.usage_prompt_tokens = int(usage["prompt_tokens"])
+                details = usage.get("prompt_tokens_details")
+                if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                    res.usage_cached_tokens = int(details["cached_tokens"])
         return False
 
     try:

@@ -25,6 +25,10 @@
 #                                 256 and 1,024 and mixed steps, FP8 (then bf16) -> $OUT/profile_*.json
 #   bash scripts/gpu.sh host-tier the host KV tier's GPU test paths and its copies against the link
 #                                 (tandem.bench.host_tier, bf16 and FP8 KV) -> $OUT/host_tier_*.json
+#   bash scripts/gpu.sh multi-turn the multi-turn workload (tandem bench multi-turn: 64 conversations x 6 turns,
+#                                 2,304-token first prompts) on llama3-8b FP8 with prefix caching and a device pool
+#                                 a quarter of the final working set, without and with the host tier
+#                                 (MT_TIERS, default "0 24" GB; one per call fits 10 minutes)
 #   bash scripts/gpu.sh lora      the LoRA GPU tests, tandem.bench.lora_step (llama3-8b, batch 64, base / one
 #                                 adapter / 8 adapters, rank 16 on all seven projections; LORA_DTYPES, default
 #                                 "bf16 fp8"), then 256 streams of 128/128 in FP8, base and over 8 adapters
@@ -134,6 +138,17 @@ case "${1:-}" in
     for q in bf16 fp8; do
       timeout 120 python3 -m tandem.bench.host_tier --kv-dtype $q --out "$OUT/host_tier_$q.json" 2>&1 \
         | tee "$OUT/host_tier_$q.log" | grep -E "GBps|fraction|equal|Error"
+    done ;;
+  multi-turn)
+    for tier in ${MT_TIERS:-0 24}; do
+      mkdir -p "$OUT/multi_turn_$tier"
+      timeout "${MT_TIMEOUT:-400}" python3 -m tandem.bench.cluster_mixed --skip-hf --model-shape llama3-8b \
+        --checkpoint /tmp/tandem-bench-llama3-8b --max-batch-size 64 --label "multi_turn_64x6_tier$tier" \
+        --serve-args "--quantization fp8 --kv-cache-dtype fp8 --enable-prefix-caching --max-tokens-in-paged-kv-cache 32768 --kv-host-cache-gb $tier" \
+        --multi-turn "--num-conversations 64 --num-turns 6 --first-len 2304 --question-len 64 --answer-len 256 --max-concurrency 32" \
+        --out "$OUT/multi_turn_$tier/result.json" > "$OUT/multi_turn_$tier/run.log" 2>&1
+      echo "== multi-turn, host tier $tier GB (exit $?)"
+      grep -E "bench multi-turn|Error" "$OUT/multi_turn_$tier/run.log" | tail -3
     done ;;
   lora)
     timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels/test_lora.py tests/engine/test_lora_parity.py \

@@ -12,6 +12,7 @@
     tandem status            the cluster's workers, load and restarts at a glance
     tandem bench serve ...   streaming load client against an OpenAI-compatible URL
     tandem bench throughput  offline: N requests sent at once against a running cluster
+    tandem bench multi-turn  conversations, each turn the whole conversation so far (prefix reuse)
     tandem bench engine ...  engine workloads vs ceilings and HF anchors (GPU)
     tandem bench grammar     structured-output engines: setup and per-step mask time
 """
@@ -100,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_throughput.add_arguments(bench_sub.add_parser(
         "throughput", help="offline: N requests sent at once (like trtllm-bench / vllm bench throughput)"))
+    from tandem.bench import multi_turn as bench_multi_turn
+
+    bench_multi_turn.add_arguments(bench_sub.add_parser(
+        "multi-turn", help="conversations whose every turn sends the whole conversation so far"))
     from tandem.bench import grammar as bench_grammar
 
     bench_grammar.add_arguments(bench_sub.add_parser("grammar", help="structured-output engines: setup and mask time"))
@@ -141,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
             from tandem.bench import engine as bench_engine
 
             return bench_engine.main(args)
+        if args.command == "bench" and args.bench_command == "multi-turn":
+            from tandem.bench import multi_turn as bench_multi_turn
+
+            return bench_multi_turn.main(args)
         if args.command == "bench" and args.bench_command == "throughput":
             from tandem.bench import throughput as bench_throughput
 

@@ -66,3 +66,22 @@ def test_a_shared_prefix_and_each_conversation_s_history_are_computed_once(clust
     assert info.prefix_device_hits > 0, info
     metrics = httpx.get(f"{cluster.base_url}/metrics").text
     assert 'tandem_kv_cache_hit_blocks_total{tier="device",worker="decode-0"}' in metrics
+
+
+def test_bench_multi_turn_sends_each_conversation_so_far_and_reports_the_reuse(cluster, tmp_path):
+    from tandem.cli import main as cli
+
+    out = tmp_path / "multi_turn.json"
+    assert cli(["bench", "multi-turn", "--base-url", cluster.base_url, "--num-conversations", "6", "--num-turns", "3",
+                "--first-len", "40", "--question-len", "6", "--answer-len", "8", "--max-concurrency", "2",
+                "--prompt-vocab-size", "500", "--result-json", str(out)]) == 0
+    import json
+
+    metrics = json.loads(out.read_text())["metrics"]
+    assert (metrics["completed"], metrics["failed"]) == (18, 0), metrics
+    assert metrics["output_tokens"] == 18 * 8
+    # turn t's prompt: 40 + t x (8 + 6) tokens, six conversations each
+    assert metrics["prompt_tokens"] == 6 * (40 + 54 + 68)
+    # the pool keeps every conversation here: a later turn finds all but its last partial block and question
+    assert metrics["cached_fraction_later_turns"] > 0.6, metrics
+    assert metrics["ttft_ms"]["p50"] > 0 and metrics["output_throughput"] > 0
