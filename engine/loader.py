@@ -28,6 +28,7 @@ from tandem.engine.fp8_checkpoint import read_fp8_weights
 from tandem.engine.gguf_checkpoint import read_gguf_checkpoint
 from tandem.engine.model import PROJECTIONS, LlamaFamilyModel
 from tandem.engine.rope import build_cos_sin_cache
+from tandem.engine.tensor_parallel import shard_config, shard_state
 from tandem.kernels.fp8_weight import Fp8Weight, dequantize, fuse, quantize_weight
 
 # Buffers some older checkpoints saved; recomputed by the engine, safe to skip.
@@ -45,12 +46,15 @@ def load_model(
     max_position: int | None = None,
     max_attention_window: int | None = None,
     quantization: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> tuple[LlamaFamilyModel, ModelConfig]:
     """-> (model in eval mode without grads, config). The cos/sin cache covers
     ``max_position`` positions (default: the config's max_position_embeddings);
     ``max_attention_window`` caps every layer's attention span (sliding window);
     ``quantization`` "fp8" holds the projections as FP8 weights (an FP8 checkpoint always is;
-    None or "none": as the checkpoint stores them)."""
+    None or "none": as the checkpoint stores them). ``tp_rank`` of ``tp_size``: that rank's slice
+    of the model, and the config of its shape (``engine.tensor_parallel``)."""
     if quantization not in (None, "none", "fp8"):
         raise ValueError(f"unknown quantization {quantization!r}: none or fp8")
     path = os.fspath(path)
@@ -66,6 +70,9 @@ def load_model(
     if quantization == "fp8":
         config.quantization = "fp8"
     state = _to_engine_state(config, tensors, dtype)
+    if tp_size > 1:
+        state = shard_state(state, config, tp_rank, tp_size)
+        config = shard_config(config, tp_size)
     with torch.device("meta"):
         model = LlamaFamilyModel(config)
     model.load_state_dict(state, strict=True, assign=True)

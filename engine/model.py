@@ -52,6 +52,7 @@ class DecoderLayer(nn.Module):
         q_size = config.num_q_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.q_size, self.kv_size = q_size, kv_size
+        self.tp = None  # engine.tensor_parallel.TPGroup of a model split over ranks (set_tensor_parallel)
 
         self.input_layernorm = nn.Parameter(torch.empty(config.hidden_size))
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
@@ -84,10 +85,23 @@ class DecoderLayer(nn.Module):
         ``next_norm``, the stream): o_proj, its residual add and norm, the MLP, its add and norm."""
         if lora is not None:
             return self._after_attention_with_lora(attn, residual, next_norm, lora)
+        if self.tp is not None:
+            return self._after_attention_split(attn, residual, next_norm)
         hidden, residual = ops.linear_add_rms_norm(attn, projection_weight(self.o_proj), residual,
                                                    self.post_attention_layernorm, self.eps)
         act = ops.gate_up_silu_mul(hidden, projection_weight(self.gate_up_proj))  # [T, intermediate]
         return ops.linear_add_rms_norm(act, projection_weight(self.down_proj), residual, next_norm, self.eps)
+
+    def _after_attention_split(self, attn, residual, next_norm):
+        """The rest of ``forward`` on one rank of a split model: o_proj and down_proj are this rank's
+        columns, their partial sums added across the ranks before each residual add."""
+        out = ops.linear(attn, projection_weight(self.o_proj))
+        self.tp.all_reduce(out)
+        hidden, residual = ops.fused_add_rms_norm(out, residual, self.post_attention_layernorm, self.eps)
+        act = ops.gate_up_silu_mul(hidden, projection_weight(self.gate_up_proj))  # [T, intermediate / ranks]
+        out = ops.linear(act, projection_weight(self.down_proj))
+        self.tp.all_reduce(out)
+        return ops.fused_add_rms_norm(out, residual, next_norm, self.eps)
 
     def _after_attention_with_lora(self, attn, residual, next_norm, lora: LoraBatch):
         """The rest of ``forward`` with each projection's LoRA added to its output."""
@@ -177,6 +191,12 @@ class LlamaFamilyModel(nn.Module):
 
     def set_cos_sin_cache(self, cos_sin_cache: torch.Tensor) -> None:
         self.cos_sin_cache = cos_sin_cache  # [max_position, head_dim] fp32
+
+    def set_tensor_parallel(self, group) -> None:
+        """This model is one rank's slice (``engine.tensor_parallel``): its layers add their
+        row-parallel projections' partial sums across ``group``."""
+        for layer in self.layers:
+            layer.tp = group
 
     def forward(
         self,

@@ -13,6 +13,9 @@ LoRA (``enable_lora``): a chunk's ``lora_slot`` names the device slot of its ada
 in one forward. Decode steps with adapter rows replay CUDA graphs of their own
 (``engine.cuda_graph``); steps with prompt chunks and adapter rows run eagerly.
 
+Tensor parallelism (``tp``, ``engine.tensor_parallel``): the runner of a split model's leader
+sends each forward's step to its followers first, and each follower runs it (``follow``).
+
 CUDA graphs: decode steps (``enable_cuda_graphs``: whole steps per batch-size bucket) and steps
 with prompt chunks (``enable_mixed_graphs``: per token-count bucket, captured piecewise around
 the attention, which runs eagerly between the pieces); anything else runs eagerly.
@@ -53,13 +56,17 @@ class ModelRunner:
 
     @classmethod
     def from_model(cls, model, config, num_blocks: int, block_size: int, kv_pool: KVCachePool | None = None,
-                   kv_cache_dtype: str = "auto", tokenizer: str | None = None):
+                   kv_cache_dtype: str = "auto", tokenizer: str | None = None, tp=None):
         """A runner around a model already built (benchmarks with random weights); an FP8 pool's
-        scales calibrated on ``tokenizer``'s tokens of the built-in text (none: fixed token ids)."""
+        scales calibrated on ``tokenizer``'s tokens of the built-in text (none: fixed token ids).
+        ``tp``: the ``engine.tensor_parallel.TPGroup`` whose rank's slice ``model`` is."""
         runner = cls.__new__(cls)
         weight = model.embed_tokens.weight
         runner._setup(model, config, num_blocks, block_size, weight.dtype, weight.device, kv_pool,
                       kv_cache_dtype, None, tokenizer)
+        if tp is not None and tp.size > 1:
+            runner.tp = tp
+            model.set_tensor_parallel(tp)
         return runner
 
     def _setup(self, model, config, num_blocks, block_size, dtype, device, kv_pool, kv_cache_dtype="auto",
@@ -84,6 +91,7 @@ class ModelRunner:
         self.graphs = None  # engine.cuda_graph.DecodeGraphs once enable_cuda_graphs() ran
         self.mixed_graphs = None  # engine.mixed_graph.MixedGraphs once enable_mixed_graphs() ran
         self.lora: LoraManager | None = None  # once enable_lora() ran
+        self.tp = None  # engine.tensor_parallel.TPGroup: this runner is one rank of a split model
 
     def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
                     weights: LoraWeights | None = None) -> LoraManager:
@@ -127,6 +135,8 @@ class ModelRunner:
         attention, the chunks the prefill attention); the feed covers the decode rows only.
         """
         self._check_feed(chunks, feed)
+        if self.tp is not None:  # the followers run this forward too
+            self.tp.lead(chunks, feed)
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.forward(chunks, feed)
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(chunks):
@@ -141,8 +151,18 @@ class ModelRunner:
         states [T, hidden] of every new token, the chunks' tokens in order). A prompt's own
         logprobs are computed from the latter (``tandem.engine.prompt_logprobs``); never a CUDA graph."""
         self._check_feed(chunks, feed)
+        if self.tp is not None:
+            self.tp.lead(chunks, feed)
         hidden, meta = self._hidden(chunks, feed)
         return self.model.compute_logits(hidden[meta.logits_indices]), hidden
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A follower rank of a split model: run each forward its leader runs, until it stops
+        (``engine.tensor_parallel``). Logits are the leader's: none are computed here."""
+        while (step := self.tp.receive()) is not None:
+            chunks, feed = step
+            self._hidden(chunks, feed)
 
     def _check_feed(self, chunks: list[SeqChunk], feed: TokenFeed | None) -> None:
         if feed is None:
