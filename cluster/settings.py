@@ -111,6 +111,9 @@ class Settings:
                          "decode rows and prompt chunks under --max-num-tokens; 'separate' runs prefill and decode "
                          "workers that hand KV over (cuda_ipc, nccl); auto: colocated when the pools would share a "
                          "device (one GPU, the CPU)", choices=POOLS)
+    tensor_parallel_size: int = setting(1, POOLS_GROUP,
+                                        "ranks each worker splits the model over (one process and device each; "
+                                        "query and KV heads and MLP units divided among them): --pools colocated")
     num_prefill_workers: int = setting(1, POOLS_GROUP, "tandem serve: prefill workers (--pools separate)")
     num_decode_workers: int = setting(1, POOLS_GROUP, "tandem serve: decode workers (colocated: workers)")
     gateway_processes: int = setting(0, POOLS_GROUP,
@@ -324,6 +327,13 @@ class Settings:
                f"({self.heartbeat_ttl_s}): a worker would otherwise expire between its beats")
         _check(self.log_format in LOG_FORMATS, f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         _check(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
+        _check(self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            _check(self.pools != "separate", "--tensor-parallel-size above 1 runs in the colocated layout: the "
+                                             "handoff between pools of split models is not built yet")
+            for flag, off in (("--enable-lora", not self.enable_lora), ("--kv-host-cache-gb", self.kv_host_cache_gb <= 0),
+                              ("--kv-cache-dtype fp8", self.kv_cache_dtype != "fp8")):
+                _check(off, f"{flag} does not run with --tensor-parallel-size above 1 yet")
         _check(self.log_level.upper() in LOG_LEVELS, f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         _check(self.stats_interval_s > 0, f"--stats-interval-s must be > 0, got {self.stats_interval_s}")
         _check(self.kv_piece_bytes > 0, f"--kv-piece-bytes must be > 0, got {self.kv_piece_bytes}")

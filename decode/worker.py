@@ -67,6 +67,9 @@ class DecodeWorker:
     host_tier: HostKVTier | None = None  # --kv-host-cache-gb: swapped-out KV, and what a prefix cache evicts
 
     def __init__(self, settings: Settings):
+        if settings.tensor_parallel_size > 1 and not self.computes_prompts:
+            raise ValueError("--tensor-parallel-size above 1 runs in a worker of both pools (--pools colocated): "
+                             "the handoff between pools of split models is not built yet")
         self.settings = settings
         self.worker_id = settings.worker_name(self.role)
         self.redis = redis.Redis.from_url(settings.redis_url)
@@ -223,6 +226,7 @@ class DecodeWorker:
         finally:
             self.heartbeat.stop()
             self.lora_loads.close()
+            self.runner.leave_group()
             self.runner.kv_pool.close()
 
     def info(self) -> WorkerInfo:

@@ -112,6 +112,8 @@ class ModelRunner:
         """Capture decode steps per batch-size bucket (CUDA only; eager above the largest bucket)."""
         from tandem.engine.cuda_graph import DecodeGraphs
 
+        if self.tp is not None:
+            return  # a split model's steps run eagerly: their collectives are not captured
         self.graphs = DecodeGraphs(self, max_batch_size, max_seq_len)
 
     def enable_mixed_graphs(self, max_num_tokens: int) -> None:
@@ -119,6 +121,8 @@ class ModelRunner:
         piecewise around their attention (CUDA only; ``engine.mixed_graph``)."""
         from tandem.engine.mixed_graph import MixedGraphs
 
+        if self.tp is not None:
+            return
         self.mixed_graphs = MixedGraphs(self, max_num_tokens)
 
     @property
@@ -155,6 +159,13 @@ class ModelRunner:
             self.tp.lead(chunks, feed)
         hidden, meta = self._hidden(chunks, feed)
         return self.model.compute_logits(hidden[meta.logits_indices]), hidden
+
+    def leave_group(self) -> None:
+        """The leader of a split model: its followers stop and the group closes (at the worker's end)."""
+        if self.tp is not None:
+            tp, self.tp = self.tp, None
+            tp.stop()
+            tp.close()
 
     @torch.inference_mode()
     def follow(self) -> None:

@@ -91,20 +91,30 @@ def check_fp8_kv_device(device: torch.device) -> None:
                            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
 
 
-def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens: int | None = None):
+def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens: int | None = None, tp=None):
     """Load the model, then size its KV pool from what memory the weights left. ``shm_path``: pool in that file.
     An FP8 pool (``--kv-cache-dtype fp8``) gets its scales first (the checkpoint's, else one
-    calibration forward: ``tandem.engine.kv_scales``), from the same model on every worker."""
+    calibration forward: ``tandem.engine.kv_scales``), from the same model on every worker.
+
+    With ``--tensor-parallel-size N`` (``engine.tensor_parallel``) the caller is rank 0 and starts
+    the other ranks here (``tp``: a follower's own group); each loads its slice of the model, and
+    the pool has the same number of blocks on every rank."""
     from tandem.engine.kv_cache import KVCachePool, resolve_kv_dtype
     from tandem.engine.kv_scales import kv_scales
     from tandem.engine.loader import load_model
     from tandem.engine.runner import ModelRunner
+    from tandem.engine.tensor_parallel import lead_group, rank_device
 
     device = resolve_device(settings.device)
+    if settings.tensor_parallel_size > 1:
+        device = rank_device(device, 0 if tp is None else tp.rank)
+        if tp is None:
+            tp = lead_group(settings, device)
     dtype = resolve_dtype(settings.dtype, device)
     model, config = load_model(settings.model, dtype=dtype, device=device,
                                max_attention_window=settings.max_attention_window_size,
-                               quantization=settings.quantization)
+                               quantization=settings.quantization,
+                               tp_rank=0 if tp is None else tp.rank, tp_size=1 if tp is None else tp.size)
     kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, dtype)
     scales = {}
     if kv_dtype != dtype:
@@ -120,6 +130,8 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
         torch.cuda.empty_cache()  # return the loader's temporaries before measuring free memory
     num_blocks = kv_pool_blocks(settings, config.kv_bytes_per_token(kv_dtype), device, gpu_cap_tokens,
                                 budget_bytes_per_token=config.kv_bytes_per_token(dtype))
+    if tp is not None:  # the same block ids on every rank
+        num_blocks = tp.agree_min(num_blocks)
     layout = dict(
         num_layers=config.num_layers,
         num_blocks=num_blocks,
@@ -132,7 +144,7 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
         pool = KVCachePool.create_shared(shm_path, **layout, **scales)
     else:
         pool = KVCachePool(**layout, device=device, **scales)
-    runner = ModelRunner.from_model(model, config, num_blocks, settings.tokens_per_block, kv_pool=pool)
+    runner = ModelRunner.from_model(model, config, num_blocks, settings.tokens_per_block, kv_pool=pool, tp=tp)
     if lora_weights is not None:
         runner.enable_lora(settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras, weights=lora_weights)
     return runner

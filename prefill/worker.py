@@ -60,6 +60,9 @@ class PrefillWorker:
     host_tier: HostKVTier | None = None  # blocks the prefix cache evicts, kept in host memory (--kv-host-cache-gb)
 
     def __init__(self, settings: Settings):
+        if settings.tensor_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size above 1 runs in a worker of both pools (--pools colocated): "
+                             "the handoff between pools of split models is not built yet")
         self.settings = settings
         self.worker_id = settings.worker_name(self.role)
         self.redis = redis.Redis.from_url(settings.redis_url)

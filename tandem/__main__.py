@@ -4,4 +4,5 @@ import sys
 
 from tandem.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned process (a tensor-parallel rank) imports it
+    sys.exit(main())

@@ -214,7 +214,8 @@ def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace,
     from the memory the prefill workers left free) and the gateway; False if told to stop meanwhile."""
     num_gpus = count_gpus()
     placements = plan(num_gpus, settings.device, settings.kv_transport,
-                      settings.num_prefill_workers, settings.num_decode_workers, settings.pools)
+                      settings.num_prefill_workers, settings.num_decode_workers, settings.pools,
+                      settings.tensor_parallel_size)
     threads = cpu_threads_per_worker(settings, num_gpus, len(placements))
     for role in ("prefill", "decode", "colocated"):
         for place in (p for p in placements if p.role == role):
@@ -243,15 +244,16 @@ def _start(supervisor: Supervisor, settings: Settings, args: argparse.Namespace,
 
 
 def cpu_threads_per_worker(settings: Settings, num_gpus: int, num_workers: int) -> int:
-    """Torch threads for each worker on the CPU: the machine's cores divided among the workers
-    (each with all of them, they starve each other: measured in README), unless --cpu-threads
-    sets it. 0 (torch's default) for workers on GPUs."""
+    """Torch threads for each worker process on the CPU: the machine's cores divided among the
+    workers' processes (each with all of them, they starve each other: measured in README; a
+    worker of --tensor-parallel-size N is N processes), unless --cpu-threads sets it. 0 (torch's
+    default) for workers on GPUs."""
     if settings.cpu_threads:
         return settings.cpu_threads
     if settings.device != "cpu" and (num_gpus > 0 or settings.device.startswith("cuda")):
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(cores // max(num_workers, 1), 1)
+    return max(cores // max(num_workers * settings.tensor_parallel_size, 1), 1)
 
 
 def _wait(ready, supervisor: Supervisor, signals: Signals) -> bool:

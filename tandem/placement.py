@@ -41,23 +41,29 @@ def count_gpus() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
-def colocated(pools: str, num_gpus: int, device: str) -> bool:
-    """Whether one worker runs both pools: asked for, or (auto) the pools would share a device."""
+def colocated(pools: str, num_gpus: int, device: str, tp_size: int = 1) -> bool:
+    """Whether one worker runs both pools: asked for, or (auto) the pools would share a device,
+    or the model is split over ranks (``tp_size``: a split model's pools are colocated)."""
     if pools != "auto":
         return pools == "colocated"
-    return device == "cpu" or device.startswith("cuda:") or num_gpus < 2
+    return device == "cpu" or device.startswith("cuda:") or num_gpus < 2 or tp_size > 1
 
 
 def plan(num_gpus: int, device: str, kv_transport: str, num_prefill: int, num_decode: int,
-         pools: str = "separate") -> list[Placement]:
+         pools: str = "separate", tp_size: int = 1) -> list[Placement]:
     """One Placement per worker: prefill workers first, then decode workers; with colocated pools,
-    ``num_decode`` workers that each run both, one GPU each where there are several."""
-    if colocated(pools, num_gpus, device):
+    ``num_decode`` workers that each run both, ``tp_size`` GPUs each (one per rank) where there
+    are several."""
+    if colocated(pools, num_gpus, device, tp_size):
         workers = [Placement("colocated", i) for i in range(num_decode)]
         if device != "cpu" and not device.startswith("cuda:") and num_gpus >= 2:
             ids = _visible_ids(num_gpus)
+            if tp_size * num_decode > len(ids):
+                raise ValueError(f"{num_decode} workers of --tensor-parallel-size {tp_size} need "
+                                 f"{tp_size * num_decode} GPUs; {len(ids)} are visible")
             for worker in workers:
-                worker.env = {"CUDA_VISIBLE_DEVICES": ids[worker.index % len(ids)]}
+                start = worker.index * tp_size % len(ids)
+                worker.env = {"CUDA_VISIBLE_DEVICES": ",".join(ids[start : start + tp_size])}
         return workers
     workers = [Placement("prefill", i) for i in range(num_prefill)] + [Placement("decode", i) for i in range(num_decode)]
     if device == "cpu" or device.startswith("cuda:") or num_gpus < 2:

@@ -1,5 +1,7 @@
 """Where `tandem serve` puts its workers on the GPUs."""
 
+import pytest
+
 from tandem.placement import plan
 
 
@@ -31,3 +33,15 @@ def test_explicit_transport_wins_and_visible_devices_are_respected(monkeypatch):
     placements = plan(4, "cuda", "cuda_ipc", 2, 3)
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in placements] == ["4", "5", "6", "7", "6"]
     assert all(p.kv_transport is None for p in placements)
+
+
+def test_a_split_model_s_worker_gets_a_gpu_per_rank(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    workers = plan(4, "auto", "auto", 1, 2, "auto", tp_size=2)  # auto: a split model's pools are colocated
+    assert [(p.role, p.env) for p in workers] == [("colocated", {"CUDA_VISIBLE_DEVICES": "0,1"}),
+                                                   ("colocated", {"CUDA_VISIBLE_DEVICES": "2,3"})]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    assert plan(2, "auto", "auto", 1, 1, "auto", tp_size=2)[0].env == {"CUDA_VISIBLE_DEVICES": "5,7"}
+    with pytest.raises(ValueError, match="need 4 GPUs; 2 are visible"):
+        plan(2, "auto", "auto", 1, 2, "auto", tp_size=2)
+    assert [(p.role, p.env) for p in plan(0, "cpu", "auto", 1, 1, "auto", tp_size=2)] == [("colocated", {})]

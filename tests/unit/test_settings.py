@@ -35,6 +35,10 @@ def model_dir(tmp_path_factory):
         (dict(port=0), "--port"),
         (dict(heartbeat_interval_s=2.0, heartbeat_ttl_s=0.5), "heartbeat-interval-s"),
         (dict(log_level="verbose"), "log-level"),
+        (dict(tensor_parallel_size=0), "tensor-parallel-size must be >= 1"),
+        (dict(tensor_parallel_size=2, pools="separate"), "colocated layout"),
+        (dict(tensor_parallel_size=2, kv_host_cache_gb=1.0), "--kv-host-cache-gb does not run with"),
+        (dict(tensor_parallel_size=2, kv_cache_dtype="fp8"), "--kv-cache-dtype fp8 does not run with"),
     ],
 )
 def test_inconsistent_limits_are_rejected_with_the_flag_named(model_dir, overrides, message):

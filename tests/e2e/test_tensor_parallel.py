@@ -1,0 +1,77 @@
+"""End to end on the CPU: a worker of both pools whose model is split over two ranks
+(``--tensor-parallel-size 2``: two processes, gloo), through real redis, gateway and worker.
+
+Eight streams at once, prompts longer than the step budget (prompt chunks share steps with decode
+rows), equal HF transformers' greedy output token for token: the split model gives the whole
+model's answers through the cluster. A follower rank killed: the worker's next step fails its
+collective and the worker exits (its supervisor restarts it whole), not a wrong answer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.e2e.cluster import LocalCluster
+from tests.e2e.serve_cluster import Stream
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture
+def split_cluster(tiny_llama, tmp_path):
+    c = LocalCluster(tiny_llama, str(tmp_path), layout="colocated", tokens_per_block=4, max_num_tokens=16,
+                     max_seq_len=256, max_input_len=200, tensor_parallel_size=2, cpu_threads=1)
+    c.start()
+    yield c
+    c.stop()
+
+
+def _follower_pids(pid: int) -> list[int]:
+    """The worker's tensor-parallel ranks: its spawned children (not multiprocessing's resource tracker)."""
+    pids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    ranks = []
+    for child in pids:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            ranks.append(child)
+    return ranks
+
+
+def test_two_ranks_answer_as_hf_and_a_dead_rank_ends_the_worker(split_cluster, hf_greedy):
+    cluster = split_cluster
+    prompts = [[3 + (5 * i + 3 * j) % 400 for j in range(20 + 9 * i)] for i in range(8)]
+    streams = []
+    for prompt in prompts:
+        stream = Stream(cluster.base_url, cluster.settings.model_name, "", MAX_TOKENS)
+        stream.body["prompt"] = prompt
+        stream.start()
+        streams.append(stream)
+    for stream, prompt in zip(streams, prompts):
+        stream.join(120)
+        assert stream.status == 200 and stream.done and stream.error is None, (stream.error, cluster.logs())
+        assert stream.token_ids == hf_greedy(prompt, MAX_TOKENS)
+    info = cluster.wait_blocks_free("decode", "decode-0")
+    assert info.num_mixed_steps > 0
+
+    worker = cluster.procs["decode-0"]
+    followers = _follower_pids(worker.pid)
+    assert len(followers) == 1, followers
+    os.kill(followers[0], signal.SIGKILL)
+    late = Stream(cluster.base_url, cluster.settings.model_name, "", MAX_TOKENS)
+    late.body["prompt"] = prompts[0]
+    late.start()  # its forward meets the dead rank
+    deadline = time.monotonic() + 60
+    while worker.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert worker.poll() not in (None, 0), cluster.logs()
+    assert "tensor-parallel" in cluster.logs()
