@@ -113,7 +113,11 @@ class Settings:
                          "device (one GPU, the CPU)", choices=POOLS)
     tensor_parallel_size: int = setting(1, POOLS_GROUP,
                                         "ranks each worker splits the model over (one process and device each; "
-                                        "query and KV heads and MLP units divided among them): --pools colocated")
+                                        "query and KV heads and MLP units divided among them)")
+    prefill_tp: int | None = setting(None, POOLS_GROUP, "--tensor-parallel-size of the prefill workers (--pools "
+                                                        "separate; default: --tensor-parallel-size)")
+    decode_tp: int | None = setting(None, POOLS_GROUP, "--tensor-parallel-size of the decode workers (--pools "
+                                                       "separate; default: --tensor-parallel-size)")
     num_prefill_workers: int = setting(1, POOLS_GROUP, "tandem serve: prefill workers (--pools separate)")
     num_decode_workers: int = setting(1, POOLS_GROUP, "tandem serve: decode workers (colocated: workers)")
     gateway_processes: int = setting(0, POOLS_GROUP,
@@ -327,10 +331,10 @@ class Settings:
                f"({self.heartbeat_ttl_s}): a worker would otherwise expire between its beats")
         _check(self.log_format in LOG_FORMATS, f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         _check(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
-        _check(self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1:
-            _check(self.pools != "separate", "--tensor-parallel-size above 1 runs in the colocated layout: the "
-                                             "handoff between pools of split models is not built yet")
+        for flag, size in (("--tensor-parallel-size", self.tensor_parallel_size), ("--prefill-tp", self.prefill_tp),
+                           ("--decode-tp", self.decode_tp)):
+            _check(size is None or size >= 1, f"{flag} must be >= 1, got {size}")
+        if max(self.tp_size(role) for role in ("prefill", "decode", "colocated")) > 1:
             for flag, off in (("--enable-lora", not self.enable_lora), ("--kv-host-cache-gb", self.kv_host_cache_gb <= 0),
                               ("--kv-cache-dtype fp8", self.kv_cache_dtype != "fp8")):
                 _check(off, f"{flag} does not run with --tensor-parallel-size above 1 yet")
@@ -362,6 +366,11 @@ class Settings:
     def lora_module_paths(self) -> dict[str, str]:
         """--lora-modules as name -> path."""
         return {name.strip(): path.strip() for name, _, path in (m.partition("=") for m in self.lora_modules)}
+
+    def tp_size(self, role: str) -> int:
+        """Ranks a worker of ``role`` splits the model over (``engine.tensor_parallel``)."""
+        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return own if own is not None else self.tensor_parallel_size
 
     def worker_name(self, role: str) -> str:
         return self.worker_id or f"{role}-{os.uname().nodename}-{os.getpid()}"

@@ -10,8 +10,6 @@ trip. Request statuses moved here: see ``tandem.decode.scheduler``; the prefill 
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 import time
 
 import redis
@@ -29,7 +27,7 @@ from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.settings import Settings
 from tandem.cluster.step_stats import StepStats
 from tandem.decode.batch_wait import BatchWait, shares_gpu
-from tandem.decode.pool_files import remove_stale_pool_files
+from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
 from tandem.decode.device_steps import DeviceStep, DeviceSteps, PromptRow, run_ahead
 from tandem.decode.handoffs import PrefillHandoffs
 from tandem.decode.request import DecodeRequest
@@ -67,9 +65,6 @@ class DecodeWorker:
     host_tier: HostKVTier | None = None  # --kv-host-cache-gb: swapped-out KV, and what a prefix cache evicts
 
     def __init__(self, settings: Settings):
-        if settings.tensor_parallel_size > 1 and not self.computes_prompts:
-            raise ValueError("--tensor-parallel-size above 1 runs in a worker of both pools (--pools colocated): "
-                             "the handoff between pools of split models is not built yet")
         self.settings = settings
         self.worker_id = settings.worker_name(self.role)
         self.redis = redis.Redis.from_url(settings.redis_url)
@@ -77,14 +72,16 @@ class DecodeWorker:
         self.transport = get_transport(transport, settings)
         shm_path = None
         if transport == "shm":
-            # the files of earlier runs of this worker that did not stop cleanly (SIGKILL) go first
-            remove_stale_pool_files(_shm_dir(settings.shm_dir), f"tandem-kv-{self.worker_id}-")
-            shm_path = os.path.join(_shm_dir(settings.shm_dir), f"tandem-kv-{self.worker_id}-{os.getpid()}")
-        self.runner = build_runner(settings, shm_path=shm_path)
+            shm_path = new_pool_path(_shm_dir(settings.shm_dir), self.worker_id)
+        # a split model's ranks keep their pools in files of their own when prefill workers write them
+        tp_size = settings.tp_size("colocated" if self.computes_prompts else "decode")
+        self.runner = build_runner(settings, shm_path=shm_path, tp_size=tp_size,
+                                   shared_ranks=tp_size > 1 and not self.computes_prompts and shm_path is not None)
         self.vocab_size = self.runner.config.vocab_size
         try:
             self._set_up(settings)
         except BaseException:
+            self.runner.leave_group()
             self.runner.kv_pool.close()  # a start that fails leaves no pool file behind
             raise
 
@@ -96,7 +93,7 @@ class DecodeWorker:
     def _set_up(self, settings: Settings) -> None:
         if self.runner.device.type == "cuda":
             self.runner.enable_cuda_graphs(settings.max_batch_size, settings.max_seq_len)
-        self.kv_endpoint = self.transport.export_pool(self.runner.kv_pool)
+        self.kv_endpoint = self.transport.export_pool(self.runner.kv_pool, self.runner.rank_pools)
         self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, settings.tokens_per_block)
         # with --kv-host-cache-gb: host memory a paused request's KV waits in (decode.swap), and
         # what a prefix cache evicts
@@ -450,13 +447,7 @@ class DecodeWorker:
         return queued
 
 
-def _shm_dir(configured: str | None) -> str:
-    """Where the shm pool files go: --shm-dir (made if missing; another tmpfs than a container's
-    small /dev/shm, say), else /dev/shm, else the temp directory."""
-    if configured:
-        os.makedirs(configured, mode=0o700, exist_ok=True)
-        return configured
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_shm_dir = pool_dir
 
 
 def main(settings: Settings, stop) -> None:

@@ -92,6 +92,7 @@ class ModelRunner:
         self.mixed_graphs = None  # engine.mixed_graph.MixedGraphs once enable_mixed_graphs() ran
         self.lora: LoraManager | None = None  # once enable_lora() ran
         self.tp = None  # engine.tensor_parallel.TPGroup: this runner is one rank of a split model
+        self.rank_pools: list[KVCachePool] = []  # a split model's leader: its followers' pools, mapped
 
     def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
                     weights: LoraWeights | None = None) -> LoraManager:
@@ -160,12 +161,25 @@ class ModelRunner:
         hidden, meta = self._hidden(chunks, feed)
         return self.model.compute_logits(hidden[meta.logits_indices]), hidden
 
+    def attach_rank_pools(self, pools: list[KVCachePool]) -> None:
+        """The leader of a split model: its followers' pools (ranks 1..N-1, mapped from their files)."""
+        self.rank_pools = list(pools)
+
+    def kv_parts(self) -> list[tuple[torch.Tensor, int]]:
+        """The KV of every head: (a pool's tensor, the first KV head it holds), one per rank whose pool
+        this process reaches (this rank's own, then its followers' from ``attach_rank_pools``)."""
+        heads = self.kv_pool.num_kv_heads
+        return [(pool.kv, rank * heads) for rank, pool in enumerate([self.kv_pool, *self.rank_pools])]
+
     def leave_group(self) -> None:
         """The leader of a split model: its followers stop and the group closes (at the worker's end)."""
         if self.tp is not None:
             tp, self.tp = self.tp, None
             tp.stop()
             tp.close()
+        for pool in self.rank_pools:
+            pool.close()
+        self.rank_pools = []
 
     @torch.inference_mode()
     def follow(self) -> None:

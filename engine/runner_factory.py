@@ -1,11 +1,17 @@
-"""Where a worker runs and how big its KV pool is."""
+"""Where a worker runs and how big its KV pool is; a split model's ranks as processes
+(``engine.tensor_parallel``: ``lead_group`` starts them, ``follower_main`` is each one's life)."""
 
 from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
 
 import structlog
 import torch
 
 from tandem.cluster.settings import CPU_DEFAULT_KV_TOKENS, Settings
+from tandem.engine.tensor_parallel import TPGroup, TPGroupLost
 
 log = structlog.get_logger(__name__)
 
@@ -91,25 +97,27 @@ def check_fp8_kv_device(device: torch.device) -> None:
                            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
 
 
-def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens: int | None = None, tp=None):
+def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens: int | None = None, tp=None,
+                 tp_size: int = 1, shared_ranks: bool = False):
     """Load the model, then size its KV pool from what memory the weights left. ``shm_path``: pool in that file.
     An FP8 pool (``--kv-cache-dtype fp8``) gets its scales first (the checkpoint's, else one
     calibration forward: ``tandem.engine.kv_scales``), from the same model on every worker.
 
-    With ``--tensor-parallel-size N`` (``engine.tensor_parallel``) the caller is rank 0 and starts
-    the other ranks here (``tp``: a follower's own group); each loads its slice of the model, and
-    the pool has the same number of blocks on every rank."""
+    With ``tp_size`` N > 1 (``engine.tensor_parallel``) the caller is rank 0 and starts the other
+    ranks here (``tp``: a follower's own group); each loads its slice of the model, and the pool
+    has the same number of blocks on every rank. ``shared_ranks``: every rank's pool is a file
+    (rank 0's at ``shm_path``), which rank 0 maps too: the shm transport moves the KV of all
+    the heads (``ModelRunner.kv_parts``)."""
     from tandem.engine.kv_cache import KVCachePool, resolve_kv_dtype
     from tandem.engine.kv_scales import kv_scales
     from tandem.engine.loader import load_model
     from tandem.engine.runner import ModelRunner
-    from tandem.engine.tensor_parallel import lead_group, rank_device
 
     device = resolve_device(settings.device)
-    if settings.tensor_parallel_size > 1:
+    if tp is not None or tp_size > 1:
         device = rank_device(device, 0 if tp is None else tp.rank)
         if tp is None:
-            tp = lead_group(settings, device)
+            tp = lead_group(settings, device, tp_size, shm_path if shared_ranks else None)
     dtype = resolve_dtype(settings.dtype, device)
     model, config = load_model(settings.model, dtype=dtype, device=device,
                                max_attention_window=settings.max_attention_window_size,
@@ -145,6 +153,65 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
     else:
         pool = KVCachePool(**layout, device=device, **scales)
     runner = ModelRunner.from_model(model, config, num_blocks, settings.tokens_per_block, kv_pool=pool, tp=tp)
+    if tp is not None and shared_ranks:  # every rank's file exists once all passed here
+        tp.barrier()
+        if tp.is_leader:
+            runner.attach_rank_pools([KVCachePool.attach_shared(rank_pool_path(shm_path, rank), **layout)
+                                      for rank in range(1, tp.size)])
     if lora_weights is not None:
         runner.enable_lora(settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras, weights=lora_weights)
     return runner
+
+
+# ---- a worker's ranks as processes ---------------------------------------------------------
+
+
+def lead_group(settings, device: torch.device, size: int, pool_path: str | None = None) -> TPGroup:
+    """Rank 0 of a worker of ``size`` ranks: start the followers (one process each, spawned, its
+    device CUDA device r of the worker's) and meet them -> the group. ``pool_path``: each follower
+    keeps its KV pool in the file ``rank_pool_path(pool_path, r)`` (the shm transport: the pools
+    of split models hand KV over through their ranks' files). The followers are daemons: they end
+    with this process, and end it (``TPGroupLost``) if one dies."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = multiprocessing.get_context("spawn")
+    followers = [ctx.Process(target=follower_main, args=(settings, rank, size, init_method, pool_path), daemon=True,
+                             name=f"tp-rank-{rank}") for rank in range(1, size)]
+    for proc in followers:
+        proc.start()
+    group = TPGroup(0, size, init_method, device)
+    group.followers = followers
+    return group
+
+
+def rank_pool_path(pool_path: str, rank: int) -> str:
+    """Where rank ``rank`` of a worker whose pool file is ``pool_path`` keeps its own (rank 0: there)."""
+    return pool_path if rank == 0 else f"{pool_path}.rank{rank}"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: CUDA device r of the worker's visible ones, or the CPU."""
+    if device.type != "cuda":
+        return device
+    if torch.cuda.device_count() <= rank:
+        raise ValueError(f"tensor-parallel rank {rank} needs CUDA device {rank}; "
+                         f"{torch.cuda.device_count()} are visible to the worker")
+    return torch.device("cuda", rank)
+
+
+def follower_main(settings, rank: int, size: int, init_method: str, pool_path: str | None) -> None:
+    """A follower rank's process: its slice of the model and KV pool, then every forward its
+    leader runs, until the leader stops (or is gone: then it exits non-zero)."""
+    if settings.cpu_threads:
+        torch.set_num_threads(settings.cpu_threads)
+    group = TPGroup(rank, size, init_method, rank_device(resolve_device(settings.device), rank))
+    runner = build_runner(settings, shm_path=None if pool_path is None else rank_pool_path(pool_path, rank),
+                          tp=group, shared_ranks=pool_path is not None)
+    try:
+        runner.follow()
+    except TPGroupLost:
+        runner.kv_pool.close()  # its file, if it has one, goes with it
+        os._exit(1)
+    runner.kv_pool.close()
+    group.close()

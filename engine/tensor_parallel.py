@@ -119,6 +119,12 @@ class TPGroup:
         except RuntimeError as exc:
             raise TPGroupLost(f"tensor-parallel all-reduce failed: {exc}") from exc
 
+    def barrier(self) -> None:
+        try:
+            dist.barrier()
+        except RuntimeError as exc:
+            raise TPGroupLost(f"tensor-parallel barrier failed: {exc}") from exc
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's ``value`` (a KV pool's blocks: the same on every rank)."""
         tensor = torch.tensor([value], dtype=torch.int64, device=self.objects_on)
@@ -185,52 +191,3 @@ class TPGroup:
             sys.stderr.flush()
             os._exit(0)
         dist.destroy_process_group()
-
-
-# ---- a worker's ranks as processes ---------------------------------------------------------
-
-
-def lead_group(settings, device: torch.device) -> TPGroup:
-    """Rank 0 of a worker with ``settings.tensor_parallel_size`` ranks: start the followers (one
-    process each, spawned, its device CUDA device r of the worker's) and meet them -> the group.
-    The followers are daemons: they end with this process, and end it (``TPGroupLost``) if one dies."""
-    import multiprocessing
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    ctx = multiprocessing.get_context("spawn")
-    followers = [ctx.Process(target=follower_main, args=(settings, rank, init_method), daemon=True,
-                             name=f"tp-rank-{rank}") for rank in range(1, settings.tensor_parallel_size)]
-    for proc in followers:
-        proc.start()
-    group = TPGroup(0, settings.tensor_parallel_size, init_method, device)
-    group.followers = followers
-    return group
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``rank``'s device: CUDA device r of the worker's visible ones, or the CPU."""
-    if device.type != "cuda":
-        return device
-    if torch.cuda.device_count() <= rank:
-        raise ValueError(f"tensor-parallel rank {rank} needs CUDA device {rank}; "
-                         f"{torch.cuda.device_count()} are visible to the worker")
-    return torch.device("cuda", rank)
-
-
-def follower_main(settings, rank: int, init_method: str) -> None:
-    """A follower rank's process: its slice of the model and KV pool, then every forward its
-    leader runs, until the leader stops (or is gone: then it exits non-zero)."""
-    from tandem.engine.runner_factory import build_runner, resolve_device
-
-    if settings.cpu_threads:
-        torch.set_num_threads(settings.cpu_threads)
-    group = TPGroup(rank, settings.tensor_parallel_size, init_method,
-                    rank_device(resolve_device(settings.device), rank))
-    try:
-        build_runner(settings, tp=group).follow()
-    except TPGroupLost:
-        os._exit(1)
-    group.close()

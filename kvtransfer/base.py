@@ -60,8 +60,9 @@ class Transport(ABC):
     name: str
 
     @abstractmethod
-    def export_pool(self, pool) -> dict:
-        """Receiving side: a msgpack-able endpoint map that lets a peer reach ``pool``."""
+    def export_pool(self, pool, rank_pools=()) -> dict:
+        """Receiving side: a msgpack-able endpoint map that lets a peer reach ``pool`` (and a split
+        model's followers' ``rank_pools``: the shm transport's)."""
 
     @abstractmethod
     def connect(self, endpoint: dict) -> Connection:

@@ -79,7 +79,10 @@ class CudaIpcConnection(Connection):
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
 
-    def export_pool(self, pool) -> dict:
+    def export_pool(self, pool, rank_pools=()) -> dict:
+        if rank_pools:
+            raise TransferError(f"the {self.name} transport moves one pool; a split model's (--tensor-parallel-size "
+                                "above 1) hands KV over with the shm transport only, for now")
         kv = pool.kv
         if not kv.is_cuda:
             raise TransferError("the cuda_ipc transport needs a KV pool on a CUDA device")

@@ -312,7 +312,10 @@ class NcclTransport(Transport):
         self.trace_path = trace_path if trace_path is not None else Settings.field_default("kv_trace")
         self._servers: list[PoolServer] = []
 
-    def export_pool(self, pool) -> dict:
+    def export_pool(self, pool, rank_pools=()) -> dict:
+        if rank_pools:
+            raise TransferError(f"the {self.name} transport moves one pool; a split model's (--tensor-parallel-size "
+                                "above 1) hands KV over with the shm transport only, for now")
         try:
             server = PoolServer(pool, self.host, self.timeout_s, self.trace_path)
         except (OSError, RuntimeError) as exc:

@@ -38,7 +38,8 @@ from tandem.engine.attention import SeqChunk
 from tandem.engine.lora_slots import lora_slots
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.warmup import warm_up_prefill
-from tandem.engine.runner_factory import build_runner, device_identity, resolve_transport
+from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
+from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
@@ -60,16 +61,20 @@ class PrefillWorker:
     host_tier: HostKVTier | None = None  # blocks the prefix cache evicts, kept in host memory (--kv-host-cache-gb)
 
     def __init__(self, settings: Settings):
-        if settings.tensor_parallel_size > 1:
-            raise ValueError("--tensor-parallel-size above 1 runs in a worker of both pools (--pools colocated): "
-                             "the handoff between pools of split models is not built yet")
         self.settings = settings
         self.worker_id = settings.worker_name(self.role)
         self.redis = redis.Redis.from_url(settings.redis_url)
         # room for the prompts in flight (a paused request resumes with up to max_seq_len - 1
         # tokens); the rest of a shared GPU is the decode worker's
         cap = max(4 * settings.max_num_tokens, 2 * settings.max_seq_len)
-        self.runner = build_runner(settings, gpu_cap_tokens=cap)
+        tp_size, shm_path = settings.tp_size("prefill"), None
+        if tp_size > 1:  # every rank's pool in a file this process maps: a handoff sends every head
+            if resolve_transport(settings.kv_transport, resolve_device(settings.device)) != "shm":
+                raise ValueError("a prefill worker of --prefill-tp above 1 hands KV over with the shm transport "
+                                 "(the CPU) only, for now")
+            shm_path = new_pool_path(pool_dir(settings.shm_dir), self.worker_id)
+        self.runner = build_runner(settings, shm_path=shm_path, gpu_cap_tokens=cap, tp_size=tp_size,
+                                   shared_ranks=tp_size > 1)
         self.transport = get_transport(resolve_transport(settings.kv_transport, self.runner.device), settings)
         self.block_size = settings.tokens_per_block
         self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, self.block_size)
@@ -152,6 +157,12 @@ class PrefillWorker:
             self.lora_loads.close()
             if self.prefix_index is not None:
                 self.prefix_index.delete()
+            self.runner.leave_group()
+            self.runner.kv_pool.close()  # a split model's pool file goes with it
+
+    def _handoff_kv(self):
+        """What a handoff reads: the pool's tensor, or a split model's every rank's (kvtransfer.shm)."""
+        return self.runner.kv_parts() if getattr(self.runner, "rank_pools", None) else self.runner.kv_pool.kv
 
     def info(self) -> WorkerInfo:
         return worker_info(
@@ -380,7 +391,7 @@ class PrefillWorker:
             last_block = (start + num_tokens - 1) // self.block_size
             if state.job.max_tokens:  # max_tokens 0: no decoding follows, its KV is not needed there
                 state.sender.send_blocks(
-                    self.runner.kv_pool.kv, state.block_ids[first_block : last_block + 1], first_block
+                    self._handoff_kv(), state.block_ids[first_block : last_block + 1], first_block
                 )
             if self.scheduler.on_chunk_done(state, num_tokens):
                 if state.job.resume:  # a paused request's KV, recomputed: it has its tokens already

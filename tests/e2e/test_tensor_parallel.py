@@ -1,10 +1,13 @@
-"""End to end on the CPU: a worker of both pools whose model is split over two ranks
-(``--tensor-parallel-size 2``: two processes, gloo), through real redis, gateway and worker.
+"""End to end on the CPU: models split over two ranks (two processes, gloo), through real
+redis, gateway and workers.
 
-Eight streams at once, prompts longer than the step budget (prompt chunks share steps with decode
-rows), equal HF transformers' greedy output token for token: the split model gives the whole
-model's answers through the cluster. A follower rank killed: the worker's next step fails its
-collective and the worker exits (its supervisor restarts it whole), not a wrong answer.
+- A worker of both pools (``--tensor-parallel-size 2``): eight streams at once, prompts longer
+  than the step budget (prompt chunks share steps with decode rows), equal HF transformers'
+  greedy output token for token. A follower rank killed: the worker's next step fails its
+  collective and the worker exits (its supervisor restarts it whole), not a wrong answer.
+- Separate pools of different degrees (``--prefill-tp``, ``--decode-tp``: 1 and 2, 2 and 1,
+  2 and 2): the handoff moves each rank's KV heads to the ranks that hold them; every stream
+  equals HF greedy, and the decode worker holds no block afterwards.
 """
 
 from __future__ import annotations
@@ -75,3 +78,29 @@ def test_two_ranks_answer_as_hf_and_a_dead_rank_ends_the_worker(split_cluster, h
         time.sleep(0.1)
     assert worker.poll() not in (None, 0), cluster.logs()
     assert "tensor-parallel" in cluster.logs()
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (2, 2)])
+def test_the_handoff_between_pools_of_different_degrees_equals_hf(tiny_llama, tmp_path, hf_greedy, prefill_tp,
+                                                                   decode_tp):
+    cluster = LocalCluster(tiny_llama, str(tmp_path), tokens_per_block=4, max_num_tokens=16, max_seq_len=256,
+                           max_input_len=200, prefill_tp=prefill_tp, decode_tp=decode_tp, cpu_threads=1)
+    cluster.start()
+    try:
+        prompts = [[3 + (7 * i + 5 * j) % 400 for j in range(14 + 11 * i)] for i in range(6)]
+        streams = []
+        for prompt in prompts:
+            stream = Stream(cluster.base_url, cluster.settings.model_name, "", MAX_TOKENS)
+            stream.body["prompt"] = prompt
+            stream.start()
+            streams.append(stream)
+        for stream, prompt in zip(streams, prompts):
+            stream.join(120)
+            assert stream.status == 200 and stream.done and stream.error is None, (stream.error, cluster.logs())
+            assert stream.token_ids == hf_greedy(prompt, MAX_TOKENS)
+        cluster.wait_blocks_free("decode", "decode-0")
+        for worker in ("prefill-0", "decode-0"):
+            assert len(_follower_pids(cluster.procs[worker].pid)) == {"prefill-0": prefill_tp,
+                                                                      "decode-0": decode_tp}[worker] - 1
+    finally:
+        cluster.stop()

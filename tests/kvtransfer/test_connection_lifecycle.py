@@ -23,7 +23,7 @@ def test_a_closed_shm_connection_refuses_writes_and_unmaps(tmp_path):
         sender.send_blocks(torch.ones(1, 2, 4, 2, 1, 4), [1], 0)
         assert torch.count_nonzero(pool.kv[:, :, 0]) == 16  # the whole block: K and V
         connection.close()
-        assert connection._pool is None  # the peer's mapping is let go
+        assert connection._pools is None  # the peer's mapping is let go
         late = KVSender(connection, [2])
         late.send_blocks(torch.ones(1, 2, 4, 2, 1, 4), [1], 0)
         assert late.poll() is KVPoll.FAILED and "closed" in late.error

@@ -137,3 +137,33 @@ def test_a_failed_handoff_reads_failed_only_once_its_other_writes_are_done():
     overflow.send_blocks(torch.zeros(1), [1], 1)  # past the reserved blocks: fails, the first is in flight
     assert overflow.poll() is KVPoll.TRANSFERRING and "reserved" in overflow.error
     assert overflow.poll() is KVPoll.FAILED
+
+
+@pytest.mark.parametrize("src_ranks, dst_ranks", [(1, 2), (2, 1), (2, 2), (4, 2)])
+def test_shm_moves_each_head_to_the_rank_that_holds_it(tmp_path, src_ranks, dst_ranks):
+    """Split models (engine.tensor_parallel): a source of M ranks' parts and a destination of N
+    ranks' pool files, each holding its share of 4 KV heads; every head lands where it belongs."""
+    heads = 4
+    full = torch.randn(2, 2, 8, 4, heads, 8)
+    per_src = heads // src_ranks
+    src = [(full[..., r * per_src : (r + 1) * per_src, :].contiguous(), r * per_src) for r in range(src_ranks)]
+    per_dst = heads // dst_ranks
+    layout = dict(LAYOUT, num_kv_heads=per_dst)
+    pools = [KVCachePool.create_shared(str(tmp_path / f"pool{r}"), **layout) for r in range(dst_ranks)]
+    try:
+        transport = get_transport("shm")
+        endpoint = transport.export_pool(pools[0], pools[1:])
+        assert [r["first_head"] for r in endpoint.get("ranks", [{"first_head": 0}])] == [r * per_dst for r in range(dst_ranks)]
+        conn = transport.connect(endpoint)
+        conn.write(src if src_ranks > 1 else src[0][0], [1, 5, 6], [7, 0, 3])
+        whole = torch.cat([p.kv for p in pools], dim=4)
+        for s, d in zip([1, 5, 6], [7, 0, 3]):
+            assert torch.equal(whole[:, :, d], full[:, :, s])
+        assert torch.count_nonzero(whole[:, :, [2, 4]]) == 0
+        conn.close()
+        with pytest.raises(TransferError, match="different KV heads"):
+            transport.connect(endpoint).write([(src[0][0], 0)] if src_ranks > 1 else [(src[0][0][..., :2, :], 0)],
+                                              [1], [2])
+    finally:
+        for p in pools:
+            p.close()

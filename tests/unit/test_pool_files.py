@@ -13,7 +13,7 @@ import redis
 from tandem.redis_server import free_port
 from tandem.cluster.settings import Settings
 from tandem.decode import worker as decode_worker
-from tandem.decode.pool_files import remove_stale_pool_files
+from tandem.kvtransfer.pool_files import remove_stale_pool_files
 
 
 def _dead_pid() -> int:
