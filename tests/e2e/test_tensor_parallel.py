@@ -50,7 +50,7 @@ def _follower_pids(pid: int) -> list[int]:
     return ranks
 
 
-def test_two_ranks_answer_as_hf_and_a_dead_rank_ends_the_worker(split_cluster, hf_greedy):
+def test_two_ranks_answer_as_hf(split_cluster, hf_greedy):
     cluster = split_cluster
     prompts = [[3 + (5 * i + 3 * j) % 400 for j in range(20 + 9 * i)] for i in range(8)]
     streams = []
@@ -66,18 +66,43 @@ def test_two_ranks_answer_as_hf_and_a_dead_rank_ends_the_worker(split_cluster, h
     info = cluster.wait_blocks_free("decode", "decode-0")
     assert info.num_mixed_steps > 0
 
-    worker = cluster.procs["decode-0"]
-    followers = _follower_pids(worker.pid)
-    assert len(followers) == 1, followers
-    os.kill(followers[0], signal.SIGKILL)
-    late = Stream(cluster.base_url, cluster.settings.model_name, "", MAX_TOKENS)
-    late.body["prompt"] = prompts[0]
-    late.start()  # its forward meets the dead rank
-    deadline = time.monotonic() + 60
-    while worker.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert worker.poll() not in (None, 0), cluster.logs()
-    assert "tensor-parallel" in cluster.logs()
+    assert len(_follower_pids(cluster.procs["decode-0"].pid)) == 1
+
+
+def test_a_dead_rank_ends_its_worker_and_the_stream_goes_on_on_the_other(tiny_llama, tmp_path, hf_greedy):
+    """Two colocated workers of two ranks each; a follower rank of the worker streaming a request
+    is killed: that worker's next step fails its collective and the worker exits, and the stream
+    continues on the other worker, equal to HF greedy."""
+    from tandem.launcher import wait_healthy
+
+    max_tokens = 200
+    prompt = [3 + (11 * j) % 400 for j in range(30)]
+    cluster = LocalCluster(tiny_llama, str(tmp_path), "colocated", tokens_per_block=4, max_num_tokens=64,
+                           max_seq_len=512, tensor_parallel_size=2, cpu_threads=1)
+    try:
+        for worker_id in ("decode-0", "decode-1"):
+            cluster.start_service("colocated", worker_id)
+        cluster.start_service("gateway")
+        assert wait_healthy(f"{cluster.base_url}/health", list(cluster.procs.values()), 180.0), cluster.logs()
+        client = Stream(cluster.base_url, cluster.settings.model_name, "", max_tokens, ignore_eos=True)
+        client.body["prompt"] = prompt
+        client.start()
+        deadline = time.monotonic() + 60
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            victim = cluster.busy_worker("decode", ("decode-0", "decode-1")) if len(client.arrivals) > 5 else None
+            time.sleep(0.02)
+        assert victim is not None, f"the request never ran: {client.error}\n{cluster.logs()}"
+        os.kill(_follower_pids(cluster.procs[victim].pid)[0], signal.SIGKILL)
+        tokens_at_kill = len(client.token_ids)
+        client.join(120)
+        assert client.status == 200 and client.done and client.error is None, (client.error, cluster.logs())
+        assert 0 < tokens_at_kill < max_tokens, "killed after the request had finished: the test proves nothing"
+        assert client.token_ids == hf_greedy(prompt, max_tokens)
+        assert cluster.procs[victim].wait(30) not in (None, 0)  # the worker ended with its rank
+        assert "TPGroupLost" in cluster.logs()
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (2, 2)])
