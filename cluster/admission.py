@@ -6,7 +6,9 @@ tokens of the requests admitted to it that have not left yet, and
 change them, each atomically, so the sum stays exact:
 
     RESERVE_LUA  gateway, one call over every live decode worker: the worker with
-                 the most room that can take the request gets an entry (or none)
+                 the most room that can take the request gets an entry (or none); with
+                 preferred workers (those holding the prompt's prefix), the first of them
+                 that can take it
     RELEASE_LUA  decode worker when a request leaves it, by any path (finish,
                  abort, failure); gateway when its submission failed. Idempotent.
     clear        decode worker at start: a new incarnation holds nothing
@@ -30,19 +32,32 @@ import redis
 from tandem.cluster import keys
 
 # KEYS: per candidate worker i (1-based): KEYS[2i-1] its admitted hash, KEYS[2i] its reserved-token counter.
-# ARGV[1]: request id; per worker i: ARGV[3i-1] charge, ARGV[3i] capacity tokens, ARGV[3i+1] max requests (0: any).
-# Returns the 0-based index of the worker that took the request, or -1. Ties go to the earlier worker.
+# ARGV[1]: request id; per worker i: ARGV[3i-1] charge, ARGV[3i] capacity tokens, ARGV[3i+1] max requests (0: any);
+# then, optionally, how many leading workers are preferred (those holding the prompt's prefix): the first of them
+# that can take the request does, before the most-room rule over the others.
+# Returns the 0-based index of the worker that took the request (or holds it already), or -1. Ties go to the
+# earlier worker.
 RESERVE_LUA = """
-local best, best_room = -1, -1
-for i = 1, #KEYS / 2 do
-  local charge, capacity, max_requests = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
-  local room = capacity - tonumber(redis.call('GET', KEYS[2*i]) or '0')
-  local count = redis.call('HLEN', KEYS[2*i-1])
+local n = #KEYS / 2
+local preferred = tonumber(ARGV[3*n + 2] or '0')
+for i = 1, n do
   if redis.call('HEXISTS', KEYS[2*i-1], ARGV[1]) == 1 then
     return i - 1
   end
-  if room >= charge and (max_requests == 0 or count < max_requests) and room > best_room then
-    best, best_room = i, room
+end
+local best, best_room = -1, -1
+for i = 1, n do
+  local charge, capacity, max_requests = tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i]), tonumber(ARGV[3*i+1])
+  local room = capacity - tonumber(redis.call('GET', KEYS[2*i]) or '0')
+  local count = redis.call('HLEN', KEYS[2*i-1])
+  if room >= charge and (max_requests == 0 or count < max_requests) then
+    if i <= preferred then
+      best = i
+      break
+    end
+    if room > best_room then
+      best, best_room = i, room
+    end
   end
 end
 if best < 0 then

@@ -1,4 +1,4 @@
-"""Which prompt prefixes each prefill worker has cached, kept in Redis for routing.
+"""Which prompt prefixes each worker has cached, kept in Redis for routing.
 
 A prefill worker with prefix caching mirrors the chained block hashes its
 cache holds (``tandem.engine.prefix_cache``) into the set ``tandem:prefix:<worker>``
@@ -17,6 +17,10 @@ loaded, then the next in turn (``choose_prefill_worker``). A prefix counts its
 blocks on the device whole and the blocks it goes on with in host memory at
 ``HOST_BLOCK_WEIGHT`` each: they save the compute but cost a copy. The index is
 a hint: a block evicted after the check is recomputed.
+
+Workers that run both pools on one device (``--pools colocated``) publish their caches the same
+way, and the gateway admits a request to the one holding the longest prefix of its prompt, then
+by room (``tandem.gateway.router``, the same lookups on its asyncio pipeline).
 """
 
 from __future__ import annotations
@@ -83,10 +87,20 @@ def longest_prefixes(client: redis.Redis, worker_ids: list[str], hashes: list[by
     if not hashes or not worker_ids:
         return {worker_id: 0 for worker_id in worker_ids}
     pipe = client.pipeline(transaction=False)
+    queue_prefix_queries(pipe, worker_ids, hashes)
+    return prefix_scores(worker_ids, pipe.execute())
+
+
+def queue_prefix_queries(pipe, worker_ids: list[str], hashes: list[bytes]) -> None:
+    """Queue on ``pipe`` (redis-py's, sync or asyncio) the lookups ``prefix_scores`` reads."""
     for worker_id in worker_ids:
         pipe.smismember(keys.prefix_index(worker_id), hashes)
         pipe.smismember(keys.prefix_host_index(worker_id), hashes)
-    results = pipe.execute()
+
+
+def prefix_scores(worker_ids: list[str], results: list) -> dict[str, float]:
+    """The replies of ``queue_prefix_queries`` -> worker id -> its prefix's length in blocks (device
+    blocks whole, host-tier blocks at ``HOST_BLOCK_WEIGHT``)."""
     matches = {}
     for i, worker_id in enumerate(worker_ids):
         device, host = results[2 * i], results[2 * i + 1]

@@ -49,7 +49,7 @@ from tandem.decode.quarantine import Quarantine
 from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.window import held_block_ids
-from tandem.engine.prefix_cache import block_hashes, num_reusable_blocks
+from tandem.cluster.block_hashes import block_hashes, num_reusable_blocks
 from tandem.kvtransfer import KVPoll, KVReceiver, Transport
 
 log = structlog.get_logger(__name__)

@@ -17,7 +17,8 @@ nothing, so the scheduler has one code path either way.
 from __future__ import annotations
 
 from tandem.decode.request import DecodeRequest
-from tandem.engine.prefix_cache import PrefixCache, block_hashes, num_reusable_blocks
+from tandem.cluster.block_hashes import block_hashes, num_reusable_blocks
+from tandem.engine.prefix_cache import PrefixCache
 
 
 class PrefixReuse:

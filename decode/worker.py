@@ -20,6 +20,7 @@ from tandem.cluster.admission import Reservations
 from tandem.cluster.inbox import Inbox, Mailer, Unreadable
 from tandem.cluster.messages import AbortRequest, GenerateRequest, PrefillDone, TokenEvent, WorkerInfo, named
 from tandem.cluster.outputs import Outbox
+from tandem.cluster.prefix_index import PrefixIndex
 from tandem.cluster.worker_loop import run_steps, worker_info
 from tandem.cluster.live_policies import LivePolicies
 from tandem.cluster.registry import Heartbeat
@@ -63,6 +64,7 @@ class DecodeWorker:
     num_mixed_steps = 0  # steps that carried decode rows and prompt chunks (tandem.colocated)
     lora_loads: AdapterLoads = AdapterLoads(None)  # serving no adapters (set at start with --enable-lora)
     host_tier: HostKVTier | None = None  # --kv-host-cache-gb: swapped-out KV, and what a prefix cache evicts
+    prefix_index: PrefixIndex | None = None  # its prefix cache's hashes in Redis (tandem.colocated)
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -188,7 +190,9 @@ class DecodeWorker:
         self._release_admissions()
         self.steps.penalties.release(self.scheduler.pop_left_batch())  # their slots of token counts
         if self.host_tier is not None:
-            self.host_tier.poll()  # checksums of landed stores, so a resume only checks them
+            self.host_tier.poll()
+        if self.prefix_index is not None:
+            self.prefix_index.sync()  # what the gateway routes by (tandem.colocated)  # checksums of landed stores, so a resume only checks them
         self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
                              waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free,
                              holds=self.batch_wait.num_holds)
@@ -223,6 +227,8 @@ class DecodeWorker:
         finally:
             self.heartbeat.stop()
             self.lora_loads.close()
+            if self.prefix_index is not None:
+                self.prefix_index.delete()
             self.runner.leave_group()
             self.runner.kv_pool.close()
 

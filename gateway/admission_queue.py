@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from tandem.cluster.messages import WorkerInfo
 from tandem.gateway.errors import ClientDisconnected, RequestTimeout, ServerBusy
-from tandem.gateway.router import Router
+from tandem.gateway.router import PromptPrefix, Router
 
 POLL_S = 0.01  # the head's retry interval
 CLIENT_CHECK_S = 0.1  # how often the head asks whether its client is still there
@@ -66,17 +66,19 @@ class AdmissionQueue:
 
     async def admit(self, request_id: str, num_prompt_tokens: int, max_tokens: int, priority: int = 0,
                     resumed: bool = False, deadline: float | None = None,
-                    client_gone: Callable[[], Awaitable[bool]] | None = None) -> WorkerInfo:
+                    client_gone: Callable[[], Awaitable[bool]] | None = None,
+                    prompt: PromptPrefix | None = None) -> WorkerInfo:
         """The worker that took the request (its reservation is made); waits in the queue if none can yet.
 
         ``resumed``: a request already streaming whose decode worker was lost; it goes ahead of
         the new requests of its priority and is never refused for a full queue. ``deadline``
         (monotonic): the request's own; reaching it raises RequestTimeout. (A deadline, not
         ``asyncio.wait_for``: a cancellation landing inside a redis-py call can be lost.)
-        ``client_gone``: asked while queued; True raises ClientDisconnected."""
+        ``client_gone``: asked while queued; True raises ClientDisconnected. ``prompt``: for
+        prefix-aware admission (``Router.reserve``)."""
         reserve = (request_id, num_prompt_tokens, max_tokens, resumed)
         if not self._waiting:
-            worker = await self.router.reserve(*reserve)
+            worker = await self.router.reserve(*reserve, prompt=prompt)
             if worker is not None:
                 return worker
         if self.max_queue_len is not None and len(self._waiting) >= self.max_queue_len and not resumed:
@@ -95,7 +97,7 @@ class AdmissionQueue:
             while True:
                 head = self._waiting[0] is ticket
                 if head:
-                    worker = await self.router.reserve(*reserve)
+                    worker = await self.router.reserve(*reserve, prompt=prompt)
                     if worker is not None:
                         return worker
                 else:

@@ -29,7 +29,7 @@ from tandem.cluster.messages import GenerateRequest, WorkerInfo
 from tandem.gateway.admission_queue import AdmissionQueue
 from tandem.gateway.background import BackgroundTasks
 from tandem.gateway.errors import NoWorkerAvailable
-from tandem.gateway.router import Router
+from tandem.gateway.router import PromptPrefix, Router
 from tandem.gateway.validation import GenerationInput
 
 ABORT_RETRY_S = 60.0  # how long an abort is retried through a Redis outage
@@ -56,7 +56,8 @@ class Dispatcher:
 
     async def admit(self, wire_id: str, num_prompt_tokens: int, max_tokens: int, priority: int = 0, *,
                     resumed: bool = False, deadline: float | None = None,
-                    client_gone: Callable[[], Awaitable[bool]] | None = None) -> WorkerInfo:
+                    client_gone: Callable[[], Awaitable[bool]] | None = None,
+                    prompt: PromptPrefix | None = None) -> WorkerInfo:
         """Reserve room on a decode worker (waiting in the admission queue while none has it).
         A new request needs a live prefill worker too (or a decode worker that computes its own
         prompts): without one it gets 503 at once, as without a decode worker. A resumed one waits for a decode worker (``failover_wait_s``)."""
@@ -65,7 +66,7 @@ class Dispatcher:
                     w.computes_prompts for w in await self._router.workers("decode")):
                 raise NoWorkerAvailable("no prefill worker is alive; retry later")
             worker = await self._admission.admit(wire_id, num_prompt_tokens, max_tokens, priority,
-                                                 deadline=deadline, client_gone=client_gone)
+                                                 deadline=deadline, client_gone=client_gone, prompt=prompt)
             return self._saw(worker)
         wait_until = time.monotonic() + self._failover_wait_s
         if deadline is not None:

@@ -12,6 +12,11 @@ capacity policy it reports, and records the charge, atomically, so gateways
 sharing a pool cannot oversubscribe a worker. The worker gives the
 reservation back when the request leaves it. Workers being drained
 (``tandem.cluster.draining``, read with the registry) get no new requests.
+
+Prefix-aware admission (``--enable-prefix-caching``, workers that compute their own prompts:
+``--pools colocated``): the workers are tried in order of the longest prefix of the prompt
+each has cached (``tandem.cluster.prefix_index``: one pipelined SMISMEMBER per worker), then
+by room, so the turns of a conversation go back to the worker holding its history.
 """
 
 from __future__ import annotations
@@ -22,18 +27,22 @@ import time
 
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import RedisError
 
 from tandem.cluster import keys
 from tandem.cluster.admission import RELEASE_LUA, RESERVE_LUA
+from tandem.cluster.block_hashes import block_hashes, num_reusable_blocks
 from tandem.cluster.policies import CAPACITY_POLICIES, GUARANTEED_NO_EVICT
 from tandem.cluster.draining import accepting, is_draining, parse_marks
 from tandem.cluster.messages import FIELD, AbortRequest, GenerateRequest, WorkerInfo, encode
+from tandem.cluster.prefix_index import prefix_scores, queue_prefix_queries
 from tandem.cluster.registry import of_model, parse_records
 from tandem.gateway.errors import NoWorkerAvailable
 
 log = structlog.get_logger(__name__)
 
 CACHE_TTL_S = 0.25
+PREFIX_SCORES_TTL_S = 0.25  # how long a queued prompt's prefix lookup stands
 ROLES = ("decode", "prefill")
 
 
@@ -58,6 +67,26 @@ def admission_args(worker: WorkerInfo, num_prompt_tokens: int, max_tokens: int) 
     return [charge, capacity, worker.max_admitted or worker.max_batch_size]
 
 
+class PromptPrefix:
+    """A prompt as prefix-aware admission looks it up: its token ids and what else its KV depends
+    on (its LoRA adapter's digest). The hashes of its reusable blocks are made once per block
+    size, and its workers' scores are kept ``PREFIX_SCORES_TTL_S`` (the head of the admission
+    queue asks again every poll)."""
+
+    __slots__ = ("token_ids", "salt", "_hashes", "_scores")
+
+    def __init__(self, token_ids: list[int], salt: str = ""):
+        self.token_ids, self.salt = token_ids, salt
+        self._hashes: tuple[int, list[bytes]] | None = None
+        self._scores: tuple[float, tuple[str, ...], dict[str, float]] | None = None
+
+    def hashes(self, block_size: int) -> list[bytes]:
+        if self._hashes is None or self._hashes[0] != block_size:
+            end = num_reusable_blocks(len(self.token_ids), block_size) * block_size
+            self._hashes = (block_size, block_hashes(self.token_ids[:end], block_size, salt=self.salt))
+        return self._hashes[1]
+
+
 def tie_order(workers: list[WorkerInfo]) -> list[WorkerInfo]:
     """Candidates in the order that breaks ties of room: most free blocks, then least loaded."""
     return sorted(workers, key=lambda w: (-w.num_free_blocks, w.num_running + w.num_waiting, w.worker_id))
@@ -67,8 +96,12 @@ class Router:
     """``model``: only workers serving it count (workers of other models sharing the Redis are
     another cluster's); None: every worker."""
 
-    def __init__(self, client: aioredis.Redis, cache_ttl_s: float = CACHE_TTL_S, model: str | None = None):
+    def __init__(self, client: aioredis.Redis, cache_ttl_s: float = CACHE_TTL_S, model: str | None = None,
+                 prefix_routing: bool = False):
+        """``prefix_routing``: a request goes first to the worker (of those computing their own
+        prompts) holding the longest prefix of its prompt (``tandem.cluster.prefix_index``)."""
         self._client = client
+        self._prefix_routing = prefix_routing
         self._model = model
         self._foreign: set[tuple[str, str]] = set()  # (role, id) of workers of other models, logged once
         self._cache_ttl_s = cache_ttl_s
@@ -118,10 +151,11 @@ class Router:
         return any(w.worker_id == worker_id and started_at in (None, w.started_at) for w in await self.workers(role))
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                      resumed: bool = False) -> WorkerInfo | None:
+                      resumed: bool = False, prompt: PromptPrefix | None = None) -> WorkerInfo | None:
         """Admit the request to a decode worker that can take it now (atomically); None if none can.
         A draining worker takes none, except a ``resumed`` request (its worker was lost) that no
-        other worker can take: finishing it beats failing it.
+        other worker can take: finishing it beats failing it. With prefix routing and ``prompt``,
+        the workers holding longer prefixes of it are tried first.
 
         Raises NoWorkerAvailable when no decode worker is alive, or every one is draining.
         """
@@ -132,20 +166,47 @@ class Router:
         taking = accepting(live, marks)
         if not taking and not resumed:
             raise NoWorkerAvailable("every decode worker is being drained; retry later")
-        worker = await self._reserve_on(taking, request_id, num_prompt_tokens, max_tokens) if taking else None
+        scores = await self._prefix_scores(taking, prompt) if prompt is not None and len(taking) > 1 else None
+        worker = await self._reserve_on(taking, request_id, num_prompt_tokens, max_tokens, scores) if taking else None
         if worker is None and resumed:
             draining = [w for w in live if is_draining(w, marks)]
             if draining:
                 worker = await self._reserve_on(draining, request_id, num_prompt_tokens, max_tokens)
         return worker
 
+    async def _prefix_scores(self, candidates: list[WorkerInfo], prompt: PromptPrefix) -> dict[str, float] | None:
+        """Worker id -> blocks of ``prompt``'s prefix it holds, for the candidates that compute their
+        own prompts (None without prefix routing, or when Redis could not say: order by room)."""
+        computing = [w for w in candidates if w.computes_prompts]
+        if not self._prefix_routing or len(computing) < 2:
+            return None
+        ids = tuple(w.worker_id for w in computing)
+        now = time.monotonic()
+        if prompt._scores is not None and prompt._scores[1] == ids and now - prompt._scores[0] < PREFIX_SCORES_TTL_S:
+            return prompt._scores[2]
+        hashes = prompt.hashes(computing[0].block_size)
+        if not hashes:
+            return None
+        pipe = self._client.pipeline(transaction=False)
+        queue_prefix_queries(pipe, list(ids), hashes)
+        try:
+            scores = prefix_scores(list(ids), await pipe.execute())
+        except RedisError:
+            return None  # a hint: the reservation itself tells whether Redis is there
+        prompt._scores = (now, ids, scores)
+        return scores
+
     async def _reserve_on(self, candidates: list[WorkerInfo], request_id: str, num_prompt_tokens: int,
-                          max_tokens: int) -> WorkerInfo | None:
+                          max_tokens: int, scores: dict[str, float] | None = None) -> WorkerInfo | None:
         workers = tie_order(candidates)
+        if scores:  # longest cached prefix first, then by room (a stable sort keeps the tie order)
+            workers.sort(key=lambda w: -scores.get(w.worker_id, 0.0))
         script_keys, args = [], [request_id]
         for worker in workers:
             script_keys += [keys.admitted(worker.worker_id), keys.reserved_tokens(worker.worker_id)]
             args += admission_args(worker, num_prompt_tokens, max_tokens)
+        if scores:  # those holding some of the prefix: the first of them with room takes it
+            args.append(sum(1 for w in workers if scores.get(w.worker_id, 0.0) > 0))
         index = int(await self._reserve(keys=script_keys, args=args))
         return workers[index] if index >= 0 else None
 

@@ -38,7 +38,7 @@ from tandem.gateway.mux import OutputMux
 from tandem.gateway.chat_protocol import ChatCompletionRequest
 from tandem.gateway.protocol import CompletionRequest
 from tandem.gateway.resume import ResumableStreams
-from tandem.gateway.router import ROLES, Router
+from tandem.gateway.router import ROLES, PromptPrefix, Router
 from tandem.gateway.stream_log import RetainedRequest, StreamLog
 from tandem.gateway.token_events import POLL_S
 from tandem.gateway.text_stream import TextStream
@@ -73,7 +73,7 @@ class GatewayService:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer or settings.model)
         self.lanes = TokenizeLanes(settings, self.tokenizer)  # validation and tokenization, off the loop
         self.redis = redis if redis is not None else make_redis(settings.redis_url)
-        self.router = Router(self.redis, model=settings.model_name)
+        self.router = Router(self.redis, model=settings.model_name, prefix_routing=settings.enable_prefix_caching)
         self.adapters = LoraAdapters(settings, self.redis)  # --enable-lora: the served adapters
         self._num_adapters: int | None = None  # at the last scrape (None: LoRA off, or not read yet)
         self.metrics = GatewayMetrics(lambda: {role: self.router.cached(role) for role in ROLES},
@@ -136,7 +136,8 @@ class GatewayService:
                          client_gone: Callable[[], Awaitable[bool]] | None) -> Generation:
         dispatcher = self.dispatcher
         worker = await dispatcher.admit(request_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority,
-                                        client_gone=client_gone)
+                                        client_gone=client_gone,
+                                        prompt=PromptPrefix(inp.prompt_token_ids, inp.lora_digest))
         if client_gone is not None and await client_gone():  # left while its room was being reserved
             dispatcher.release(worker.worker_id, request_id)
             raise ClientDisconnected("client disconnected before submission")

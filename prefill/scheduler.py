@@ -30,7 +30,8 @@ from tandem.cluster.policies import FIRST_COME_FIRST_SERVED, chunking_policy
 from tandem.cluster.request_state import RequestStatus
 from tandem.engine.block_allocator import BlockAllocator, blocks_for
 from tandem.engine.lora_slots import AdapterSlots
-from tandem.engine.prefix_cache import PrefixCache, block_hashes, num_reusable_blocks
+from tandem.cluster.block_hashes import block_hashes, num_reusable_blocks
+from tandem.engine.prefix_cache import PrefixCache
 from tandem.prefill.job import PrefillState
 
 class PrefillScheduler:

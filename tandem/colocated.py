@@ -37,6 +37,7 @@ from __future__ import annotations
 import structlog
 
 from tandem.cluster.messages import PrefillDone, TokenEvent, WorkerInfo
+from tandem.cluster.prefix_index import PrefixIndex
 from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.settings import Settings
 from tandem.decode.device_steps import DeviceStep, PromptRow
@@ -200,6 +201,9 @@ class ColocatedWorker(DecodeWorker):
 
     def _set_up(self, settings: Settings) -> None:
         super()._set_up(settings)
+        if self.prefix_cache is not None:  # the gateway admits a prompt where its prefix is cached
+            self.prefix_index = PrefixIndex(self.redis, self.worker_id, self.prefix_cache, settings.heartbeat_ttl_s,
+                                            settings.heartbeat_interval_s, self.host_tier)
         self.handoffs = LocalPrefill(settings=settings, worker_id=self.worker_id, scheduler=self.scheduler,
                                      runner=self.runner, outbox=self.outbox, publish=self._publish)
         # the prefill attention's compilations happen before traffic, not in a first mixed step

@@ -85,3 +85,32 @@ def test_bench_multi_turn_sends_each_conversation_so_far_and_reports_the_reuse(c
     # the pool keeps every conversation here: a later turn finds all but its last partial block and question
     assert metrics["cached_fraction_later_turns"] > 0.6, metrics
     assert metrics["ttft_ms"]["p50"] > 0 and metrics["output_throughput"] > 0
+
+
+def test_each_conversation_s_turns_go_back_to_the_worker_holding_its_history(tiny_llama, tmp_path, hf_greedy):
+    """Two colocated workers with prefix caching: the gateway admits each later turn to the worker
+    holding the conversation so far (the longest cached prefix), so every later turn finds its
+    history cached, while the first turns spread over both workers by room."""
+    from tandem.launcher import wait_healthy
+
+    c = LocalCluster(tiny_llama, str(tmp_path), layout="colocated", tokens_per_block=BLOCK, max_num_tokens=32,
+                     max_seq_len=256, max_input_len=200, enable_prefix_caching=True)
+    try:
+        for worker_id in ("decode-0", "decode-1"):
+            c.start_service("colocated", worker_id)
+        c.start_service("gateway")
+        assert wait_healthy(f"{c.base_url}/health", list(c.procs.values()), 180.0), c.logs()
+        histories = [[5 + (13 * i + 7 * j) % 400 for j in range(30 + 3 * i)] for i in range(6)]
+        with httpx.Client(base_url=c.base_url, timeout=120) as http, ThreadPoolExecutor(3) as pool:
+            for turn in range(3):
+                prompts = [h + [30 + turn, 31 + turn] for h in histories]
+                results = list(pool.map(lambda p: _complete(http, c, p), prompts))
+                for i, (prompt, (answer, cached)) in enumerate(zip(prompts, results)):
+                    assert answer == hf_greedy(prompt, MAX_TOKENS)
+                    if turn:  # the previous turn's prompt and answer, all but its last partial block
+                        assert cached >= (len(histories[i]) - 1) // BLOCK * BLOCK - BLOCK, (turn, i, cached)
+                    histories[i] = prompt + [a if a < 500 else 5 for a in answer]
+        busy = [c.worker("decode", w).prefix_device_hits for w in ("decode-0", "decode-1")]
+        assert all(hits > 0 for hits in busy), busy  # both workers served conversations
+    finally:
+        c.stop()

@@ -14,7 +14,8 @@ from tandem.cluster.sampling import SamplingParams
 from tandem.engine.attention import SeqChunk
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.host_kv_tier import HostKVTier, _runs
-from tandem.engine.prefix_cache import PrefixCache, block_hashes
+from tandem.cluster.block_hashes import block_hashes
+from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.runner import ModelRunner
 from tandem.prefill.job import PrefillState
 from tandem.prefill.scheduler import PrefillScheduler

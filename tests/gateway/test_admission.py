@@ -83,7 +83,7 @@ class FakeRouter:
         self.room = 0
         self.taken: list[str] = []
 
-    async def reserve(self, request_id, num_prompt_tokens, max_tokens, resumed=False):
+    async def reserve(self, request_id, num_prompt_tokens, max_tokens, resumed=False, prompt=None):
         if self.room <= 0:
             return None
         self.room -= 1

@@ -11,7 +11,8 @@ from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.caching_allocator import CachingAllocator
-from tandem.engine.prefix_cache import PrefixCache, block_hashes
+from tandem.cluster.block_hashes import block_hashes
+from tandem.engine.prefix_cache import PrefixCache
 
 BLOCK = 4
 

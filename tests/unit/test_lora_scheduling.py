@@ -9,7 +9,8 @@ from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.lora_slots import AdapterSlots
-from tandem.engine.prefix_cache import PrefixCache, block_hashes
+from tandem.cluster.block_hashes import block_hashes
+from tandem.engine.prefix_cache import PrefixCache
 from tandem.prefill.job import PrefillState
 from tandem.prefill.scheduler import PrefillScheduler
 

@@ -10,7 +10,8 @@ from tandem.cluster.messages import PrefillJob
 from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.sampling import SamplingParams
 from tandem.engine.block_allocator import BlockAllocator, OutOfBlocks
-from tandem.engine.prefix_cache import PrefixCache, block_hashes, num_reusable_blocks
+from tandem.cluster.block_hashes import block_hashes, num_reusable_blocks
+from tandem.engine.prefix_cache import PrefixCache
 from tandem.prefill.job import PrefillState
 from tandem.prefill.scheduler import PrefillScheduler
 
@@ -37,7 +38,7 @@ def test_hash_chain_covers_the_whole_prefix():
 
 
 def test_hashes_are_stable_across_processes():
-    code = "from tandem.engine.prefix_cache import block_hashes; print(block_hashes(list(range(9)), 4)[1].hex())"
+    code = "from tandem.cluster.block_hashes import block_hashes; print(block_hashes(list(range(9)), 4)[1].hex())"
     outs = {
         subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                        env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()

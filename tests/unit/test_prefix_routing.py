@@ -10,7 +10,8 @@ from tandem.redis_server import RedisServer
 from tandem.cluster.messages import WorkerInfo
 from tandem.cluster.prefix_index import PrefixIndex, choose_prefill_worker, longest_prefixes
 from tandem.engine.block_allocator import BlockAllocator
-from tandem.engine.prefix_cache import PrefixCache, block_hashes
+from tandem.cluster.block_hashes import block_hashes
+from tandem.engine.prefix_cache import PrefixCache
 
 BS = 4
 
