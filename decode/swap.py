@@ -36,7 +36,7 @@ class SwapSpace:
         if n == 0 or n > len(request.block_ids) or n > self.tier.capacity:
             return
         self.discard(request.request_id)
-        self.tier.store(list(zip(self._keys(request.request_id, n), request.block_ids[:n])))
+        self.tier.store(list(zip(self._keys(request.request_id, n), request.block_ids[:n])), indexed=False)
         self._saved[request.request_id] = n
         self.num_swapped_out += 1
 

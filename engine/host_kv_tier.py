@@ -66,7 +66,11 @@ class HostKVTier:
         self._checksum: dict[int, int] = {}  # slot -> checksum of its bytes, once they landed
         self._in_flight: list[tuple[object, list[tuple[int, bytes]]]] = []  # (copy done, its (slot, hash)s)
         self._copy_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self._changes: dict[bytes, bool] = {}  # hash -> held now? since take_changes() (the routing index)
+        # hash -> held now? since take_changes() (the routing index); kept only once an index asked
+        # (take_changes), and never for the blocks stored unindexed (a swapped-out request's)
+        self._changes: dict[bytes, bool] = {}
+        self._indexed = False
+        self._unindexed: set[bytes] = set()
         self.stats = HostTierStats()
 
     # ---- lookups ----------------------------------------------------------------------
@@ -78,13 +82,17 @@ class HostKVTier:
 
     @property
     def num_cached(self) -> int:
-        return len(self._slot_of)
+        """Prefix blocks held (not those stored unindexed)."""
+        return len(self._slot_of) - len(self._unindexed)
 
     def cached_hashes(self) -> list[bytes]:
-        return list(self._slot_of)
+        """The prefix blocks held (not those stored unindexed)."""
+        return [h for h in self._slot_of if h not in self._unindexed]
 
     def take_changes(self) -> tuple[list[bytes], list[bytes]]:
-        """(hashes stored, hashes dropped) since the last call: for the worker's routing index."""
+        """(hashes stored, hashes dropped) since the last call: for the worker's routing index
+        (the first call starts the record: a worker with no index keeps none)."""
+        self._indexed = True
         changes, self._changes = self._changes, {}
         return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
 
@@ -98,9 +106,10 @@ class HostKVTier:
         return count
 
     # ---- device -> host ---------------------------------------------------------------
-    def store(self, blocks: list[tuple[bytes, int]]) -> int:
+    def store(self, blocks: list[tuple[bytes, int]], indexed: bool = True) -> int:
         """Copy evicted device blocks (hash, block id) to the host, dropping least recently used host
-        blocks for room; a hash already here is only touched. -> how many were copied."""
+        blocks for room; a hash already here is only touched. -> how many were copied.
+        ``indexed`` False: keys no routing index lists (a swapped-out request's blocks)."""
         todo = []
         for block_hash, block_id in blocks:
             if block_hash in self._slot_of:
@@ -118,7 +127,10 @@ class HostKVTier:
             slot = self._free.pop()
             self._slot_of[block_hash] = slot
             self._hash_in[slot] = block_hash
-            self._changes[block_hash] = True
+            if not indexed:
+                self._unindexed.add(block_hash)
+            elif self._indexed:
+                self._changes[block_hash] = True
             slots.append(slot)
         ids = torch.tensor([block_id for _, block_id in todo], device=self.device)
         gathered = self.kv.index_select(2, ids).movedim(2, 0).contiguous()  # [n, layers, 2, block, heads, bytes]
@@ -205,7 +217,10 @@ class HostKVTier:
     def _drop(self, block_hash: bytes) -> None:
         slot = self._slot_of.pop(block_hash)
         del self._hash_in[slot]
-        self._changes[block_hash] = False
+        if block_hash in self._unindexed:
+            self._unindexed.discard(block_hash)
+        elif self._indexed:
+            self._changes[block_hash] = False
         self._checksum.pop(slot, None)
         self._free.append(slot)
 

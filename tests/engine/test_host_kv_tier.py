@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.cluster.block_hashes import block_hashes
 from tandem.cluster.messages import PrefillJob
 from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.sampling import SamplingParams
 from tandem.engine.attention import SeqChunk
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.host_kv_tier import HostKVTier, _runs
-from tandem.cluster.block_hashes import block_hashes
+from tandem.engine.kv_cache import KVCachePool
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.runner import ModelRunner
 from tandem.prefill.job import PrefillState
@@ -160,3 +161,22 @@ def test_on_the_gpu_blocks_come_back_byte_for_byte_and_prefixes_give_the_same_lo
     assert tier.load([b"r0", b"r1", b"r2", b"r3"], [20, 21, 22, 23]) == 4  # straight after the store
     torch.cuda.synchronize()
     assert torch.equal(raw[:, :, 20:24], before)
+
+
+def test_the_routing_index_sees_prefix_blocks_only_and_only_once_asked():
+    """A swapped-out request's blocks (stored unindexed) never reach the routing index, and a tier
+    nobody indexes keeps no record of its changes (a decode worker's swap space: no growth)."""
+    pool = KVCachePool(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    tier = HostKVTier(pool, 4 * pool.bytes_per_block)
+    tier.store([(b"swap:r:0", 1), (b"swap:r:1", 2)], indexed=False)
+    tier.store([(b"h" * 16, 3)])
+    assert tier._changes == {}  # no index asked yet
+    assert tier.cached_hashes() == [b"h" * 16] and tier.num_cached == 1
+    assert tier.take_changes() == ([], [])
+    tier.store([(b"g" * 16, 4)])
+    tier.drop(b"swap:r:0")
+    tier.drop(b"h" * 16)
+    assert tier.take_changes() == ([b"g" * 16], [b"h" * 16])
+    tier.store([(f"swap:s:{i}".encode(), 4 + i) for i in range(4)], indexed=False)  # evicts swap:r:1, then g
+    assert tier.take_changes() == ([], [b"g" * 16])
+    assert tier.num_cached == 0 and len(tier) == 4
