@@ -34,25 +34,17 @@ from tandem.cluster.policies import (
     CAPACITY_POLICY_NAMES, CHUNKING_POLICY_NAMES, FIRST_COME_FIRST_SERVED, GUARANTEED_NO_EVICT,
 )
 from tandem.cluster.quantization import QUANTIZATIONS, checkpoint_fp8
+from tandem.cluster.settings_rules import (  # noqa: F401 (the values settings take, named here too)
+    DTYPES, KV_CACHE_DTYPES, KV_TRANSPORTS, LOG_FORMATS, LOG_LEVELS, POOLS, RUN_AHEAD_MODES, TOOL_CALL_PARSERS,
+    SettingsError, check_all, require,
+)
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-LOG_FORMATS = ("auto", "console", "json")
-RUN_AHEAD_MODES = ("auto", "on", "off")
-POOLS = ("auto", "colocated", "separate")  # tandem serve: one worker running both pools, or two pools
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: E4M3 codes with per-layer, per-head scales
-KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "nccl")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 CPU_DEFAULT_KV_TOKENS = 16384
 ENV_PREFIX = "TANDEM_"
 
 MODEL, POOLS_GROUP, SCHEDULING, KV_TRANSFER, GATEWAY, SECURITY, OBSERVABILITY = (
     "model", "pools", "scheduling", "KV transfer", "gateway", "security", "observability")
 GROUPS = (MODEL, POOLS_GROUP, SCHEDULING, KV_TRANSFER, GATEWAY, SECURITY, OBSERVABILITY)
-
-
-class SettingsError(ValueError):
-    pass
 
 
 def setting(default: Any, group: str, help: str = "", *, flag: str | None = None, choices=None,
@@ -269,7 +261,7 @@ class Settings:
             config = read_model_config(self.model)
         except CheckpointError as exc:
             raise SettingsError(str(exc)) from None
-        _check(self.quantization in QUANTIZATIONS,
+        require(self.quantization in QUANTIZATIONS,
                f"--quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         try:
             checkpoint_fp8(config)  # a quantized checkpoint other than FP8: refused before any worker starts
@@ -280,87 +272,9 @@ class Settings:
             self.max_seq_len = max_positions
         if self.max_input_len is None:
             self.max_input_len = self.max_seq_len - 1
-        _check(self.tokens_per_block > 0 and self.tokens_per_block & (self.tokens_per_block - 1) == 0,
-               f"--tokens-per-block must be a positive power of two, got {self.tokens_per_block}")
-        _check(self.max_batch_size >= 1, f"--max-batch-size must be >= 1, got {self.max_batch_size}")
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
-               f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _check(self.max_seq_len <= max_positions,
-               f"--max-seq-len {self.max_seq_len} exceeds the model's max_position_embeddings {max_positions}")
-        _check(1 <= self.max_input_len < self.max_seq_len,
-               f"--max-input-len must be in [1, --max-seq-len), got {self.max_input_len} with max_seq_len {self.max_seq_len}")
-        _check(self.max_num_tokens >= self.tokens_per_block,
-               f"--max-num-tokens {self.max_num_tokens} must be at least --tokens-per-block {self.tokens_per_block}")
-        _check(self.max_attention_window_size is None or self.max_attention_window_size >= 1,
-               f"--max-attention-window-size must be >= 1, got {self.max_attention_window_size}")
-        _check(0.0 < self.kv_cache_free_gpu_mem_fraction < 1.0,
-               f"--kv-cache-free-gpu-mem-fraction must be in (0, 1), got {self.kv_cache_free_gpu_mem_fraction}")
-        if self.max_tokens_in_paged_kv_cache is not None:
-            _check(self.max_tokens_in_paged_kv_cache >= self.max_seq_len,
-                   f"--max-tokens-in-paged-kv-cache {self.max_tokens_in_paged_kv_cache} cannot hold one "
-                   f"sequence of --max-seq-len {self.max_seq_len}")
-        _check(self.decode_batch_wait_ms >= 0, f"--decode-batch-wait-ms must be >= 0, got {self.decode_batch_wait_ms}")
-        _check(self.failover_wait_s >= 0, f"--failover-wait-s must be >= 0, got {self.failover_wait_s}")
-        _check(self.shutdown_timeout_s >= 0, f"--shutdown-timeout-s must be >= 0, got {self.shutdown_timeout_s}")
-        _check(self.pools in POOLS, f"--pools must be one of {POOLS}, got {self.pools!r}")
-        _check(self.decode_run_ahead in RUN_AHEAD_MODES,
-               f"--decode-run-ahead must be one of {RUN_AHEAD_MODES}, got {self.decode_run_ahead!r}")
-        _check(self.max_queue_len is None or self.max_queue_len >= 0,
-               f"--max-queue-len must be >= 0, got {self.max_queue_len}")
-        _check(self.queue_timeout_s is None or self.queue_timeout_s >= 0,
-               f"--queue-timeout-s must be >= 0, got {self.queue_timeout_s}")
-        _check(self.stream_retention_s > 0, f"--stream-retention-s must be > 0, got {self.stream_retention_s}")
-        _check(self.capacity_scheduler_policy in CAPACITY_POLICY_NAMES,
-               f"--capacity-scheduler-policy must be one of {CAPACITY_POLICY_NAMES}")
-        _check(self.context_chunking_policy in CHUNKING_POLICY_NAMES,
-               f"--context-chunking-policy must be one of {CHUNKING_POLICY_NAMES}")
-        _check(1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}")
-        _check(0 <= self.admin_port <= 65535 and self.admin_port != self.port,
-               f"--admin-port must be in [0, 65535] (0: no admin API) and differ from --port, got {self.admin_port}")
-        _check(self.admin_token != "", "--admin-token (TANDEM_ADMIN_TOKEN) is empty")
-        _check((self.admin_tls_cert is None) == (self.admin_tls_key is None),
-               "--admin-tls-cert and --admin-tls-key go together")
-        for flag, path in (("--admin-tls-cert", self.admin_tls_cert), ("--admin-tls-key", self.admin_tls_key)):
-            _check(path is None or os.path.isfile(path), f"{flag}: no file {path!r}")
-        # keys travel comma-separated in TANDEM_API_KEY; the message must not quote them
-        _check(all(key and "," not in key and not any(c.isspace() for c in key) for key in self.api_keys),
-               "--api-key: a key must be non-empty, without commas or spaces")
-        _check(self.api_keys or not self.metrics_require_auth, "--metrics-require-auth needs --api-key")
-        _check(0 < self.heartbeat_interval_s < self.heartbeat_ttl_s,
-               f"--heartbeat-interval-s ({self.heartbeat_interval_s}) must be > 0 and below --heartbeat-ttl-s "
-               f"({self.heartbeat_ttl_s}): a worker would otherwise expire between its beats")
-        _check(self.log_format in LOG_FORMATS, f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
-        _check(self.cpu_threads >= 0, f"--cpu-threads must be >= 0, got {self.cpu_threads}")
-        for flag, size in (("--tensor-parallel-size", self.tensor_parallel_size), ("--prefill-tp", self.prefill_tp),
-                           ("--decode-tp", self.decode_tp)):
-            _check(size is None or size >= 1, f"{flag} must be >= 1, got {size}")
-        if max(self.tp_size(role) for role in ("prefill", "decode", "colocated")) > 1:
-            for flag, off in (("--enable-lora", not self.enable_lora), ("--kv-host-cache-gb", self.kv_host_cache_gb <= 0),
-                              ("--kv-cache-dtype fp8", self.kv_cache_dtype != "fp8")):
-                _check(off, f"{flag} does not run with --tensor-parallel-size above 1 yet")
-        _check(self.log_level.upper() in LOG_LEVELS, f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
-        _check(self.stats_interval_s > 0, f"--stats-interval-s must be > 0, got {self.stats_interval_s}")
-        _check(self.kv_piece_bytes > 0, f"--kv-piece-bytes must be > 0, got {self.kv_piece_bytes}")
-        _check(self.kv_timeout_s > 0, f"--kv-timeout-s must be > 0, got {self.kv_timeout_s}")
-        _check(self.num_prefill_workers >= 1 and self.num_decode_workers >= 1,
-               "--num-prefill-workers and --num-decode-workers must be at least 1")
-        _check(self.max_loras >= 1, f"--max-loras must be >= 1, got {self.max_loras}")
-        _check(self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
-        _check(self.max_cpu_loras >= self.max_loras,
-               f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
-        _check(self.enable_lora or not self.lora_modules, "--lora-modules needs --enable-lora")
-        names = []
-        for item in self.lora_modules:
-            name, sep, path = item.partition("=")
-            _check(bool(sep and name.strip() and path.strip()),
-                   f"--lora-modules: {item!r} is not name=path")
-            _check(name.strip() not in (self.model_name, self.model),
-                   f"--lora-modules: the adapter name {name.strip()!r} is the base model's")
-            names.append(name.strip())
-        _check(len(set(names)) == len(names), f"--lora-modules: an adapter name given twice in {names}")
-        _check(self.gateway_processes >= 0, f"--gateway-processes must be >= 0, got {self.gateway_processes}")
+        check_all(self, max_positions)
         return self
 
     def lora_module_paths(self) -> dict[str, str]:
@@ -478,11 +392,6 @@ def describe(settings: Settings, sources: dict[str, str]) -> str:
                 value = f"<{len(value)} keys>" if isinstance(value, list) else "<set>"
             lines.append(f"  {flag_name(f)[2:]:<32} {str(value):<40} {sources.get(f.name, 'default')}")
     return "\n".join(lines)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise SettingsError(message)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
