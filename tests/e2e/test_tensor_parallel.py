@@ -129,3 +129,34 @@ def test_the_handoff_between_pools_of_different_degrees_equals_hf(tiny_llama, tm
                                                                       "decode-0": decode_tp}[worker] - 1
     finally:
         cluster.stop()
+
+
+def test_tandem_serve_restarts_a_split_worker_whose_rank_died_and_loses_no_stream(tiny_llama, tmp_path, hf_greedy):
+    """``tandem serve --tensor-parallel-size 2``: a follower rank killed while 6 streams decode; its
+    worker ends, the supervisor starts it again whole (two new ranks), and every stream goes on on
+    its new run to HF's answer. Afterwards no pool file and no process is left."""
+    from transformers import AutoTokenizer
+
+    from tests.e2e.serve_cluster import Serve, children, running, start_streams, wait_tokens
+
+    prompts = [f"Stream {i} of the split model begins here with a few words" for i in range(6)]
+    serve = Serve(tiny_llama, tmp_path, "--tensor-parallel-size", "2", pools="colocated")
+    try:
+        streams = start_streams(serve, prompts, 60)
+        wait_tokens(streams, 6)
+        (follower,) = _follower_pids(serve.pids["colocated-0"])
+        os.kill(follower, signal.SIGKILL)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+        for stream, prompt in zip(streams, prompts):
+            stream.join(180)
+            assert stream.status == 200 and stream.done and stream.error is None, (stream.error, serve.log())
+            assert stream.token_ids == hf_greedy(tokenizer(prompt).input_ids, 60)
+        assert "colocated-0 restarted" in serve.log()
+        assert not running(serve.pids["colocated-0"])
+        serve.wait_blocks_free()
+        assert len(_follower_pids(children(serve.proc.pid)["colocated-0"])) == 1  # its new run's rank
+        assert serve.stop() == 0
+        assert serve.pool_files() == set()
+    finally:
+        if serve.proc.poll() is None:
+            serve.stop()
