@@ -184,10 +184,15 @@ class ModelRunner:
     @torch.inference_mode()
     def follow(self) -> None:
         """A follower rank of a split model: run each forward its leader runs, until it stops
-        (``engine.tensor_parallel``). Logits are the leader's: none are computed here."""
+        (``engine.tensor_parallel``). Logits are the leader's: none are computed here. A step the
+        leader's forward refuses (malformed chunks, past the rotary table: checked before any
+        collective) is refused here too, and the follower goes on to the next."""
         while (step := self.tp.receive()) is not None:
             chunks, feed = step
-            self._hidden(chunks, feed)
+            try:
+                self._hidden(chunks, feed)
+            except Exception:  # noqa: BLE001 (the leader's same forward raised the same refusal: its caller answers it)
+                continue
 
     def _check_feed(self, chunks: list[SeqChunk], feed: TokenFeed | None) -> None:
         if feed is None:

@@ -28,6 +28,8 @@ def script(runner: ModelRunner) -> list[torch.Tensor]:
     """One request's prompt in two chunks, another's beside its second chunk (a mixed step once A
     decodes), then greedy decode steps fed on the device; -> every step's logits."""
     blocks_a, blocks_b = list(range(0, 8)), list(range(8, 16))
+    with pytest.raises(ValueError, match="KV slots"):  # a malformed step: refused on every rank; the group goes on
+        runner.forward([SeqChunk([5], runner.max_position, blocks_a)])
     out = [runner.forward([SeqChunk(A[:8], 0, blocks_a)])]
     out.append(runner.forward([SeqChunk(A[8:], 8, blocks_a), SeqChunk(B, 0, blocks_b)]))
     tokens = out[-1].argmax(-1)
