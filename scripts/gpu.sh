@@ -12,6 +12,8 @@
 #                                 batching -> $OUT/mixed/mixed.json
 #   bash scripts/gpu.sh two-gpu   (two GPUs) the nccl tests, the handoff against a D2D copy, and the
 #                                 mixed workload disaggregated over both GPUs
+#   bash scripts/gpu.sh tp        (two GPUs) llama3-8b's decode step split over two ranks (NCCL) against one
+#                                 rank's, batches 1, 8 and 64 (tandem.bench.tp_step) -> $OUT/tp_step.json
 #   bash scripts/gpu.sh record    engine, then mixed: one record for docs/benchmarks/
 #   bash scripts/gpu.sh fp8       the FP8 GPU tests, then llama3-8b's bf16, FP8-weight, FP8-KV and FP8 rows
 #   bash scripts/gpu.sh fp8-serve the mixed workload in bf16 and FP8, then 256 streams of 128/128 in FP8
@@ -67,6 +69,10 @@ case "${1:-}" in
     timeout 200 python3 -m tandem.bench.cluster_mixed --skip-hf --label mixed_128req_2gpu \
       --out "$OUT/mixed/cluster_mixed_2gpu.json" 2>&1 | tee "$OUT/mixed/run_2gpu.log" | tail -3
     summary "$OUT/x2_tests.log" "$OUT/nccl_handoff.log" "$OUT/mixed/run_2gpu.log" ;;
+  tp)
+    nvidia-smi -L | tee "$OUT/gpus.txt"
+    timeout 540 python3 -m tandem.bench.tp_step --checkpoint /tmp/tandem-bench-llama3-8b --model-shape llama3-8b \
+      --tp 2 --batches 1,8,64 --out "$OUT/tp_step.json" 2>&1 | tee "$OUT/tp_step.log" | tail -8 ;;
   record)
     timeout 300 python3 -m tandem.bench.engine --guided-tokenizer "$BENCH_TOKENIZER" --models llama3.2-1b,llama2-7b,llama3-8b --batches 1,8,64 \
       --anchors prefill,static --anchor-models llama2-7b --out "$OUT/benchmarks.json" > "$OUT/bench.log" 2>&1
