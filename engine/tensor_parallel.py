@@ -18,7 +18,8 @@ the KV pool, and runs every forward the leader runs, in lockstep.
   and tokens), and each follower runs the same forward (``ModelRunner.follow``). Logits,
   sampling and everything after are the leader's.
 - Process group: ``torch.distributed`` over a TCP rendezvous on this host, gloo on the CPU,
-  NCCL on CUDA (rank r on CUDA device r).
+  NCCL on CUDA (rank r on CUDA device r), with a gloo group beside it on CUDA for the steps
+  (host bytes: a follower reads one without syncing its device).
 - Failure: a collective that fails (a rank died) raises ``TPGroupLost``, which no step handler
   catches: the worker exits, its supervisor restarts it whole, and its streams continue on
   another worker as after any worker's death. A follower whose leader is gone exits.
@@ -106,7 +107,9 @@ class TPGroup:
         self.followers = []  # the leader's: its followers' processes (lead_group)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=INIT_TIMEOUT)
-        self.objects_on = device if backend == "nccl" else torch.device("cpu")
+        # the steps themselves travel between host memories (gloo): on CUDA the device group carries
+        # only the all-reduces and a feed's tokens, and a follower reads a step without a device sync
+        self.host_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
 
     @property
     def is_leader(self) -> bool:
@@ -127,8 +130,8 @@ class TPGroup:
 
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's ``value`` (a KV pool's blocks: the same on every rank)."""
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.objects_on)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.host_group)
         return int(tensor.item())
 
     def lead(self, chunks, feed: TokenFeed | None) -> None:
@@ -156,23 +159,19 @@ class TPGroup:
 
     def _broadcast(self, payload: bytes | None) -> bytes:
         try:
-            size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=self.objects_on)
-            dist.broadcast(size, src=0)
-            data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.objects_on) if payload is not None
-                    else torch.empty(int(size.item()), dtype=torch.uint8, device=self.objects_on))
-            dist.broadcast(data, src=0)
+            size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+            dist.broadcast(size, src=0, group=self.host_group)
+            data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None
+                    else torch.empty(int(size.item()), dtype=torch.uint8))
+            dist.broadcast(data, src=0, group=self.host_group)
         except RuntimeError as exc:
             raise TPGroupLost(f"tensor-parallel broadcast failed: {exc}") from exc
-        return payload if payload is not None else data.cpu().numpy().tobytes()
+        return payload if payload is not None else data.numpy().tobytes()
 
     def _broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """A feed's tokens, where they are (the device group: NCCL on CUDA, gloo on the CPU)."""
         try:
-            if tensor.device.type == self.objects_on.type:
-                dist.broadcast(tensor, src=0)
-            else:
-                staged = tensor.to(self.objects_on)
-                dist.broadcast(staged, src=0)
-                tensor.copy_(staged)
+            dist.broadcast(tensor, src=0)
         except RuntimeError as exc:
             raise TPGroupLost(f"tensor-parallel broadcast failed: {exc}") from exc
 
