@@ -50,9 +50,8 @@ def _follower_pids(pid: int) -> list[int]:
     return ranks
 
 
-def test_two_ranks_answer_as_hf(split_cluster, hf_greedy):
-    cluster = split_cluster
-    prompts = [[3 + (5 * i + 3 * j) % 400 for j in range(20 + 9 * i)] for i in range(8)]
+def _all_equal_hf(cluster, prompts: list[list[int]], hf_greedy) -> None:
+    """Stream every prompt at once; each answer equals HF greedy."""
     streams = []
     for prompt in prompts:
         stream = Stream(cluster.base_url, cluster.settings.model_name, "", MAX_TOKENS)
@@ -63,9 +62,14 @@ def test_two_ranks_answer_as_hf(split_cluster, hf_greedy):
         stream.join(120)
         assert stream.status == 200 and stream.done and stream.error is None, (stream.error, cluster.logs())
         assert stream.token_ids == hf_greedy(prompt, MAX_TOKENS)
+
+
+def test_two_ranks_answer_as_hf(split_cluster, hf_greedy):
+    cluster = split_cluster
+    prompts = [[3 + (5 * i + 3 * j) % 400 for j in range(20 + 9 * i)] for i in range(8)]
+    _all_equal_hf(cluster, prompts, hf_greedy)
     info = cluster.wait_blocks_free("decode", "decode-0")
     assert info.num_mixed_steps > 0
-
     assert len(_follower_pids(cluster.procs["decode-0"].pid)) == 1
 
 
@@ -113,16 +117,7 @@ def test_the_handoff_between_pools_of_different_degrees_equals_hf(tiny_llama, tm
     cluster.start()
     try:
         prompts = [[3 + (7 * i + 5 * j) % 400 for j in range(14 + 11 * i)] for i in range(6)]
-        streams = []
-        for prompt in prompts:
-            stream = Stream(cluster.base_url, cluster.settings.model_name, "", MAX_TOKENS)
-            stream.body["prompt"] = prompt
-            stream.start()
-            streams.append(stream)
-        for stream, prompt in zip(streams, prompts):
-            stream.join(120)
-            assert stream.status == 200 and stream.done and stream.error is None, (stream.error, cluster.logs())
-            assert stream.token_ids == hf_greedy(prompt, MAX_TOKENS)
+        _all_equal_hf(cluster, prompts, hf_greedy)
         cluster.wait_blocks_free("decode", "decode-0")
         for worker in ("prefill-0", "decode-0"):
             assert len(_follower_pids(cluster.procs[worker].pid)) == {"prefill-0": prefill_tp,
