@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tandem.cluster import keys
 from tests.e2e.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -87,10 +88,23 @@ def test_bench_multi_turn_sends_each_conversation_so_far_and_reports_the_reuse(c
     assert metrics["ttft_ms"]["p50"] > 0 and metrics["output_throughput"] > 0
 
 
+def _hold_room(cluster, worker_id: str, hold: bool) -> None:
+    """An admission entry that takes (or gives back) the worker's whole pool: admissions go elsewhere."""
+    info = cluster.worker("decode", worker_id)
+    charge = info.num_total_blocks * info.block_size
+    if hold:
+        cluster.redis.hset(keys.admitted(worker_id), "test-hold", charge)
+        cluster.redis.incrby(keys.reserved_tokens(worker_id), charge)
+    else:
+        cluster.redis.hdel(keys.admitted(worker_id), "test-hold")
+        cluster.redis.decrby(keys.reserved_tokens(worker_id), charge)
+
+
 def test_each_conversation_s_turns_go_back_to_the_worker_holding_its_history(tiny_llama, tmp_path, hf_greedy):
-    """Two colocated workers with prefix caching: the gateway admits each later turn to the worker
+    """Two colocated workers with prefix caching, three conversations started on each (the other's
+    room held meanwhile): the gateway admits each later turn, all sent at once, to the worker
     holding the conversation so far (the longest cached prefix), so every later turn finds its
-    history cached, while the first turns spread over both workers by room."""
+    history cached. By room alone they would land on either worker."""
     from tandem.launcher import wait_healthy
 
     c = LocalCluster(tiny_llama, str(tmp_path), layout="colocated", tokens_per_block=BLOCK, max_num_tokens=32,
@@ -101,16 +115,23 @@ def test_each_conversation_s_turns_go_back_to_the_worker_holding_its_history(tin
         c.start_service("gateway")
         assert wait_healthy(f"{c.base_url}/health", list(c.procs.values()), 180.0), c.logs()
         histories = [[5 + (13 * i + 7 * j) % 400 for j in range(30 + 3 * i)] for i in range(6)]
-        with httpx.Client(base_url=c.base_url, timeout=120) as http, ThreadPoolExecutor(3) as pool:
+        with httpx.Client(base_url=c.base_url, timeout=120) as http, ThreadPoolExecutor(6) as pool:
             for turn in range(3):
                 prompts = [h + [30 + turn, 31 + turn] for h in histories]
-                results = list(pool.map(lambda p: _complete(http, c, p), prompts))
+                if turn == 0:  # conversations 0-2 start on decode-0, 3-5 on decode-1
+                    results = []
+                    for held, start in (("decode-1", 0), ("decode-0", 3)):
+                        _hold_room(c, held, True)
+                        results += list(pool.map(lambda p: _complete(http, c, p), prompts[start : start + 3]))
+                        _hold_room(c, held, False)
+                else:
+                    results = list(pool.map(lambda p: _complete(http, c, p), prompts))
                 for i, (prompt, (answer, cached)) in enumerate(zip(prompts, results)):
                     assert answer == hf_greedy(prompt, MAX_TOKENS)
                     if turn:  # the previous turn's prompt and answer, all but its last partial block
                         assert cached >= (len(histories[i]) - 1) // BLOCK * BLOCK - BLOCK, (turn, i, cached)
                     histories[i] = prompt + [a if a < 500 else 5 for a in answer]
-        busy = [c.worker("decode", w).prefix_device_hits for w in ("decode-0", "decode-1")]
-        assert all(hits > 0 for hits in busy), busy  # both workers served conversations
+        hits = [c.worker("decode", w).prefix_device_hits for w in ("decode-0", "decode-1")]
+        assert all(n > 0 for n in hits), hits  # both workers served conversations
     finally:
         c.stop()
