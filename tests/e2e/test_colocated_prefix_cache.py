@@ -10,6 +10,7 @@ once idle the worker holds nothing (cached blocks nobody holds count as free).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -114,6 +115,10 @@ def test_each_conversation_s_turns_go_back_to_the_worker_holding_its_history(tin
             c.start_service("colocated", worker_id)
         c.start_service("gateway")
         assert wait_healthy(f"{c.base_url}/health", list(c.procs.values()), 180.0), c.logs()
+        deadline = time.monotonic() + 60  # the gateway is healthy with one worker: both must be there
+        while not all(c.worker("decode", w) for w in ("decode-0", "decode-1")):
+            assert time.monotonic() < deadline, c.logs()
+            time.sleep(0.1)
         histories = [[5 + (13 * i + 7 * j) % 400 for j in range(30 + 3 * i)] for i in range(6)]
         with httpx.Client(base_url=c.base_url, timeout=120) as http, ThreadPoolExecutor(6) as pool:
             for turn in range(3):
