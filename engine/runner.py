@@ -14,7 +14,7 @@ in one forward. Decode steps with adapter rows replay CUDA graphs of their own
 (``engine.cuda_graph``); steps with prompt chunks and adapter rows run eagerly.
 
 Tensor parallelism (``tp``, ``engine.tensor_parallel``): the runner of a split model's leader
-sends each forward's step to its followers first, and each follower runs it (``follow``).
+sends each forward's step, once checked, to its followers, and each follower runs it (``follow``).
 
 CUDA graphs: decode steps (``enable_cuda_graphs``: whole steps per batch-size bucket) and steps
 with prompt chunks (``enable_mixed_graphs``: per token-count bucket, captured piecewise around
@@ -140,8 +140,6 @@ class ModelRunner:
         attention, the chunks the prefill attention); the feed covers the decode rows only.
         """
         self._check_feed(chunks, feed)
-        if self.tp is not None:  # the followers run this forward too
-            self.tp.lead(chunks, feed)
         if self.graphs is not None and self.graphs.can_run(chunks):
             return self.graphs.forward(chunks, feed)
         if self.mixed_graphs is not None and self.mixed_graphs.can_run(chunks):
@@ -156,8 +154,6 @@ class ModelRunner:
         states [T, hidden] of every new token, the chunks' tokens in order). A prompt's own
         logprobs are computed from the latter (``tandem.engine.prompt_logprobs``); never a CUDA graph."""
         self._check_feed(chunks, feed)
-        if self.tp is not None:
-            self.tp.lead(chunks, feed)
         hidden, meta = self._hidden(chunks, feed)
         return self.model.compute_logits(hidden[meta.logits_indices]), hidden
 
@@ -184,15 +180,12 @@ class ModelRunner:
     @torch.inference_mode()
     def follow(self) -> None:
         """A follower rank of a split model: run each forward its leader runs, until it stops
-        (``engine.tensor_parallel``). Logits are the leader's: none are computed here. A step the
-        leader's forward refuses (malformed chunks, past the rotary table: checked before any
-        collective) is refused here too, and the follower goes on to the next."""
+        (``engine.tensor_parallel``). Logits are the leader's: none are computed here. The leader
+        sends only steps it has checked (``_hidden``), so an error here is this rank's own: it
+        ends the process, and with it the worker."""
         while (step := self.tp.receive()) is not None:
             chunks, feed = step
-            try:
-                self._hidden(chunks, feed)
-            except Exception:  # noqa: BLE001 (the leader's same forward raised the same refusal: its caller answers it)
-                continue
+            self._hidden(chunks, feed)
 
     def _check_feed(self, chunks: list[SeqChunk], feed: TokenFeed | None) -> None:
         if feed is None:
@@ -211,7 +204,12 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     def _hidden(self, chunks: list[SeqChunk], feed: TokenFeed | None):
+        """-> (final-normed hidden states [T, hidden], the step's metadata). The leader of a split
+        model (every forward of which comes here: its steps run eagerly) sends the step to its
+        followers once it passed the checks, so a refused step never reaches them."""
         meta = self.metadata(chunks)
+        if self.tp is not None and self.tp.is_leader:
+            self.tp.lead(chunks, feed)
         meta.lora = build_lora_batch([(chunk.lora_slot, len(chunk.token_ids)) for chunk in chunks],
                                      None if self.lora is None else self.lora.weights, self.device)
         return self.model(self.input_ids(chunks, feed), meta.positions, self.kv_pool, meta), meta  # [T, hidden]
