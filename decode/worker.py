@@ -28,7 +28,6 @@ from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.settings import Settings
 from tandem.cluster.step_stats import StepStats
 from tandem.decode.batch_wait import BatchWait, shares_gpu
-from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
 from tandem.decode.device_steps import DeviceStep, DeviceSteps, PromptRow, run_ahead
 from tandem.decode.handoffs import PrefillHandoffs
 from tandem.decode.request import DecodeRequest
@@ -42,6 +41,7 @@ from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.kvtransfer import get_transport
+from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +61,8 @@ class DecodeWorker:
     role = "decode"
     vocab_size: int | None = None  # the model's (set at start): token ids from the inbox must be below it
     computes_prompts = False  # prompts go to prefill workers (tandem.colocated computes its own)
+    # prefill workers write its pool: a block freed while a step is on the device waits for the step
+    others_write_pool = True
     num_mixed_steps = 0  # steps that carried decode rows and prompt chunks (tandem.colocated)
     lora_loads: AdapterLoads = AdapterLoads(None)  # serving no adapters (set at start with --enable-lora)
     host_tier: HostKVTier | None = None  # --kv-host-cache-gb: swapped-out KV, and what a prefix cache evicts
@@ -74,7 +76,7 @@ class DecodeWorker:
         self.transport = get_transport(transport, settings)
         shm_path = None
         if transport == "shm":
-            shm_path = new_pool_path(_shm_dir(settings.shm_dir), self.worker_id)
+            shm_path = new_pool_path(pool_dir(settings.shm_dir), self.worker_id)
         # a split model's ranks keep their pools in files of their own when prefill workers write them
         tp_size = settings.tp_size("colocated" if self.computes_prompts else "decode")
         self.runner = build_runner(settings, shm_path=shm_path, tp_size=tp_size,
@@ -96,7 +98,8 @@ class DecodeWorker:
         if self.runner.device.type == "cuda":
             self.runner.enable_cuda_graphs(settings.max_batch_size, settings.max_seq_len)
         self.kv_endpoint = self.transport.export_pool(self.runner.kv_pool, self.runner.rank_pools)
-        self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, settings.tokens_per_block)
+        self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, settings.tokens_per_block,
+                                        hold_freed=self.others_write_pool)
         # with --kv-host-cache-gb: host memory a paused request's KV waits in (decode.swap), and
         # what a prefix cache evicts
         self.host_tier = None
@@ -190,9 +193,9 @@ class DecodeWorker:
         self._release_admissions()
         self.steps.penalties.release(self.scheduler.pop_left_batch())  # their slots of token counts
         if self.host_tier is not None:
-            self.host_tier.poll()
+            self.host_tier.poll()  # checksums of landed stores, so a load only checks them
         if self.prefix_index is not None:
-            self.prefix_index.sync()  # what the gateway routes by (tandem.colocated)  # checksums of landed stores, so a resume only checks them
+            self.prefix_index.sync()  # what the gateway routes by (tandem.colocated)
         self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
                              waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free,
                              holds=self.batch_wait.num_holds)
@@ -451,9 +454,6 @@ class DecodeWorker:
                                logprobs=None if entry is None else [entry])
             queued.append((request.spec.reply_to, event))
         return queued
-
-
-_shm_dir = pool_dir
 
 
 def main(settings: Settings, stop) -> None:

@@ -10,7 +10,9 @@ Device steps run behind the host: a block freed while a launched step may still
 read or write it must not be handed out yet (a prefill worker, another process,
 would write it at once). ``step_launched(s)`` marks step ``s`` as on the device;
 blocks freed from then on are held, not free, until ``step_done(s)`` (or a later
-step's) says it finished.
+step's) says it finished. A pool that only its own process's stream reads and writes
+(``hold_freed=False``: one device running both pools) holds nothing: the next owner's
+writes are queued on that stream after the launched step's reads.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, hold_freed: bool = True):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -36,6 +38,7 @@ class BlockAllocator:
         self._ref_counts = [0] * num_blocks
         self._held: list[tuple[int, list[int]]] = []  # (step, blocks freed while it was on the device)
         self._busy_step: int | None = None  # the newest step launched and not known done
+        self.hold_freed = hold_freed  # hold blocks freed while a step is on the device (another process writes next)
 
     @property
     def num_free(self) -> int:
@@ -85,10 +88,7 @@ class BlockAllocator:
                 raise ValueError(f"block {block_id} is not allocated")
             self._ref_counts[block_id] += 1
 
-    def free(self, block_ids: list[int], now: bool = False) -> None:
-        """Drop a holder of each block. ``now``: blocks that reach no holder go free at once even
-        while a step is on the device (for a pool only this process's one stream reads and writes,
-        where the next step's writes come after the launched step's reads)."""
+    def free(self, block_ids: list[int]) -> None:
         released = []
         for block_id in block_ids:
             count = self._ref_counts[block_id]
@@ -97,7 +97,7 @@ class BlockAllocator:
             self._ref_counts[block_id] = count - 1
             if count == 1:
                 released.append(block_id)
-        if self._busy_step is not None and released and not now:
+        if self.hold_freed and self._busy_step is not None and released:
             self._held.append((self._busy_step, released))
         else:
             self._free.extend(released)

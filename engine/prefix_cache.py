@@ -30,12 +30,8 @@ from collections import OrderedDict
 from tandem.engine.block_allocator import BlockAllocator, OutOfBlocks
 
 class PrefixCache:
-    def __init__(self, allocator: BlockAllocator, *, enabled: bool = True, host_tier=None,
-                 evicted_free_now: bool = False):
-        """``evicted_free_now``: an evicted block goes free at once even while a step is on the
-        device (``BlockAllocator.free(now=True)``: the pool is only this process's stream's)."""
+    def __init__(self, allocator: BlockAllocator, *, enabled: bool = True, host_tier=None):
         self.allocator = allocator
-        self.evicted_free_now = evicted_free_now
         self.host_tier = host_tier if enabled else None
         self.block_size = allocator.block_size
         self.enabled = enabled
@@ -121,7 +117,7 @@ class PrefixCache:
         if evicted and self.host_tier is not None:
             self.host_tier.store(evicted)  # before the ids go free: their next owner writes after the copy
         for _, block_id in evicted:
-            self.allocator.free([block_id], now=self.evicted_free_now)
+            self.allocator.free([block_id])
         return len(evicted)
 
     def clear(self) -> int:

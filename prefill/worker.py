@@ -38,7 +38,6 @@ from tandem.engine.attention import SeqChunk
 from tandem.engine.lora_slots import lora_slots
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.warmup import warm_up_prefill
-from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
 from tandem.engine.prefix_cache import PrefixCache
@@ -49,6 +48,7 @@ from tandem.engine.sampling_pipeline import FirstToken, host_entries, sample_fir
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
 from tandem.kvtransfer.sender import kv_format_mismatch, pool_num_blocks
 from tandem.kvtransfer.base import TransferError
+from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
 from tandem.prefill.job import PrefillState
 from tandem.prefill.scheduler import PrefillScheduler
 

@@ -198,6 +198,7 @@ class ColocatedWorker(DecodeWorker):
     as a decode worker: the gateway routes to it, and a request fails over from it, as from any."""
 
     computes_prompts = True  # the gateway needs no prefill worker beside it
+    others_write_pool = False  # only its own steps write its pool: a block freed is free at once
 
     def _set_up(self, settings: Settings) -> None:
         super()._set_up(settings)
@@ -213,11 +214,10 @@ class ColocatedWorker(DecodeWorker):
 
     def _prefix_cache(self, settings: Settings) -> PrefixCache | None:
         """With --enable-prefix-caching: the cache every admission matches first (``decode.prefix_reuse``),
-        over the host tier when there is one. Only this process's stream reads and writes the pool,
-        so an evicted block is free at once."""
+        over the host tier when there is one."""
         if not settings.enable_prefix_caching:
             return None
-        return PrefixCache(self.allocator, host_tier=self.host_tier, evicted_free_now=True)
+        return PrefixCache(self.allocator, host_tier=self.host_tier)
 
     def _prompt_rows(self, num_decode: int) -> list[PromptRow]:
         return self.handoffs.rows(num_decode, self.policies.context_chunking_policy)

@@ -18,8 +18,8 @@ BLOCK = 4
 
 
 def make(num_blocks=16, policy="GUARANTEED_NO_EVICT", swap=None, max_seq_len=64):
-    raw = BlockAllocator(num_blocks, BLOCK)
-    cache = PrefixCache(raw, evicted_free_now=True)
+    raw = BlockAllocator(num_blocks, BLOCK, hold_freed=False)  # as the worker of both pools has it
+    cache = PrefixCache(raw)
     alloc = CachingAllocator(raw, cache)
     sched = DecodeScheduler(alloc, max_batch_size=8, max_seq_len=max_seq_len, eos_token_ids=[2], policy=policy,
                             prefix_cache=cache, swap=swap)

@@ -13,7 +13,7 @@ import redis
 from tandem.redis_server import free_port
 from tandem.cluster.settings import Settings
 from tandem.decode import worker as decode_worker
-from tandem.kvtransfer.pool_files import remove_stale_pool_files
+from tandem.kvtransfer.pool_files import pool_dir, remove_stale_pool_files
 
 
 def _dead_pid() -> int:
@@ -40,7 +40,7 @@ def test_a_decode_worker_that_fails_to_start_leaves_no_pool_file(tmp_path, monke
     shm = tmp_path / "shm"
     shm.mkdir()
     (shm / f"tandem-kv-decode-t-{_dead_pid()}").write_bytes(b"x")  # an earlier run, SIGKILLed
-    monkeypatch.setattr(decode_worker, "_shm_dir", lambda configured: str(shm))
+    monkeypatch.setattr(decode_worker, "pool_dir", lambda configured: str(shm))
     settings = Settings(model=model, redis_url=f"redis://127.0.0.1:{free_port()}/0", device="cpu",
                         worker_id="decode-t", max_tokens_in_paged_kv_cache=512, max_seq_len=256,
                         kv_transport="shm").resolve()
@@ -51,8 +51,8 @@ def test_a_decode_worker_that_fails_to_start_leaves_no_pool_file(tmp_path, monke
 
 def test_the_pool_directory_is_shm_dir_where_set(tmp_path, monkeypatch):
     monkeypatch.delenv("TANDEM_SHM_DIR", raising=False)
-    assert decode_worker._shm_dir(Settings.field_default("shm_dir")) == (
+    assert pool_dir(Settings.field_default("shm_dir")) == (
         "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     monkeypatch.setenv("TANDEM_SHM_DIR", str(tmp_path / "pools"))  # --shm-dir's variable
-    assert decode_worker._shm_dir(Settings.field_default("shm_dir")) == str(tmp_path / "pools")
+    assert pool_dir(Settings.field_default("shm_dir")) == str(tmp_path / "pools")
     assert stat.S_IMODE(os.stat(tmp_path / "pools").st_mode) == 0o700  # made, open to its user only
