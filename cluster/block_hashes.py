@@ -15,13 +15,16 @@ HASH_BYTES = 16
 _ROOT = b"\0" * HASH_BYTES
 
 
-def block_hashes(token_ids: list[int], block_size: int, salt: str = "") -> list[bytes]:
+def block_hashes(token_ids: list[int], block_size: int, salt: str = "", parent: bytes | None = None) -> list[bytes]:
     """Chained hashes of every full block of ``token_ids``. ``salt`` names what else the KV depends
     on (a LoRA adapter's digest: the same tokens under two adapters have different KV), and starts
-    the chain: blocks of different salts never share a hash."""
-    hashes, parent = [], _ROOT
-    if salt:
-        parent = hashlib.blake2b(salt.encode(), digest_size=HASH_BYTES, person=b"tandem-salt").digest()
+    the chain: blocks of different salts never share a hash. ``parent``: the hash of the block
+    before ``token_ids`` (the chain goes on from it; its salt is in it already)."""
+    hashes = []
+    if parent is None:
+        parent = _ROOT
+        if salt:
+            parent = hashlib.blake2b(salt.encode(), digest_size=HASH_BYTES, person=b"tandem-salt").digest()
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
         digest.update(array("q", token_ids[start : start + block_size]).tobytes())

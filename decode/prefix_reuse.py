@@ -71,8 +71,11 @@ class PrefixReuse:
         last token's, which no step has written; its prompt's blocks are cached already)."""
         if self.cache is None or not request.block_ids:
             return
-        num_full = (request.num_tokens - 1) // self.block_size
-        tokens = (request.spec.prompt_token_ids + request.output_token_ids)[: num_full * self.block_size]
-        for block_hash, block_id in zip(block_hashes(tokens, self.block_size, salt=request.spec.lora_digest),
-                                        request.block_ids):
+        size = self.block_size
+        num_full = (request.num_tokens - 1) // size
+        # its admission hashed the tokens its prefill computed, a prefix of these: the chain goes on
+        known = request.block_hashes[:num_full]
+        tokens = (request.spec.prompt_token_ids + request.output_token_ids)[len(known) * size : num_full * size]
+        rest = block_hashes(tokens, size, salt=request.spec.lora_digest, parent=known[-1] if known else None)
+        for block_hash, block_id in zip(known + rest, request.block_ids):
             self.cache.insert(block_hash, block_id)

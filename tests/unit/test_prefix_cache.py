@@ -201,3 +201,9 @@ def test_take_changes_reports_the_net_state():
     cache.insert(h[1], again[0])
     cache.evict(5)  # only h[0] is evictable
     assert cache.take_changes() == ([h[1]], [h[0]])
+
+
+def test_a_chain_goes_on_from_its_last_hash():
+    tokens = list(range(3, 40))
+    whole = block_hashes(tokens, 4, salt="d")
+    assert block_hashes(tokens[12:], 4, salt="ignored", parent=whole[2]) == whole[3:]
