@@ -86,6 +86,15 @@ class PromptPrefix:
             self._hashes = (block_size, block_hashes(self.token_ids[:end], block_size, salt=self.salt))
         return self._hashes[1]
 
+    def kept_scores(self, worker_ids: tuple[str, ...], now: float) -> dict[str, float] | None:
+        """The scores of these workers looked up less than ``PREFIX_SCORES_TTL_S`` ago, if any."""
+        if self._scores is not None and self._scores[1] == worker_ids and now - self._scores[0] < PREFIX_SCORES_TTL_S:
+            return self._scores[2]
+        return None
+
+    def keep_scores(self, worker_ids: tuple[str, ...], now: float, scores: dict[str, float]) -> None:
+        self._scores = (now, worker_ids, scores)
+
 
 def tie_order(workers: list[WorkerInfo]) -> list[WorkerInfo]:
     """Candidates in the order that breaks ties of room: most free blocks, then least loaded."""
@@ -182,8 +191,8 @@ class Router:
             return None
         ids = tuple(w.worker_id for w in computing)
         now = time.monotonic()
-        if prompt._scores is not None and prompt._scores[1] == ids and now - prompt._scores[0] < PREFIX_SCORES_TTL_S:
-            return prompt._scores[2]
+        if (kept := prompt.kept_scores(ids, now)) is not None:
+            return kept
         hashes = prompt.hashes(computing[0].block_size)
         if not hashes:
             return None
@@ -193,20 +202,22 @@ class Router:
             scores = prefix_scores(list(ids), await pipe.execute())
         except RedisError:
             return None  # a hint: the reservation itself tells whether Redis is there
-        prompt._scores = (now, ids, scores)
+        prompt.keep_scores(ids, now, scores)
         return scores
 
     async def _reserve_on(self, candidates: list[WorkerInfo], request_id: str, num_prompt_tokens: int,
                           max_tokens: int, scores: dict[str, float] | None = None) -> WorkerInfo | None:
         workers = tie_order(candidates)
+        num_preferred = 0
         if scores:  # longest cached prefix first, then by room (a stable sort keeps the tie order)
             workers.sort(key=lambda w: -scores.get(w.worker_id, 0.0))
+            num_preferred = sum(1 for w in workers if scores.get(w.worker_id, 0.0) > 0)
         script_keys, args = [], [request_id]
         for worker in workers:
             script_keys += [keys.admitted(worker.worker_id), keys.reserved_tokens(worker.worker_id)]
             args += admission_args(worker, num_prompt_tokens, max_tokens)
-        if scores:  # those holding some of the prefix: the first of them with room takes it
-            args.append(sum(1 for w in workers if scores.get(w.worker_id, 0.0) > 0))
+        if num_preferred:  # those holding some of the prefix: the first of them with room takes it
+            args.append(num_preferred)
         index = int(await self._reserve(keys=script_keys, args=args))
         return workers[index] if index >= 0 else None
 
