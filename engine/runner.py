@@ -161,9 +161,11 @@ class ModelRunner:
         """The leader of a split model: its followers' pools (ranks 1..N-1, mapped from their files)."""
         self.rank_pools = list(pools)
 
-    def kv_parts(self) -> list[tuple[torch.Tensor, int]]:
-        """The KV of every head: (a pool's tensor, the first KV head it holds), one per rank whose pool
-        this process reaches (this rank's own, then its followers' from ``attach_rank_pools``)."""
+    def handoff_kv(self):
+        """What a KV handoff reads: the pool's tensor; with followers' pools mapped, the KV of every
+        head as (a pool's tensor, the first KV head it holds), one per rank (``kvtransfer.shm``)."""
+        if not self.rank_pools:
+            return self.kv_pool.kv
         heads = self.kv_pool.num_kv_heads
         return [(pool.kv, rank * heads) for rank, pool in enumerate([self.kv_pool, *self.rank_pools])]
 

@@ -107,7 +107,7 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
     ranks here (``tp``: a follower's own group); each loads its slice of the model, and the pool
     has the same number of blocks on every rank. ``shared_ranks``: every rank's pool is a file
     (rank 0's at ``shm_path``), which rank 0 maps too: the shm transport moves the KV of all
-    the heads (``ModelRunner.kv_parts``)."""
+    the heads (``ModelRunner.handoff_kv``)."""
     from tandem.engine.kv_cache import KVCachePool, resolve_kv_dtype
     from tandem.engine.kv_scales import kv_scales
     from tandem.engine.loader import load_model

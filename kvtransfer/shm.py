@@ -8,7 +8,7 @@ copy is synchronous (CPU memcpy), so every transfer is complete on return.
 Split models (``engine.tensor_parallel``): a worker of N ranks keeps each rank's pool (its
 share of the KV heads) in a file of its own, and its leader maps its followers' files. A decode
 worker of N ranks exports every rank's file with the first KV head it holds (``ranks``); a
-prefill worker of M ranks writes from every rank's pool (``ModelRunner.kv_parts``). Each source
+prefill worker of M ranks writes from every rank's pool (``ModelRunner.handoff_kv``). Each source
 part's heads go to the destination parts that hold them, whatever the two degrees.
 """
 

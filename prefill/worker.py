@@ -160,10 +160,6 @@ class PrefillWorker:
             self.runner.leave_group()
             self.runner.kv_pool.close()  # a split model's pool file goes with it
 
-    def _handoff_kv(self):
-        """What a handoff reads: the pool's tensor, or a split model's every rank's (kvtransfer.shm)."""
-        return self.runner.kv_parts() if getattr(self.runner, "rank_pools", None) else self.runner.kv_pool.kv
-
     def info(self) -> WorkerInfo:
         return worker_info(
             self.settings, self.role, self.worker_id, self.inbox.stream, self._started_at,
@@ -391,7 +387,7 @@ class PrefillWorker:
             last_block = (start + num_tokens - 1) // self.block_size
             if state.job.max_tokens:  # max_tokens 0: no decoding follows, its KV is not needed there
                 state.sender.send_blocks(
-                    self._handoff_kv(), state.block_ids[first_block : last_block + 1], first_block
+                    self.runner.handoff_kv(), state.block_ids[first_block : last_block + 1], first_block
                 )
             if self.scheduler.on_chunk_done(state, num_tokens):
                 if state.job.resume:  # a paused request's KV, recomputed: it has its tokens already
