@@ -33,7 +33,7 @@ from tandem.kernels.activation import silu_mul
 from tandem.kernels.block_copy import gather_blocks, scatter_blocks
 from tandem.kernels.penalties import apply_penalties
 from tandem.kernels.decode_attention import DecodeWorkspace, decode_attention
-from tandem.kernels.lora import lora_expand, lora_shrink
+from tandem.kernels.lora import lora_add, lora_expand, lora_shrink
 from tandem.kernels.prefill_attention import prefill_attention
 from tandem.kernels.rms_norm import fused_add_rms_norm
 from tandem.kernels.rotary import rotary_kv_write
@@ -190,6 +190,17 @@ def check_lora(rank: int = 16, num_slots: int = 8) -> None:
         record("lora_expand", f"llama3-8b q slice T={tokens} adapters={adapters} r={rank}", errors(out, ref),
                bench_ms(lambda: lora_expand(out[:, :4096], shrunk[:, :rank], b, *segments, scales)),
                bench_ms(lambda: reference.lora_expand(out[:, :4096], shrunk[:, :rank], b, *segments, scales)))
+        # the whole fused projection as the engine runs it: shrink of q, k and v, one expand over all
+        b_all = torch.randn(num_slots, 6144, rank, device="cuda", dtype=DTYPE) / rank**0.5
+        part_scales = torch.rand(parts, num_slots, device="cuda") + 0.5
+        out = torch.randn(tokens, 6144, device="cuda", dtype=DTYPE)
+        ref = out.float()
+        lora_add(out, x, a, b_all, [0, 4096, 5120], part_scales, *segments)
+        reference.lora_add(ref, x, a, b_all, [0, 4096, 5120], part_scales, *segments)
+        record("lora_add", f"llama3-8b qkv T={tokens} adapters={adapters} r={rank}", errors(out, ref),
+               bench_ms(lambda: lora_add(out, x, a, b_all, [0, 4096, 5120], part_scales, *segments)),
+               bench_ms(lambda: reference.lora_add(out.float(), x, a, b_all, [0, 4096, 5120], part_scales,
+                                                   *segments)))
 
 
 def prefill_case(model, seq_lens, q_lens, window=None, sweep=False) -> None:

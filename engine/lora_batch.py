@@ -32,13 +32,8 @@ class LoraBatch:
         if projection not in self.projections:
             return
         stack = self.weights.layers[layer_idx][projection]
-        segments = (self.token_order, self.seg_starts, self.seg_slots)
-        shrunk = ops.lora_shrink(x, stack.a, *segments)  # [T, parts * rank] fp32
-        r = stack.rank
-        for part, (b, offset) in enumerate(zip(stack.b, stack.offsets)):
-            ops.lora_expand(out[:, offset:offset + b.shape[1]], shrunk[:, part * r:(part + 1) * r], b, *segments,
-                            stack.scales[part])
-
+        ops.lora_add(out, x, stack.a, stack.b_all, stack.offsets, stack.scales, self.token_order, self.seg_starts,
+                     self.seg_slots)
 
 def rows_by_slot(chunk_slots: list[tuple[int, int]], weights: LoraWeights) -> dict[int, list[int]]:
     """``chunk_slots`` as ``build_lora_batch`` takes them -> each slot a row names: its rows, slots

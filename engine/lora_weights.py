@@ -4,7 +4,10 @@ The model holds q/k/v fused as ``qkv_proj`` and gate/up as ``gate_up_proj`` (eng
 one projection has one to three LoRA targets (its parts). Per layer and projection:
 
     a       [max_loras, parts * max_rank, in_features]  each part's A, zero rows past its rank
-    b[p]    [max_loras, out_p, max_rank]                part p's B, zero columns past its rank
+    b_all   [max_loras, out_features, max_rank]         every part's B, one after another along
+                                                        the fused output's columns, zero columns
+                                                        past a slot's rank
+    b[p]    [max_loras, out_p, max_rank]                part p's rows of b_all (a view)
     scales  [parts, max_loras] fp32                     part p's scaling in each slot
 
 Part p's rows of ``lora_shrink``'s output are columns p * max_rank .. (p + 1) * max_rank, and its
@@ -38,7 +41,8 @@ class ProjectionLora:
     """One layer's projection: its slots' stacked weights (module docstring)."""
 
     a: torch.Tensor
-    b: list[torch.Tensor]
+    b_all: torch.Tensor
+    b: list[torch.Tensor]  # views of b_all
     scales: torch.Tensor
     offsets: list[int]  # each part's first column in the projection's output
     rank: int  # the stacks' (maximum) rank
@@ -58,11 +62,14 @@ class LoraWeights:
             for proj, targets in PROJECTION_TARGETS.items():
                 in_features = shapes[targets[0]][0]
                 outs = [shapes[t][1] for t in targets]
+                offsets = [sum(outs[:p]) for p in range(len(outs))]
+                b_all = torch.zeros(max_loras, sum(outs), max_rank, dtype=dtype, device=self.device)
                 layer[proj] = ProjectionLora(
                     a=torch.zeros(max_loras, len(targets) * max_rank, in_features, dtype=dtype, device=self.device),
-                    b=[torch.zeros(max_loras, out, max_rank, dtype=dtype, device=self.device) for out in outs],
+                    b_all=b_all,
+                    b=[b_all[:, offset:offset + out] for offset, out in zip(offsets, outs)],
                     scales=torch.zeros(len(targets), max_loras, dtype=torch.float32, device=self.device),
-                    offsets=[sum(outs[:p]) for p in range(len(outs))],
+                    offsets=offsets,
                     rank=max_rank,
                 )
             self.layers.append(layer)
@@ -77,7 +84,7 @@ class LoraWeights:
         return bool(self._projections[slot])
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers for p in layer.values() for t in (p.a, *p.b, p.scales))
+        return sum(t.nbytes for layer in self.layers for p in layer.values() for t in (p.a, p.b_all, p.scales))
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy ``adapter`` into slot ``slot`` (everything of the slot it does not fill is zeroed). On a
@@ -103,8 +110,7 @@ class LoraWeights:
         for layer in self.layers:
             for stack in layer.values():
                 stack.a[slot].zero_()
-                for b in stack.b:
-                    b[slot].zero_()
+                stack.b_all[slot].zero_()
                 stack.scales[:, slot] = 0.0
         self._projections[slot] = frozenset()
 

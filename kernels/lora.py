@@ -1,5 +1,6 @@
 """Batched LoRA: the shrink (x @ A^T) and expand (y += (s @ B^T) * scale) of a step whose rows
-carry different adapters (Triton; the contract is ``ops.lora_shrink`` / ``ops.lora_expand``).
+carry different adapters (Triton; the contract is ``ops.lora_shrink`` / ``ops.lora_expand`` and,
+for a whole projection, ``ops.lora_add``).
 
 The rows of one adapter are a segment (``engine.lora_batch``: the step's rows grouped by
 device slot, through ``token_order``). Grid: (segments, row tiles, column tiles); a program
@@ -10,9 +11,16 @@ on shapes only, never on how the rows split) and segments of slot -1 return at o
 
 The shrink's reduction runs over the projection's whole input (4,096-14,336 columns) and its
 grid is small (a decode step of 64 rows over 8 adapters: 8 programs), so it splits K: each of
-``split_k`` programs reduces one K range into its own fp32 partial, and the partials are summed
-in a fixed order (deterministic, unlike atomics). ``split_k`` is chosen so that the grid fills
-the device's SMs (``_split_k``); on the CPU it is 1 unless a caller asks.
+``split_k`` programs reduces one K range into its own fp32 partial. ``split_k`` is chosen so
+that the grid fills the device's SMs (``_split_k``); on the CPU it is 1 unless a caller asks.
+The expand sums the partials in a fixed order as it reads them (deterministic, unlike atomics).
+
+A projection of a decode step is two launches (``lora_add``): one shrink over every part of a
+fused projection (q, k and v's A stacked), into partials no fill precedes (rows of no segment are
+never read), and one expand over the whole fused output, each column tile adding the parts whose
+columns it meets. A decode step's LoRA is then 8 small kernels a layer: its cost is their number
+and latency (the adapters' weights are a few MB), so none is spent on fills, sums or per-part
+launches.
 
 The shrink multiplies in the activations' dtype with fp32 accumulation (IEEE fp32 products for
 fp32) and writes fp32; the expand multiplies the fp32 shrink by B widened to fp32 (the rank is
@@ -71,26 +79,49 @@ def _lora_shrink_kernel(
 
 
 @triton.jit
+def _part_bound(i: tl.constexpr, N, OFF1, OFF2, PARTS: tl.constexpr):
+    """Column where part i begins (i == PARTS: the end)."""
+    if i == 0:
+        return 0
+    elif i == PARTS:
+        return N
+    elif i == 1:
+        return OFF1
+    else:
+        return OFF2
+
+
+@triton.jit
 def _lora_expand_kernel(
     y_ptr, s_ptr, b_ptr, scales_ptr, order_ptr, starts_ptr, slots_ptr,
-    N, R, stride_ym, stride_sm, stride_bs, stride_bn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    N, R, SPLIT, OFF1, OFF2, stride_ym, stride_sm, stride_split, stride_bs, stride_bn, stride_sp,
+    PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     slot, tokens, row_mask, active = _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M)
     if active:
-        ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = tl.program_id(2) * BLOCK_N
+        ns = n0 + tl.arange(0, BLOCK_N)
         n_mask = ns < N
         b_base = b_ptr + slot.to(tl.int64) * stride_bs
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            rs = r0 + tl.arange(0, BLOCK_R)
-            r_mask = rs < R
-            s = tl.load(s_ptr + tokens[:, None] * stride_sm + rs[None, :],
-                        mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-            b = tl.load(b_base + ns[None, :] * stride_bn + rs[:, None],  # [BLOCK_R, BLOCK_N]: B^T's tile
-                        mask=n_mask[None, :] & r_mask[:, None], other=0.0).to(tl.float32)
-            acc += tl.dot(s, b, input_precision="ieee")
-        acc = acc * tl.load(scales_ptr + slot)
+        for p in tl.static_range(PARTS):  # the parts whose columns meet this tile
+            lo = _part_bound(p, N, OFF1, OFF2, PARTS)
+            hi = _part_bound(p + 1, N, OFF1, OFF2, PARTS)
+            if (n0 < hi) & (n0 + BLOCK_N > lo):
+                cols = n_mask & (ns >= lo) & (ns < hi)
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for r0 in range(0, R, BLOCK_R):
+                    rs = r0 + tl.arange(0, BLOCK_R)
+                    r_mask = rs < R
+                    s_ptrs = s_ptr + tokens[:, None] * stride_sm + (p * R + rs)[None, :]
+                    s_mask = row_mask[:, None] & r_mask[None, :]
+                    s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    for i in range(SPLIT):  # the shrink's K ranges, summed in order
+                        s += tl.load(s_ptrs + i * stride_split, mask=s_mask, other=0.0)
+                    b = tl.load(b_base + ns[None, :] * stride_bn + rs[:, None],  # [BLOCK_R, BLOCK_N]: B^T's tile
+                                mask=cols[None, :] & r_mask[:, None], other=0.0).to(tl.float32)
+                    part += tl.dot(s, b, input_precision="ieee")
+                acc += part * tl.load(scales_ptr + p * stride_sp + slot)
         ptrs = y_ptr + tokens[:, None] * stride_ym + ns[None, :]
         mask = row_mask[:, None] & n_mask[None, :]
         y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -120,10 +151,11 @@ def _split_k(x: torch.Tensor, num_programs: int, num_k_blocks: int) -> int:
     return max(1, min(num_k_blocks // 4, (2 * _num_sms(x.device)) // max(num_programs, 1)))
 
 
-def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
-                seg_slots: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
-    """As ``reference.lora_shrink``. ``split_k``: K ranges reduced apart (module docstring;
-    None chooses)."""
+def _shrink(x: torch.Tensor, a_stacked: torch.Tensor, segments: tuple, split_k: int | None,
+            alloc) -> torch.Tensor:
+    """The shrink's partial sums, [split, T, R] fp32 (``alloc`` makes the buffer: rows of no
+    segment are not written)."""
+    token_order, seg_starts, seg_slots = segments
     _check_segments(token_order, seg_starts, seg_slots)
     num_tokens, K = x.shape
     _, R, K_a = a_stacked.shape
@@ -131,13 +163,13 @@ def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Ten
     assert x.dtype == a_stacked.dtype, "x and the A matrices share a dtype"
     num_rows, num_segs = token_order.shape[0], seg_slots.shape[0]
     if num_rows == 0 or num_segs == 0 or R == 0 or K == 0:
-        return torch.zeros((num_tokens, R), dtype=torch.float32, device=x.device)
+        return torch.zeros((1, num_tokens, R), dtype=torch.float32, device=x.device)
     block_m, block_r, block_k = _block(num_rows, 64), _block(R, 64), _block(K, 64)
     r_tiles, k_blocks = triton.cdiv(R, block_r), triton.cdiv(K, block_k)
     programs = num_segs * triton.cdiv(num_rows, block_m) * r_tiles
     split = max(1, min(split_k or _split_k(x, programs, k_blocks), k_blocks))
     k_per_split = triton.cdiv(k_blocks, split) * block_k
-    out = torch.zeros((split, num_tokens, R), dtype=torch.float32, device=x.device)
+    out = alloc((split, num_tokens, R), dtype=torch.float32, device=x.device)
     grid = (num_segs, triton.cdiv(num_rows, block_m), r_tiles * split)
     _lora_shrink_kernel[grid](
         x, a_stacked, out, token_order, seg_starts, seg_slots,
@@ -147,26 +179,57 @@ def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Ten
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT_UPCAST=upcast_bf16_dot(x.dtype),
         num_warps=4,
     )
-    return out[0] if split == 1 else out.sum(0)
+    return out
+
+
+def _expand(y: torch.Tensor, partials: torch.Tensor, b_stacked: torch.Tensor, scales: torch.Tensor,
+            offsets: list[int], segments: tuple) -> None:
+    """y += the expand of every part (``offsets``: each part's first column of y; its rank's columns
+    of ``partials`` [split, T, parts * R], summed over the split) in one launch."""
+    token_order, seg_starts, seg_slots = segments
+    _check_segments(token_order, seg_starts, seg_slots)
+    num_tokens, N = y.shape
+    _, N_b, R = b_stacked.shape
+    parts = len(offsets)
+    assert 1 <= parts <= 3 and offsets[0] == 0 and list(offsets) == sorted(offsets) and offsets[-1] < max(N, 1)
+    assert N_b == N and partials.shape[1:] == (num_tokens, parts * R), "y [T, N], partials [S, T, P*R], b [L, N, R]"
+    assert y.stride(1) == 1 and partials.stride(2) == 1 and b_stacked.stride(2) == 1, "columns contiguous"
+    assert partials.dtype == torch.float32 and scales.dtype == torch.float32 and scales.stride(-1) == 1
+    num_rows, num_segs = token_order.shape[0], seg_slots.shape[0]
+    if num_rows == 0 or num_segs == 0 or N == 0 or R == 0:
+        return
+    bounds = list(offsets[1:]) + [N] * (3 - parts)
+    block_m, block_n = _block(num_rows, 64), 64
+    grid = (num_segs, triton.cdiv(num_rows, block_m), triton.cdiv(N, block_n))
+    _lora_expand_kernel[grid](
+        y, partials, b_stacked, scales, token_order, seg_starts, seg_slots,
+        N, R, partials.shape[0], bounds[0], bounds[1], y.stride(0), partials.stride(1), partials.stride(0),
+        b_stacked.stride(0), b_stacked.stride(1), scales.stride(0) if scales.dim() == 2 else 0,
+        PARTS=parts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block(R, 64),
+        num_warps=4,
+    )
+
+
+def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
+                seg_slots: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
+    """As ``reference.lora_shrink``. ``split_k``: K ranges reduced apart (module docstring;
+    None chooses)."""
+    out = _shrink(x, a_stacked, (token_order, seg_starts, seg_slots), split_k, torch.zeros)
+    return out[0] if out.shape[0] == 1 else out.sum(0)
 
 
 def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b_stacked: torch.Tensor, token_order: torch.Tensor,
                 seg_starts: torch.Tensor, seg_slots: torch.Tensor, scales: torch.Tensor) -> None:
     """As ``reference.lora_expand`` (in place on ``y``)."""
-    _check_segments(token_order, seg_starts, seg_slots)
-    num_tokens, N = y.shape
-    _, N_b, R = b_stacked.shape
-    assert N_b == N and shrunk.shape == (num_tokens, R), "y [T, N], shrunk [T, R], b_stacked [L, N, R]"
-    assert y.stride(1) == 1 and shrunk.stride(1) == 1 and b_stacked.stride(2) == 1, "columns contiguous"
-    assert shrunk.dtype == torch.float32 and scales.dtype == torch.float32 and scales.is_contiguous()
-    num_rows, num_segs = token_order.shape[0], seg_slots.shape[0]
-    if num_rows == 0 or num_segs == 0 or N == 0 or R == 0:
-        return
-    block_m, block_n = _block(num_rows, 64), 64
-    grid = (num_segs, triton.cdiv(num_rows, block_m), triton.cdiv(N, block_n))
-    _lora_expand_kernel[grid](
-        y, shrunk, b_stacked, scales, token_order, seg_starts, seg_slots,
-        N, R, y.stride(0), shrunk.stride(0), b_stacked.stride(0), b_stacked.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block(R, 64),
-        num_warps=4,
-    )
+    assert shrunk.dim() == 2 and scales.dim() == 1 and scales.is_contiguous()
+    _expand(y, shrunk.unsqueeze(0), b_stacked, scales, [0], (token_order, seg_starts, seg_slots))
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: torch.Tensor,
+             offsets: list[int], scales: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
+             seg_slots: torch.Tensor, split_k: int | None = None) -> None:
+    """As ``reference.lora_add``, in two launches: the shrink of every part into split-K partials
+    (no fill: rows of no segment are never read) and one expand over every part that sums them."""
+    segments = (token_order, seg_starts, seg_slots)
+    partials = _shrink(x, a_stacked, segments, split_k, torch.empty)
+    _expand(y, partials, b_stacked, scales, offsets, segments)

@@ -38,6 +38,7 @@ _TRITON_MODULES = {
     "quantize_rows_fp8": "tandem.kernels.fp8_quant",
     "lora_shrink": "tandem.kernels.lora",
     "lora_expand": "tandem.kernels.lora",
+    "lora_add": "tandem.kernels.lora",
 }
 
 
@@ -378,3 +379,26 @@ def lora_expand(
     part's column slice); b_stacked [L, N, R] (zero columns past a slot's rank); scales [L] fp32.
     """
     return _pick("lora_expand", y)(y, shrunk, b_stacked, token_order, seg_starts, seg_slots, scales)
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_stacked: torch.Tensor,
+    b_stacked: torch.Tensor,
+    offsets: list[int],
+    scales: torch.Tensor,
+    token_order: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
+) -> None:
+    """A whole projection's LoRA, added in place: for each part p of a fused projection (q, k, v;
+    gate, up; or one), columns offsets[p] .. offsets[p + 1] (the last: .. N) of y[t] get
+    (x[t] @ A_p^T @ B_p^T) * scales[p, slot(t)], where A_p is rows p * R .. (p + 1) * R of
+    a_stacked[slot(t)] and B_p those columns' rows of b_stacked[slot(t)]: ``lora_shrink`` then
+    ``lora_expand`` of each part, with the same rounding.
+
+    y [T, N] (columns contiguous); x [T, K]; a_stacked [L, P * R, K]; b_stacked [L, N, R];
+    offsets P ints (offsets[0] = 0, ascending; P <= 3); scales [P, L] fp32.
+    """
+    return _pick("lora_add", y)(y, x, a_stacked, b_stacked, offsets, scales, token_order, seg_starts, seg_slots)

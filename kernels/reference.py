@@ -237,3 +237,15 @@ def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b_stacked: torch.Tensor, 
     for slot, rows in _lora_segments(token_order, seg_starts, seg_slots):
         delta = (shrunk[rows].float() @ b_stacked[slot].float().T) * scales[slot].float()
         y[rows] = (y[rows].float() + delta).to(y.dtype)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: torch.Tensor, offsets: list[int],
+             scales: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> None:
+    """ops.lora_add in torch (in place on ``y``)."""
+    shrunk = lora_shrink(x, a_stacked, token_order, seg_starts, seg_slots)
+    rank = b_stacked.shape[2]
+    bounds = list(offsets) + [y.shape[1]]
+    for part in range(len(offsets)):
+        lo, hi = bounds[part], bounds[part + 1]
+        lora_expand(y[:, lo:hi], shrunk[:, part * rank:(part + 1) * rank], b_stacked[:, lo:hi],
+                    token_order, seg_starts, seg_slots, scales[part])

@@ -142,8 +142,7 @@ def test_mixed_adapters_equal_peft_token_for_token(setup, kernels, monkeypatch):
         from tandem.kernels import lora as lora_kernels
         from tandem.kernels import ops
 
-        monkeypatch.setattr(ops, "lora_shrink", lora_kernels.lora_shrink)
-        monkeypatch.setattr(ops, "lora_expand", lora_kernels.lora_expand)
+        monkeypatch.setattr(ops, "lora_add", lora_kernels.lora_add)
     base, paths = setup
     runner = _runner(base, paths)
     prompts = _prompts(runner.config.vocab_size)
@@ -175,8 +174,8 @@ def test_a_step_without_adapter_rows_runs_no_lora_op(setup, monkeypatch):
     def refused(*args):
         raise AssertionError("a LoRA op ran in a step without adapter rows")
 
-    monkeypatch.setattr(ops, "lora_shrink", refused)
-    monkeypatch.setattr(ops, "lora_expand", refused)
+    for name in ("lora_shrink", "lora_expand", "lora_add"):
+        monkeypatch.setattr(ops, name, refused)
     chunks = [SeqChunk([5, 6, 7, 8, 9], 0, [0, 1]), SeqChunk([10, 11], 0, [2])]
     assert torch.equal(runner.forward(chunks), plain.forward(chunks))
 
