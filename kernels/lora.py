@@ -152,9 +152,9 @@ def _split_k(x: torch.Tensor, num_programs: int, num_k_blocks: int) -> int:
 
 
 def _shrink(x: torch.Tensor, a_stacked: torch.Tensor, segments: tuple, split_k: int | None,
-            alloc) -> torch.Tensor:
+            alloc, most_splits: int | None = None) -> torch.Tensor:
     """The shrink's partial sums, [split, T, R] fp32 (``alloc`` makes the buffer: rows of no
-    segment are not written)."""
+    segment are not written; ``most_splits`` bounds the split chosen)."""
     token_order, seg_starts, seg_slots = segments
     _check_segments(token_order, seg_starts, seg_slots)
     num_tokens, K = x.shape
@@ -167,7 +167,8 @@ def _shrink(x: torch.Tensor, a_stacked: torch.Tensor, segments: tuple, split_k: 
     block_m, block_r, block_k = _block(num_rows, 64), _block(R, 64), _block(K, 64)
     r_tiles, k_blocks = triton.cdiv(R, block_r), triton.cdiv(K, block_k)
     programs = num_segs * triton.cdiv(num_rows, block_m) * r_tiles
-    split = max(1, min(split_k or _split_k(x, programs, k_blocks), k_blocks))
+    split = split_k or min(_split_k(x, programs, k_blocks), most_splits or k_blocks)
+    split = max(1, min(split, k_blocks))
     k_per_split = triton.cdiv(k_blocks, split) * block_k
     out = alloc((split, num_tokens, R), dtype=torch.float32, device=x.device)
     grid = (num_segs, triton.cdiv(num_rows, block_m), r_tiles * split)
@@ -225,11 +226,17 @@ def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b_stacked: torch.Tensor, 
     _expand(y, shrunk.unsqueeze(0), b_stacked, scales, [0], (token_order, seg_starts, seg_slots))
 
 
+# lora_add's shrink splits K at most this many ways: every expand program reads all the partials
+# of its rows, so a split that fills the SMs for down_proj's 14,336 inputs (56 ranges) would
+# multiply the expand's reads by as much.
+ADD_MOST_SPLITS = 8
+
+
 def lora_add(y: torch.Tensor, x: torch.Tensor, a_stacked: torch.Tensor, b_stacked: torch.Tensor,
              offsets: list[int], scales: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
              seg_slots: torch.Tensor, split_k: int | None = None) -> None:
     """As ``reference.lora_add``, in two launches: the shrink of every part into split-K partials
     (no fill: rows of no segment are never read) and one expand over every part that sums them."""
     segments = (token_order, seg_starts, seg_slots)
-    partials = _shrink(x, a_stacked, segments, split_k, torch.empty)
+    partials = _shrink(x, a_stacked, segments, split_k, torch.empty, most_splits=ADD_MOST_SPLITS)
     _expand(y, partials, b_stacked, scales, offsets, segments)
