@@ -4,12 +4,12 @@ Each step: read the inbox (new requests, prefill results, aborts), reserve
 blocks and hand prefill jobs out, check handoffs in flight, run one decode
 step over the running batch and publish every new token in one Redis round
 trip. Request statuses moved here: see ``tandem.decode.scheduler``; the prefill handoff
-(dispatch, PrefillDone, lost prefill workers): ``tandem.decode.handoffs``.
+(dispatch, PrefillDone, lost prefill workers): ``tandem.decode.handoffs``; which requests it
+takes and the admissions it gives back: ``tandem.decode.intake``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import redis
@@ -18,7 +18,7 @@ import structlog
 from tandem.cluster import keys
 from tandem.cluster.admission import Reservations
 from tandem.cluster.inbox import Inbox, Mailer, Unreadable
-from tandem.cluster.messages import AbortRequest, GenerateRequest, PrefillDone, TokenEvent, WorkerInfo, named
+from tandem.cluster.messages import AbortRequest, GenerateRequest, PrefillDone, TokenEvent, WorkerInfo
 from tandem.cluster.outputs import Outbox
 from tandem.cluster.prefix_index import PrefixIndex
 from tandem.cluster.worker_loop import run_steps, worker_info
@@ -30,10 +30,13 @@ from tandem.cluster.step_stats import StepStats
 from tandem.decode.batch_wait import BatchWait, shares_gpu
 from tandem.decode.device_steps import DeviceStep, DeviceSteps, PromptRow, run_ahead
 from tandem.decode.handoffs import PrefillHandoffs
+from tandem.decode.intake import (
+    ADMITTED_BATCHES, Admissions, adapters_read, checked_prefill_done, reject, remember_early_abort, request_problem,
+)
 from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.swap import SwapSpace
-from tandem.engine.block_allocator import BlockAllocator, blocks_for
+from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.guide import Guides
 from tandem.engine.caching_allocator import CachingAllocator
 from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
@@ -46,15 +49,7 @@ from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
 log = structlog.get_logger(__name__)
 
 
-EARLY_ABORT_TTL_S = 60.0  # how long an abort for a request not (yet) here is remembered
 HOLD_POLL_MS = 2  # inbox wait per turn while a step is held (decode.batch_wait)
-RECONCILE_INTERVAL_S = 5.0  # how often admission entries of requests never seen are looked for
-# Requests a worker holds admitted, in batches: the running one and the next, waiting here. When a
-# wave of requests finishes together (an offline batch of equal lengths), the next wave is already
-# in this worker's queue, its prompts computed as rows free up, instead of trickling in from the
-# gateway one admission at a time while the GPU idles. The KV charge of each capacity policy
-# bounds what the waiting ones may hold, as before.
-ADMITTED_BATCHES = 2
 
 
 class DecodeWorker:
@@ -131,10 +126,8 @@ class DecodeWorker:
         self.mailer = Mailer(self.redis)  # aborts for prefill workers, kept across a Redis error
         self._unhandled: list = []  # inbox messages read in a turn that a Redis error cut short
         self.policies = LivePolicies(self.redis, settings)
-        self.reservations = Reservations(self.redis, self.worker_id)
-        self.reservations.clear()  # a new incarnation holds no admitted request
+        self.admissions = Admissions(Reservations(self.redis, self.worker_id))
         self._ended_ids: list[str] = []  # requests gone whose admission is not given back yet
-        self._reconciled_at = time.monotonic()
         self.heartbeat = Heartbeat(
             settings.redis_url, self.info, settings.heartbeat_interval_s, settings.heartbeat_ttl_s
         )
@@ -187,7 +180,7 @@ class DecodeWorker:
             self.batch_wait.shared = shares_gpu(self._device_identity, self.handoffs.prefill_workers)
         # holding: wait on the inbox a little (a PrefillDone ends the wait early) instead of spinning
         self._handle_messages(self.inbox.read(block_ms=20 if idle else HOLD_POLL_MS if held else None))
-        self._adapters_read()
+        adapters_read(self.lora_loads, self.scheduler, self._refuse)
         self.handoffs.dispatch()
         self.handoffs.check()
         self._release_admissions()
@@ -261,14 +254,6 @@ class DecodeWorker:
         return bool(self.scheduler.running or self.scheduler.prefilling or self.scheduler.waiting
                     or self.lora_loads.num_waiting)
 
-    def _adapters_read(self) -> None:
-        """Requests that waited for their LoRA adapter to be read: to the scheduler, or refused."""
-        released, failed = self.lora_loads.poll()
-        for request in released:
-            self.scheduler.add(request)
-        for request, error in failed:
-            self._refuse(request.request_id, request.spec.reply_to, error)
-
     def _handle_messages(self, messages: list) -> None:
         """Handle what was read (NOACK: nobody delivers it again), after what a Redis error left
         unhandled last turn; a Redis error keeps the messages not yet handled for the next turn.
@@ -292,7 +277,7 @@ class DecodeWorker:
                     r.request_id == msg.request_id for r in self.lora_loads.waiting()):
                 log.error("duplicate request id ignored", request_id=msg.request_id)
                 return
-            problem = self._unfit(msg)
+            problem = request_problem(msg, self.scheduler.max_seq_len, self.allocator, self.vocab_size, self.lora_loads)
             if problem is not None:
                 self._refuse(msg.request_id, msg.reply_to, problem)
                 return
@@ -316,38 +301,13 @@ class DecodeWorker:
                     return
             self.scheduler.add(request)
         elif isinstance(msg, PrefillDone):
-            if msg.status == "ok" and msg.first_token is not None and not self._in_vocab([msg.first_token]):
-                # the decode step would embed it: an index out of range
-                msg = dataclasses.replace(msg, status="failed", first_token=None,
-                                          error=f"first token {msg.first_token} is outside the vocabulary")
-            self.handoffs.on_prefill_done(msg)
+            self.handoffs.on_prefill_done(checked_prefill_done(msg, self.vocab_size))
         elif isinstance(msg, AbortRequest):
             self._abort(msg.request_id)  # blocks a step on the device uses are held until it is read
         elif isinstance(msg, Unreadable):
-            self._reject(msg)
+            reject(msg, self.scheduler, self._refuse)
         else:
             log.error("unexpected message", kind=msg.kind)
-
-    def _unfit(self, msg: GenerateRequest) -> str | None:
-        """Why this worker cannot run a request that decoded (what needs its model and limits).
-        The gateway checks the same limits, but a worker trusts no message: one asking for more
-        than its context or its pool could hold would take blocks it cannot use."""
-        num_prompt, max_seq_len = len(msg.prompt_token_ids), self.scheduler.max_seq_len
-        if num_prompt >= max_seq_len:
-            return f"the prompt has {num_prompt} tokens, no fewer than this worker's max_seq_len {max_seq_len}"
-        if num_prompt + msg.max_tokens > max_seq_len:
-            return (f"the prompt's {num_prompt} tokens + max_tokens {msg.max_tokens} exceed this worker's "
-                    f"max_seq_len {max_seq_len}")
-        needed = blocks_for(num_prompt + msg.max_tokens, self.allocator.block_size)
-        if needed > self.allocator.num_total:
-            return f"the request needs {needed} KV blocks, more than this worker's pool of {self.allocator.num_total}"
-        if not self._in_vocab(msg.prompt_token_ids) or not self._in_vocab(msg.output_token_ids):
-            return f"token ids outside the vocabulary of {self.vocab_size}"
-        adapter = AdapterRef.of(msg)
-        return None if adapter is None else self.lora_loads.problem(adapter)
-
-    def _in_vocab(self, token_ids: list[int]) -> bool:
-        return self.vocab_size is None or all(t < self.vocab_size for t in token_ids)
 
     def _refuse(self, request_id: str, reply_to: str, error: str) -> None:
         """End a request this worker does not take: its client gets the error, its admission is
@@ -355,21 +315,6 @@ class DecodeWorker:
         log.error("request refused", request_id=request_id, error=error)
         self._ended_ids.append(request_id)
         self.outbox.keep([(reply_to, TokenEvent(request_id, 0, [], "error", error=error))])
-
-    def _reject(self, entry: Unreadable) -> None:
-        """An invalid message that names a request: a GenerateRequest's client gets the error (not
-        a hang); a PrefillDone for a handoff in flight fails that handoff (``handoffs.check`` then
-        ends it as any failed transfer, holding blocks the prefill worker may still write)."""
-        kind, request_id = named(entry.body, "kind"), named(entry.body, "request_id")
-        if kind == "GenerateRequest":
-            reply_to = named(entry.body, "reply_to")
-            if reply_to is not None and request_id not in self.scheduler.requests:
-                self._refuse(request_id, reply_to, f"invalid request: {entry.error}")
-        elif kind == "PrefillDone":
-            request, handoff_id = self.scheduler.prefilling.get(request_id), named(entry.body, "handoff_id")
-            if (request is not None and request.receiver is not None and handoff_id is not None
-                    and handoff_id == request.dispatch_id):  # the reply to the job in flight, not a stale one
-                request.receiver.fail(f"invalid PrefillDone: {entry.error}")
 
     def _abort(self, request_id: str) -> None:
         for request in self.lora_loads.take(lambda r: r.request_id == request_id):  # its adapter still read
@@ -381,14 +326,7 @@ class DecodeWorker:
         if request is None:
             # not here (yet): the admin API may cancel a request between the gateway's admission
             # and its submission, so its abort arrives first. Remembered for a while.
-            now = time.monotonic()
-            while self._early_aborts:  # oldest first (insertion order)
-                oldest, at = next(iter(self._early_aborts.items()))
-                if now - at < EARLY_ABORT_TTL_S:
-                    break
-                del self._early_aborts[oldest]
-            self._early_aborts.pop(request_id, None)
-            self._early_aborts[request_id] = now
+            remember_early_abort(self._early_aborts, request_id, time.monotonic())
             return
         # the client's stream ends here (an admin cancel); a gateway that aborted the request
         # itself (client gone, stop string, failover) has let it go and drops the event.
@@ -403,14 +341,10 @@ class DecodeWorker:
         """Give back the admission of every request that left (any path); now and then, release leaks."""
         self._ended_ids += self.scheduler.pop_ended()
         if self._ended_ids:
-            self.reservations.release(self._ended_ids)
+            self.admissions.release(self._ended_ids)
             self._ended_ids = []  # kept on a Redis error: the next step retries
-        if time.monotonic() - self._reconciled_at >= RECONCILE_INTERVAL_S:
-            self._reconciled_at = time.monotonic()
-            held = {r.request_id for r in self.lora_loads.waiting()}  # here, waiting for their adapter
-            leaked = self.reservations.reconcile(set(self.scheduler.requests) | held)
-            if leaked:
-                log.warning("released admissions of requests never received", request_ids=leaked)
+        self.admissions.reconcile(  # the requests here, and those waiting for their adapter
+            lambda: set(self.scheduler.requests) | {r.request_id for r in self.lora_loads.waiting()})
 
     def _collect(self, step: DeviceStep | None) -> list[tuple[DecodeRequest, int, str | None]]:
         """Tokens of ``step`` (waits for it) -> its events, recorded and kept in the outbox at

@@ -7,13 +7,9 @@ token of every prompt that completed (TTFT does not wait for the decode
 worker), and report finished handoffs with PrefillDone (before the first token
 when the writes are already in place, as they are with a synchronous transport:
 a request whose client has its first token is then never computed again when
-this worker dies). Statuses moved here: see ``tandem.prefill.scheduler``.
-
-A job asking for its prompt's logprobs (``SamplingParams.prompt_logprobs``) is run
-through ``ModelRunner.forward_hidden`` and scored chunk by chunk
-(``tandem.engine.prompt_logprobs``); they go out with its first TokenEvent. A
-max_tokens 0 job samples nothing: its one event carries no token, finishes by
-length, and its handoff ends without a first token (nor any KV sent).
+this worker dies). Statuses moved here: see ``tandem.prefill.scheduler``; the forward
+and what comes of it (prompt logprobs, first tokens, a max_tokens 0 job's one event):
+``tandem.prefill.chunk_forward``.
 """
 
 from __future__ import annotations
@@ -25,30 +21,27 @@ import structlog
 
 from tandem.cluster import keys
 from tandem.cluster.inbox import Inbox, Mailer, Unreadable
-from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, TokenEvent, WorkerInfo, named
+from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, WorkerInfo, named
 from tandem.cluster.outputs import Outbox
 from tandem.cluster.worker_loop import run_steps, worker_info
 from tandem.cluster.live_policies import LivePolicies
 from tandem.cluster.prefix_index import PrefixIndex
 from tandem.cluster.registry import Heartbeat
-from tandem.cluster.request_state import RequestStatus, finish_reason
+from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.settings import Settings
 from tandem.cluster.step_stats import StepStats
-from tandem.engine.attention import SeqChunk
-from tandem.engine.lora_slots import lora_slots
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.warmup import warm_up_prefill
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
 from tandem.engine.prefix_cache import PrefixCache
-from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
 from tandem.engine.guide import Guides
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
-from tandem.engine.sampling_pipeline import FirstToken, host_entries, sample_first_tokens
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
 from tandem.kvtransfer.sender import kv_format_mismatch, pool_num_blocks
 from tandem.kvtransfer.base import TransferError
 from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
+from tandem.prefill.chunk_forward import chunks_done, first_token_events, run_chunks
 from tandem.prefill.job import PrefillState
 from tandem.prefill.scheduler import PrefillScheduler
 
@@ -345,99 +338,27 @@ class PrefillWorker:
 
     def _run(self, chunks: list[tuple[PrefillState, int]]):
         try:
-            slots = lora_slots(self.runner, [state.lora_key for state, _ in chunks])
-            seqs = []
-            for state, num_tokens in chunks:
-                start = state.num_computed
-                seqs.append(SeqChunk(state.job.prompt_token_ids[start : start + num_tokens], start, state.block_ids,
-                                     slots.get(state.lora_key, -1)))
-            if not any(state.scores_prompt for state, _ in chunks):
-                return self.runner.forward(seqs)
-            logits, hidden = self.runner.forward_hidden(seqs)
-            self._score_prompts(chunks, hidden)
-            return logits
+            return run_chunks(self.runner, chunks)
         except Exception as exc:  # an engine error fails these jobs, not the worker
             log.exception("prefill forward failed")
             for state, _ in chunks:
                 self._fail_job(state, f"prefill failed: {exc}")
             return None
 
-    def _score_prompts(self, chunks: list[tuple[PrefillState, int]], hidden) -> None:
-        """The logprobs of the prompt tokens each scoring job's chunk predicts (``hidden``: every
-        new token's final state, the chunks' tokens in order), kept on the job until its first
-        TokenEvent. Before ``on_chunk_done``: ``num_computed`` is still the chunk's start."""
-        offset, slice_rows = 0, rows_per_slice(self.runner.config.vocab_size)
-        for state, num_tokens in chunks:
-            if state.scores_prompt:
-                start, prompt = state.num_computed, state.job.prompt_token_ids
-                if state.prompt_logprobs is None:
-                    state.prompt_logprobs = [None]  # the first prompt token: nothing precedes it
-                n = num_scored(start, num_tokens, len(prompt))
-                state.prompt_logprobs += chunk_entries(self.runner.compute_logits, hidden[offset : offset + n],
-                                                       prompt[start + 1 : start + 1 + n],
-                                                       state.job.sampling.prompt_logprobs, slice_rows)
-            offset += num_tokens
-
     def _after_forward(self, chunks: list[tuple[PrefillState, int]], logits) -> None:
-        completed, rows_of_completed, scored = [], [], []
-        for row, (state, num_tokens) in enumerate(chunks):
-            start = state.num_computed
-            # a job's first chunk also sends the blocks it took from the prefix cache
-            first_block = 0 if start == state.num_cached_tokens else start // self.block_size
-            last_block = (start + num_tokens - 1) // self.block_size
-            if state.job.max_tokens:  # max_tokens 0: no decoding follows, its KV is not needed there
-                state.sender.send_blocks(
-                    self.runner.handoff_kv(), state.block_ids[first_block : last_block + 1], first_block
-                )
-            if self.scheduler.on_chunk_done(state, num_tokens):
-                if state.job.resume:  # a paused request's KV, recomputed: it has its tokens already
-                    state.sender.finish()
-                    continue
-                if not state.job.max_tokens:  # the prompt only scored: nothing is sampled
-                    scored.append(self._scored(state))
-                    continue
-                completed.append(state)
-                rows_of_completed.append(row)
+        completed, rows_of_completed, scored = chunks_done(chunks, self.scheduler, self.runner, self.block_size)
         if scored:
             self.outbox.send(scored)
         if not completed:
             return
-        params = [s.job.sampling for s in completed]
-        rows = [FirstToken(s.job.sampling, s.job.prompt_token_ids, s.job.stop_token_ids, s.job.ignore_eos)
-                for s in completed]
-        sampled = sample_first_tokens(logits[rows_of_completed], rows, self.eos_token_ids, self.guides)
-        token_ids = sampled.tokens.tolist()
-        entries = host_entries(sampled, params)
-        queued = []
-        for state, token_id, entry in zip(completed, token_ids, entries):
-            job = state.job
-            state.first_token = token_id
-            state.finish_reason = finish_reason(
-                token_id, 1, state.num_prompt_tokens + 1,
-                max_tokens=job.max_tokens, max_seq_len=self.settings.max_seq_len,
-                stop_token_ids=job.stop_token_ids, eos_token_ids=self.eos_token_ids, ignore_eos=job.ignore_eos,
-                min_tokens=job.sampling.min_tokens,
-            )
-            queued.append((job.reply_to, TokenEvent(job.request_id, 0, [token_id], state.finish_reason,
-                                                    num_cached_tokens=state.num_cached_tokens,
-                                                    logprobs=None if entry is None else [entry],
-                                                    prompt_logprobs=state.prompt_logprobs)))
-            state.sender.finish()
+        queued = first_token_events(completed, logits[rows_of_completed], self.eos_token_ids, self.guides,
+                                    self.settings.max_seq_len)
         self.outbox.keep(queued)  # no Redis call: a Redis error below loses no first token
         # handoffs whose writes are all in place (every one, with a synchronous transport) end
         # before their first token goes out: once a client has a first token, its decode worker
         # has the PrefillDone too, and never computes the prompt again should this worker die now
         self._poll_transfers()
         self.outbox.flush()
-
-    def _scored(self, state: PrefillState) -> tuple[str, TokenEvent]:
-        """A max_tokens 0 job's one event: no token, finished by length, the prompt's logprobs.
-        Its handoff ends (PrefillDone "ok" without a first token) and the decode worker ends it."""
-        job = state.job
-        state.finish_reason = "length"
-        state.sender.finish()
-        return job.reply_to, TokenEvent(job.request_id, 0, [], "length", num_cached_tokens=state.num_cached_tokens,
-                                        prompt_logprobs=state.prompt_logprobs)
 
     def _poll_transfers(self) -> None:
         for state in list(self.scheduler.transferring):
