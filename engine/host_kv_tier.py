@@ -8,12 +8,15 @@ fresh device blocks instead of computing them again. The tier is an LRU of its o
 one block each: storing into a full tier drops its least recently used block.
 
 On a GPU the tier is one pinned buffer. A store gathers the evicted blocks into one contiguous
-device buffer on the compute stream (the blocks may be reallocated by the next step, which then
+block-major device buffer on the compute stream, in one kernel (``ops.gather_blocks`` into the
+buffer's [layers, 2, n, ...] view; the blocks may be reallocated by the next step, which then
 runs after the gather), and a copy stream moves it to the host asynchronously, one transfer per
-run of consecutive slots; the compute stream never waits for it. A load checks a piece of
-consecutive slots (``LOAD_PIECE_BLOCKS``), starts its transfer on the copy stream and checks the
-next meanwhile; the compute stream waits for the transfers before the scatter into the blocks,
-so no step reads a block before its K/V arrived. On the CPU the same code runs with ordinary memory and plain copies.
+run of consecutive slots; the compute stream never waits for it. A load starts the transfers of
+its runs of slots first, checks the host bytes' checksums while they cross the link, and has
+the compute stream wait for the transfers and scatter the blocks that passed into the pool
+(``ops.scatter_blocks``, one kernel), so no step reads a block before its K/V arrived. The
+bytes move as the widest integer words a row of the pool divides into. On the CPU the same
+code runs with ordinary memory and plain copies.
 
 Each stored block gets a checksum (the wrapping sum of its 64-bit words) once its copy has landed
 on the host; a load checks it first, and a block that fails (or that the tier dropped meanwhile)
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.kernels import ops
+
 
 @dataclass
 class HostTierStats:
@@ -41,25 +46,19 @@ class HostTierStats:
     bytes_in: int = 0  # host -> device
 
 
-# A load checks and copies this many blocks at a time, so the host checks one piece while the
-# previous one crosses the link. Checking a whole run before its one copy loaded 31 GB/s of the
-# link's 55 on an H100 at ce5d8e4 (tandem.bench.host_tier); this form is not measured yet.
-LOAD_PIECE_BLOCKS = 16
-
-
 class HostKVTier:
     def __init__(self, kv_pool, capacity_bytes: int):
         """``kv_pool``: the worker's ``KVCachePool``; ``capacity_bytes``: host memory for the tier."""
-        # the pool's bytes: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim * element size]
-        self.kv = kv_pool.kv.view(torch.uint8)
+        # the pool's bytes as words: [num_layers, 2, num_blocks, block_size, num_kv_heads, row words]
+        self.kv = _words(kv_pool.kv)
         shape = (self.kv.shape[0], 2) + tuple(self.kv.shape[3:])  # one block: every layer's K and V
-        self.block_bytes = int(np.prod(shape))
+        self.block_bytes = int(np.prod(shape)) * self.kv.element_size()
         self.capacity = int(capacity_bytes // self.block_bytes)
         if self.capacity < 1:
             raise ValueError(f"a host KV tier of {capacity_bytes} bytes holds no block of {self.block_bytes} bytes")
         self.device = self.kv.device
         self.cuda = self.device.type == "cuda"
-        self.host = torch.empty((self.capacity,) + shape, dtype=torch.uint8, pin_memory=self.cuda)
+        self.host = torch.empty((self.capacity,) + shape, dtype=self.kv.dtype, pin_memory=self.cuda)
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
         self._hash_in: dict[int, bytes] = {}  # slot -> hash
         self._free = list(range(self.capacity - 1, -1, -1))  # popped from the end: lowest slot first
@@ -133,7 +132,8 @@ class HostKVTier:
                 self._changes[block_hash] = True
             slots.append(slot)
         ids = torch.tensor([block_id for _, block_id in todo], device=self.device)
-        gathered = self.kv.index_select(2, ids).movedim(2, 0).contiguous()  # [n, layers, 2, block, heads, bytes]
+        gathered = torch.empty((len(todo),) + tuple(self.host.shape[1:]), dtype=self.kv.dtype, device=self.device)
+        ops.gather_blocks(self.kv, ids, out=gathered.movedim(0, 2))  # block-major: [n, layers, 2, block, ...]
         pairs = [(slot, block_hash) for slot, (block_hash, _) in zip(slots, todo)]
         if self.cuda:  # the gather ran on the compute stream; the copy to the host runs beside it
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -175,24 +175,20 @@ class HostKVTier:
             if slot not in self._checksum:  # its store is still in flight: wait for it
                 self._wait_for(slot)
             slots.append(slot)
-        good = 0  # slots[:good] are checked and on their way
-        dest = torch.empty((len(slots),) + tuple(self.host.shape[1:]), dtype=torch.uint8, device=self.device)
-        if self.cuda:
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks' users are done
-        for start, end in _runs(slots, LOAD_PIECE_BLOCKS):  # check a piece, start its copy, check the next meanwhile
-            piece = self.host[slots[start] : slots[start] + end - start]
-            sums = _checksums(piece)
+        dest = torch.empty((len(slots),) + tuple(self.host.shape[1:]), dtype=self.kv.dtype, device=self.device)
+        runs = _runs(slots)
+        if self.cuda:  # every transfer starts at once (after the blocks' users); the checks run meanwhile
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                for start, end in runs:
+                    dest[start:end].copy_(self.host[slots[start] : slots[start] + end - start], non_blocking=True)
+        good = len(slots)  # slots[:good] passed their checks
+        for start, end in runs:
+            sums = _checksums(self.host[slots[start] : slots[start] + end - start])
             bad = next((i for i, value in enumerate(sums) if value != self._checksum.get(slots[start + i])), None)
-            n = len(sums) if bad is None else bad
-            if n:
-                if self.cuda:
-                    with torch.cuda.stream(self._copy_stream):
-                        dest[start : start + n].copy_(piece[:n], non_blocking=True)
-                else:
-                    dest[start : start + n] = piece[:n]
-                good = start + n
             if bad is not None:
-                self._drop(self._hash_in[slots[start + bad]])
+                good = start + bad
+                self._drop(self._hash_in[slots[good]])
                 self.stats.bad_blocks += 1
                 break
         for slot in slots[:good]:
@@ -203,7 +199,10 @@ class HostKVTier:
                 compute = torch.cuda.current_stream(self.device)
                 compute.wait_stream(self._copy_stream)
                 dest.record_stream(compute)
-            self.kv.index_copy_(2, ids, dest[:good].movedim(0, 2))
+            else:
+                for start, end in runs:
+                    dest[start:end] = self.host[slots[start] : slots[start] + end - start]
+            ops.scatter_blocks(self.kv, ids, dest[:good].movedim(0, 2))
         self.stats.loaded_blocks += good
         self.stats.bytes_in += good * self.block_bytes
         return good
@@ -247,13 +246,22 @@ def _runs(slots: list[int], longest: int | None = None) -> list[tuple[int, int]]
     return runs
 
 
+def _words(kv: torch.Tensor) -> torch.Tensor:
+    """The pool's bytes as the widest integer words its rows (head_dim elements) divide into."""
+    raw = kv.view(torch.uint8)
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if raw.shape[-1] % dtype.itemsize == 0:
+            return raw.view(dtype)
+    return raw
+
+
 def _checksums(blocks: torch.Tensor) -> list[int]:
     """A checksum of each host block's bytes: the wrapping sum of its 64-bit words (torch's CPU
     reduction, on the worker's threads); any single changed byte changes it."""
-    words = blocks.reshape(blocks.shape[0], -1)
-    if words.shape[1] % 8 == 0:
-        return words.view(torch.int64).sum(dim=1).tolist()
-    return words.to(torch.int64).sum(dim=1).tolist()
+    raw = blocks.reshape(blocks.shape[0], -1).view(torch.uint8)
+    if raw.shape[1] % 8 == 0:
+        return raw.view(torch.int64).sum(dim=1).tolist()
+    return raw.to(torch.int64).sum(dim=1).tolist()
 
 
 def host_tier_info(tier: HostKVTier | None) -> dict:

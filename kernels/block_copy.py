@@ -86,15 +86,16 @@ def _launch_copy_blocks(src, dst, block_ids, gather: bool) -> None:
     )
 
 
-def gather_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """kv_pool[:, :, block_ids] as a contiguous staging tensor [L, 2, n, bs, H, D]."""
+def gather_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """kv_pool[:, :, block_ids] as a staging tensor [L, 2, n, bs, H, D]: ``out`` (any layout whose
+    blocks are contiguous, e.g. a block-major buffer's ``movedim(0, 2)``), else a new contiguous one."""
     num_layers, _, _, block_size, num_kv_heads, head_dim = kv_pool.shape
-    staging = torch.empty(
-        (num_layers, 2, block_ids.shape[0], block_size, num_kv_heads, head_dim),
-        dtype=kv_pool.dtype, device=kv_pool.device,
-    )
-    _launch_copy_blocks(kv_pool, staging, block_ids, gather=True)
-    return staging
+    shape = (num_layers, 2, block_ids.shape[0], block_size, num_kv_heads, head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=kv_pool.dtype, device=kv_pool.device)
+    assert tuple(out.shape) == shape and out.dtype == kv_pool.dtype, f"out must be {shape} of {kv_pool.dtype}"
+    _launch_copy_blocks(kv_pool, out, block_ids, gather=True)
+    return out
 
 
 def scatter_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:

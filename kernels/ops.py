@@ -328,11 +328,15 @@ def fused_decode_rotary(num_seqs: int) -> bool:
     return mode == "1"
 
 
-def gather_blocks(kv_pool, block_ids):
-    return _pick("gather_blocks", kv_pool)(kv_pool, block_ids)
+def gather_blocks(kv_pool, block_ids, out=None):
+    """kv_pool [L, 2, N, bs, H, D][:, :, block_ids] -> a staging tensor [L, 2, n, bs, H, D]; into
+    ``out`` when given (any such tensor whose blocks are contiguous: a block-major buffer's
+    ``movedim(0, 2)`` view, say), else a new contiguous one."""
+    return _pick("gather_blocks", kv_pool)(kv_pool, block_ids, out)
 
 
 def scatter_blocks(kv_pool, block_ids, staging):
+    """kv_pool[:, :, block_ids] = staging ([L, 2, n, bs, H, D], blocks contiguous), in place."""
     return _pick("scatter_blocks", kv_pool)(kv_pool, block_ids, staging)
 
 

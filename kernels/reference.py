@@ -185,9 +185,12 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding
     )
 
 
-def gather_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """kv_pool[:, :, block_ids] as a contiguous staging tensor [L, 2, n, bs, H, D]."""
-    return kv_pool[:, :, block_ids.long()].contiguous()
+def gather_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """kv_pool[:, :, block_ids] as a contiguous staging tensor [L, 2, n, bs, H, D] (into ``out``)."""
+    if out is None:
+        return kv_pool[:, :, block_ids.long()].contiguous()
+    out.copy_(kv_pool[:, :, block_ids.long()])
+    return out
 
 
 def scatter_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:

@@ -38,6 +38,24 @@ def test_scatter_casts_and_pool_view():
     assert torch.equal(gather_blocks(pool, block_ids), reference.gather_blocks(pool, block_ids))
 
 
+@pytest.mark.parametrize("words", [torch.int64, torch.int32, torch.uint8])
+def test_gather_into_and_scatter_from_a_block_major_buffer(words):
+    """The host KV tier's form: a pool's bytes as integer words, gathered into (and scattered
+    from) the [L, 2, n, ...] view of a [n, L, 2, ...] buffer, each block's layers contiguous."""
+    pool = _pool(3, 10, 4, 2, 16, torch.bfloat16).view(torch.uint8).view(words)
+    block_ids = torch.tensor([7, 0, 3, 9], device=DEVICE)
+    buffer = torch.full((4,) + (3, 2) + tuple(pool.shape[3:]), -1, dtype=words, device=DEVICE)
+    gather_blocks(pool, block_ids, out=buffer.movedim(0, 2))
+    for j, block in enumerate(block_ids.tolist()):
+        assert torch.equal(buffer[j], pool[:, :, block])
+    fresh = _pool(3, 10, 4, 2, 16, torch.bfloat16).view(torch.uint8).view(words)
+    expected = fresh.clone()
+    reference.scatter_blocks(expected, block_ids.flip(0), buffer.movedim(0, 2))
+    scatter_blocks(fresh, block_ids.flip(0), buffer.movedim(0, 2))
+    assert torch.equal(fresh, expected)
+    assert torch.equal(fresh[:, :, 9], pool[:, :, 7])  # buffer[0] went to block 9
+
+
 def test_no_blocks():
     pool = _pool(1, 4, 4, 1, 16, torch.float32)
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
