@@ -103,6 +103,14 @@ def sequence_limits(input_len_range: str, output_len: int, block: int = 16) -> t
     return max(768, longest), max(1024, max_seq_len)
 
 
+def multi_turn_limits(multi_turn: list[str]) -> tuple[int, int]:
+    """(max input length, max sequence length) for ``tandem.bench.multi_turn`` with these flags:
+    its last turn's prompt, and that prompt with its answer."""
+    flags = _multi_turn_parser().parse_args(multi_turn)
+    longest = bench_multi_turn.history_len(flags)
+    return sequence_limits(f"1:{longest - flags.answer_len}", flags.answer_len)
+
+
 def dtypes(serve_args: list[str]) -> tuple[str, str]:
     """(weights, KV cache) as the serve flags choose them."""
     def flag(name, default):
@@ -119,8 +127,7 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, s
     ``multi_turn`` ``tandem.bench.multi_turn`` with those flags) -> the client's result file."""
     max_input_len, max_seq_len = sequence_limits(input_len_range, output_len)
     if multi_turn is not None:
-        longest = bench_multi_turn.history_len(_multi_turn_parser().parse_args(multi_turn))
-        max_input_len, max_seq_len = sequence_limits(f"1:{longest}", 0)
+        max_input_len, max_seq_len = multi_turn_limits(multi_turn)
     serve_cmd = [*python_argv("-m", "tandem"), "serve", "--model", model_path, "--port", str(port),
                  "--max-batch-size", str(max_batch_size), "--max-num-tokens", "8192",
                  "--max-seq-len", str(max_seq_len), "--max-input-len", str(max_input_len),
@@ -134,6 +141,10 @@ def serve_and_load(model_path: str, out_dir: str, port: int, num_prompts: int, s
             print(line, end="", flush=True)
             if "serving" in line or time.monotonic() > deadline:
                 break
+        if cluster.poll() is not None:  # it refused its flags or failed to start: say why, run no load
+            log.flush()
+            with open(log.name) as f:
+                raise RuntimeError(f"tandem serve exited ({cluster.returncode}): {f.read()[-2000:]}")
         result_json = os.path.join(out_dir, "serve_result.json")
         load_cmd = [*python_argv("-m", "tandem.bench.serve"), "--base-url", f"http://127.0.0.1:{port}",
                     "--num-prompts", str(num_prompts), "--input-len-range", input_len_range,
