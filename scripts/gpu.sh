@@ -27,10 +27,11 @@
 #                                 256 and 1,024 and mixed steps, FP8 (then bf16) -> $OUT/profile_*.json
 #   bash scripts/gpu.sh host-tier the host KV tier's GPU test paths and its copies against the link
 #                                 (tandem.bench.host_tier, bf16 and FP8 KV) -> $OUT/host_tier_*.json
-#   bash scripts/gpu.sh multi-turn the multi-turn workload (tandem bench multi-turn: 32 conversations x 6 turns,
-#                                 2,304-token first prompts, 16 in flight) on llama3-8b FP8 with prefix caching and
-#                                 a device pool of 32,768 tokens, a quarter of the conversations' final 135k tokens,
-#                                 without and with the host tier (MT_TIERS, default "0 24" GB)
+#   bash scripts/gpu.sh multi-turn the multi-turn workload (tandem bench multi-turn: 44 conversations x 6 turns,
+#                                 2,304-token first prompts, 64-token questions and answers, 8 in flight; MT_FLAGS
+#                                 replaces these) on llama3-8b FP8 with prefix caching and a device pool of 32,768
+#                                 tokens, a quarter of the conversations' final 135k, without and with the host tier
+#                                 (MT_TIERS, default "0 24" GB)
 #   bash scripts/gpu.sh lora      the LoRA GPU tests, tandem.bench.lora_step (llama3-8b, batch 64, base / one
 #                                 adapter / 8 adapters, rank 16 on all seven projections; LORA_DTYPES, default
 #                                 "bf16 fp8"), then 256 streams of 128/128 in FP8, base and over 8 adapters
@@ -151,7 +152,7 @@ case "${1:-}" in
       timeout "${MT_TIMEOUT:-400}" python3 -m tandem.bench.cluster_mixed --skip-hf --model-shape llama3-8b \
         --checkpoint /tmp/tandem-bench-llama3-8b --max-batch-size 64 --label "multi_turn_64x6_tier$tier" \
         --serve-args "--quantization fp8 --kv-cache-dtype fp8 --enable-prefix-caching --max-tokens-in-paged-kv-cache 32768 --kv-host-cache-gb $tier" \
-        --multi-turn "--num-conversations ${MT_CONVERSATIONS:-32} --num-turns 6 --first-len 2304 --question-len 64 --answer-len 256 --max-concurrency 16" \
+        --multi-turn "${MT_FLAGS:---num-conversations 44 --num-turns 6 --first-len 2304 --question-len 64 --answer-len 64 --max-concurrency 8}" \
         --out "$OUT/multi_turn_$tier/result.json" > "$OUT/multi_turn_$tier/run.log" 2>&1
       echo "== multi-turn, host tier $tier GB (exit $?)"
       grep -E "bench multi-turn|Error" "$OUT/multi_turn_$tier/run.log" | tail -3
