@@ -1,4 +1,5 @@
-"""Compile the prefill kernels' variants before the first request.
+"""Compile the prefill kernels' variants, and a mixed step's attention variants, before the
+first request.
 
 The prefill attention kernel picks its query tile (16, 32, 64 or, for head
 dims below 128, 128 rows) from the batch's mean query length; each tile is a separate Triton
@@ -10,6 +11,14 @@ cuda_ipc and NCCL transports after the first chunk) are compiled here too: the
 first request's prefill step took 446 ms for 445 tokens without them (one H200,
 2026-11-30, at ecd6a75: `python3 -m tandem.bench.cluster_mixed --skip-hf`, then
 `python3 -m tandem.bench.cluster_timeline` on its cluster.log; docs/kernels.md).
+
+A step with prompt chunks (one device running both pools) runs its attention eagerly between
+its CUDA-graph pieces (``engine.mixed_graph``); its decode rows' attention picks its launch
+(KV splits, tile, warps: ``kernels.decode_config``) from the number of rows and the longest
+context, so each (rows, context) class is a compilation of its own. The first mixed steps of a
+256-stream run on a fresh machine took 0.7-1.3 s each where they take ~50 ms (one H100,
+2026-12-06, `OFFLINE_RUNS=c256 bash scripts/gpu.sh offline`, the worker's statistics):
+``warm_up_mixed`` runs one mixed step per class before traffic.
 """
 
 from __future__ import annotations
@@ -49,3 +58,47 @@ def warm_up_prefill(runner, allocator, max_num_tokens: int) -> float:
     seconds = time.perf_counter() - started
     log.info("prefill kernels warmed up", seconds=round(seconds, 2))
     return seconds
+
+
+def _doubling(first: int, last: int) -> list[int]:
+    """first, 2 * first, ... below last, then last."""
+    values = []
+    while first < last:
+        values.append(first)
+        first *= 2
+    return values + [last]
+
+
+def warm_up_mixed(runner, allocator, max_batch_size: int, max_seq_len: int, max_num_tokens: int,
+                  force: bool = False) -> int:
+    """Run a mixed step (decode rows and one prompt chunk) for each number of decode rows
+    1, 2, 4 .. ``max_batch_size`` and each longest context 64, 128 .. ``max_seq_len`` (as far as
+    the free blocks reach), on scratch blocks every row shares; -> the steps run (0 off CUDA
+    unless ``force``). Every block is free again after."""
+    if runner.device.type != "cuda" and not force:
+        return 0
+    started = time.perf_counter()
+    block = allocator.block_size
+    chunk_len = min(16, block)
+    longest = min(max_seq_len, (allocator.num_free - 1) * block)  # one sequence, and the chunk's block
+    if longest < 2:
+        return 0
+    contexts = _doubling(min(64, longest), longest)
+    rows = [n for n in _doubling(1, max_batch_size) if n + chunk_len <= max_num_tokens]
+    blocks = allocator.allocate(longest)
+    chunk_blocks = allocator.allocate(chunk_len)
+    steps = 0
+    try:
+        for context in contexts:
+            table = blocks[: -(-context // block)]
+            for num_rows in rows:  # rows of one context read the same blocks; they write one scratch slot
+                decode = [SeqChunk([1], context - 1, table) for _ in range(num_rows)]
+                runner.forward(decode + [SeqChunk([1] * chunk_len, 0, chunk_blocks)])
+                steps += 1
+    finally:
+        allocator.free(chunk_blocks)
+        allocator.free(blocks)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize(runner.device)
+    log.info("mixed steps warmed up", steps=steps, seconds=round(time.perf_counter() - started, 2))
+    return steps

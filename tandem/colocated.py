@@ -48,7 +48,7 @@ from tandem.engine.attention import SeqChunk
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
 from tandem.engine.sampling_pipeline import FirstToken
-from tandem.engine.warmup import warm_up_prefill
+from tandem.engine.warmup import warm_up_mixed, warm_up_prefill
 from tandem.prefill.job import PrefillState
 from tandem.prefill.scheduler import PrefillScheduler
 
@@ -211,6 +211,9 @@ class ColocatedWorker(DecodeWorker):
         warm_up_prefill(self.runner, self.allocator, settings.max_num_tokens)
         if self.runner.device.type == "cuda":  # steps with prompt chunks replay graphs, piecewise
             self.runner.enable_mixed_graphs(settings.max_num_tokens)
+        # and their decode rows' attention variants compile before traffic too
+        warm_up_mixed(self.runner, self.allocator, settings.max_batch_size, settings.max_seq_len,
+                      settings.max_num_tokens)
 
     def _prefix_cache(self, settings: Settings) -> PrefixCache | None:
         """With --enable-prefix-caching: the cache every admission matches first (``decode.prefix_reuse``),

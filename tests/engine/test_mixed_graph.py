@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from tandem.engine.attention import SeqChunk
+from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.mixed_graph import token_buckets
 from tandem.engine.runner import ModelRunner
 from tandem.engine.step_tokens import StepTokens, TokenFeed
+from tandem.engine.warmup import warm_up_mixed
 
 BLOCK = 8
 BLOCKS_PER_SEQ = 52  # 416 tokens a sequence
@@ -80,3 +82,11 @@ def test_what_the_graphs_cannot_run_goes_eager(tiny_checkpoints):
     assert not runner.mixed_graphs.can_run([SeqChunk([5, 6], 0, [0], lora_slot=0)])  # an adapter row
     logits = runner.forward([SeqChunk(list(range(3, 260)), 0, list(range(33)))])  # eager, same answer as ever
     assert logits.shape == (1, runner.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_mixed_warm_up_runs_through_a_real_runner(tiny_checkpoints):
+    """The steps it builds are ones the runner accepts (on the CPU when forced)."""
+    runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=24, block_size=16)
+    allocator = BlockAllocator(24, 16)
+    assert warm_up_mixed(runner, allocator, max_batch_size=4, max_seq_len=100, max_num_tokens=64, force=True) == 3 * 2
+    assert allocator.num_free == 24

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from tandem.engine.block_allocator import BlockAllocator
-from tandem.engine.warmup import QUERY_LENGTHS, warm_up_prefill
+from tandem.engine.warmup import QUERY_LENGTHS, warm_up_mixed, warm_up_prefill
 from tandem.kernels import ops
 
 
@@ -47,3 +47,30 @@ def test_capped_by_the_token_budget_and_skipped_off_cuda(monkeypatch):
     assert [n for n, _, _ in runner.forwards] == [16, 32, 48]
     cpu = _Runner("cpu")
     assert warm_up_prefill(cpu, allocator, 2048) == 0.0 and cpu.forwards == []
+
+
+class _MixedRunner:
+    def __init__(self):
+        self.device = torch.device("cuda")
+        self.steps = []
+
+    def forward(self, chunks):
+        *decode, chunk = chunks
+        assert all(len(c.token_ids) == 1 for c in decode) and len(chunk.token_ids) > 1
+        assert len({c.seq_len for c in decode}) == 1  # one context per step
+        self.steps.append((len(decode), decode[0].seq_len, chunk.block_ids))
+
+
+def test_mixed_steps_over_every_rows_and_context_class(monkeypatch):
+    """Decode rows 1, 2, 4 .. the batch limit by longest context 64, 128 .. the sequence limit, each
+    with a prompt chunk; the budget caps the rows, and every block is free again after."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    runner, allocator = _MixedRunner(), BlockAllocator(64, 16)
+    assert warm_up_mixed(runner, allocator, max_batch_size=40, max_seq_len=300, max_num_tokens=32) == 5 * 4
+    assert sorted({(rows, context) for rows, context, _ in runner.steps}) == [  # 32 rows + 16 > 32 tokens
+        (rows, context) for rows in (1, 2, 4, 8, 16) for context in (64, 128, 256, 300)]
+    assert allocator.num_free == 64
+    # the free blocks bound the context: 63 blocks' 1,008 tokens (one block is the chunk's)
+    assert warm_up_mixed(_MixedRunner(), allocator, 256, 4096, 8192) == 9 * 5
+    assert warm_up_mixed(SimpleNamespace(device=torch.device("cpu")), allocator, 8, 64, 64) == 0
+
