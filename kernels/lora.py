@@ -15,6 +15,10 @@ grid is small (a decode step of 64 rows over 8 adapters: 8 programs), so it spli
 that the grid fills the device's SMs (``_split_k``); on the CPU it is 1 unless a caller asks.
 The expand sums the partials in a fixed order as it reads them (deterministic, unlike atomics).
 
+Both kernels launch with PDL where it is on (``kernels.pdl``): each lets its successor launch,
+then waits for its predecessor before it reads anything, so the boundaries a LoRA step adds to
+the decode step's chain of kernels cost less idle time.
+
 A projection of a decode step is two launches (``lora_add``): one shrink over every part of a
 fused projection (q, k and v's A stacked), into partials no fill precedes (rows of no segment are
 never read), and one expand over the whole fused output, each column tile adding the parts whose
@@ -36,6 +40,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.dot import dot, upcast_bf16_dot
+from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 
 @triton.jit
@@ -56,8 +61,11 @@ def _lora_shrink_kernel(
     x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, slots_ptr,
     R, K, K_PER_SPLIT, NUM_R_TILES, stride_xm, stride_as, stride_ar, stride_om, stride_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
+        gdc_launch_dependents()
+        gdc_wait()
     slot, tokens, row_mask, active = _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M)
     if active:
         split = tl.program_id(2) // NUM_R_TILES
@@ -96,7 +104,11 @@ def _lora_expand_kernel(
     y_ptr, s_ptr, b_ptr, scales_ptr, order_ptr, starts_ptr, slots_ptr,
     N, R, SPLIT, OFF1, OFF2, stride_ym, stride_sm, stride_split, stride_bs, stride_bn, stride_sp,
     PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     slot, tokens, row_mask, active = _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M)
     if active:
         n0 = tl.program_id(2) * BLOCK_N
@@ -178,7 +190,7 @@ def _shrink(x: torch.Tensor, a_stacked: torch.Tensor, segments: tuple, split_k: 
         out.stride(0),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", DOT_UPCAST=upcast_bf16_dot(x.dtype),
-        num_warps=4,
+        num_warps=4, **launch_options(x),
     )
     return out
 
@@ -207,7 +219,7 @@ def _expand(y: torch.Tensor, partials: torch.Tensor, b_stacked: torch.Tensor, sc
         N, R, partials.shape[0], bounds[0], bounds[1], y.stride(0), partials.stride(1), partials.stride(0),
         b_stacked.stride(0), b_stacked.stride(1), scales.stride(0) if scales.dim() == 2 else 0,
         PARTS=parts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block(R, 64),
-        num_warps=4,
+        num_warps=4, **launch_options(y),
     )
 
 

@@ -15,6 +15,7 @@ from triton.backends.compiler import GPUTarget
 from tandem.kernels.activation import _silu_mul_kernel
 from tandem.kernels.decode_attention import _decode_partial_kernel, _decode_reduce_kernel
 from tandem.kernels.gemv import _gemv_kernel
+from tandem.kernels.lora import _lora_expand_kernel, _lora_shrink_kernel
 from tandem.kernels.rms_norm import _fused_add_rms_norm_kernel
 from tandem.kernels.rotary import _rotary_kv_write_kernel
 from tandem.kernels.skinny_gemm import _skinny_kernel, _split_sum_kernel
@@ -148,6 +149,14 @@ _KERNELS += [
      ("k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr"), (), _FP8_CACHE),
     (_decode_partial_kernel, {**_DECODE, "GROUP": 1, "BLOCK_N": 32, "DIRECT_OUT": True, "IDS_REG": 512}, (), (),
      _FP8_CACHE),
+]
+
+# LoRA (a step's adapter rows): the shrink's fp32 partials, the expand's scales; rows by segment
+_LORA = {"order_ptr": "*i64", "starts_ptr": "*i32", "slots_ptr": "*i32", "scales_ptr": "*fp32"}
+_KERNELS += [
+    (_lora_shrink_kernel, dict(BLOCK_M=64, BLOCK_R=64, BLOCK_K=64, DOT_PRECISION="tf32", DOT_UPCAST=False), (), (),
+     {**_LORA, "out_ptr": "*fp32"}),
+    (_lora_expand_kernel, dict(PARTS=3, BLOCK_M=64, BLOCK_N=64, BLOCK_R=16), (), (), {**_LORA, "s_ptr": "*fp32"}),
 ]
 
 
