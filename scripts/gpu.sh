@@ -32,6 +32,8 @@
 #                                 replaces these) on llama3-8b FP8 with prefix caching and a device pool of 32,768
 #                                 tokens, a quarter of the conversations' final 135k, without and with the host tier
 #                                 (MT_TIERS, default "0 24" GB)
+#   bash scripts/gpu.sh pack      everything under $OUT into one $OUT/results.tar.gz (a run that returns only a few
+#                                 files then keeps every log); run it last
 #   bash scripts/gpu.sh lora      the LoRA GPU tests, tandem.bench.lora_step (llama3-8b, batch 64, base / one
 #                                 adapter / 8 adapters, rank 16 on all seven projections; LORA_DTYPES, default
 #                                 "bf16 fp8"), then 256 streams of 128/128 in FP8, base and over 8 adapters
@@ -175,5 +177,8 @@ case "${1:-}" in
       echo "== c256 over $n adapters (exit $?)"
       python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['serve']['metrics']; print({k: m.get(k) for k in ('completed','failed','output_throughput')})" "$OUT/lora_c256_$n/result.json"
     done ;;
+  pack)
+    tar -czf /tmp/results.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tar.gz "$OUT/"
+    ls -la "$OUT" ;;
   *) sed -n 2,20p "$0" >&2; exit 2 ;;
 esac
