@@ -182,6 +182,7 @@ class HostKVTier:
             with torch.cuda.stream(self._copy_stream):
                 for start, end in runs:
                     dest[start:end].copy_(self.host[slots[start] : slots[start] + end - start], non_blocking=True)
+            dest.record_stream(self._copy_stream)  # not reused before its transfers end, whatever the checks find
         good = len(slots)  # slots[:good] passed their checks
         for start, end in runs:
             sums = _checksums(self.host[slots[start] : slots[start] + end - start])
@@ -196,9 +197,7 @@ class HostKVTier:
         if good:
             ids = torch.tensor(block_ids[:good], device=self.device)
             if self.cuda:
-                compute = torch.cuda.current_stream(self.device)
-                compute.wait_stream(self._copy_stream)
-                dest.record_stream(compute)
+                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
             else:
                 for start, end in runs:
                     dest[start:end] = self.host[slots[start] : slots[start] + end - start]
