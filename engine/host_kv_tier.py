@@ -10,11 +10,14 @@ one block each: storing into a full tier drops its least recently used block.
 On a GPU the tier is one pinned buffer. A store gathers the evicted blocks into one contiguous
 block-major device buffer on the compute stream, in one kernel (``ops.gather_blocks`` into the
 buffer's [layers, 2, n, ...] view; the blocks may be reallocated by the next step, which then
-runs after the gather), and a copy stream moves it to the host asynchronously, one transfer per
+runs after the gather), and the store stream moves it to the host asynchronously, one transfer per
 run of consecutive slots; the compute stream never waits for it. A load starts the transfers of
-its runs of slots first, checks the host bytes' checksums while they cross the link, and has
-the compute stream wait for the transfers and scatter the blocks that passed into the pool
-(``ops.scatter_blocks``, one kernel), so no step reads a block before its K/V arrived. The
+its runs of slots first, on a stream of their own (into a staging buffer of that stream, so they
+need not wait for the steps in flight), checks the host bytes' checksums while they cross the
+link, and has the compute stream wait for the transfers and scatter the blocks that passed into
+the pool (``ops.scatter_blocks``, one kernel), so no step reads a block before its K/V arrived.
+Stores and loads have a stream each (the link carries both directions at once); a store waits
+for the loads before it, since a slot it rewrites may be one they read. The
 bytes move as the widest integer words a row of the pool divides into. On the CPU the same
 code runs with ordinary memory and plain copies.
 
@@ -64,7 +67,10 @@ class HostKVTier:
         self._free = list(range(self.capacity - 1, -1, -1))  # popped from the end: lowest slot first
         self._checksum: dict[int, int] = {}  # slot -> checksum of its bytes, once they landed
         self._in_flight: list[tuple[object, list[tuple[int, bytes]]]] = []  # (copy done, its (slot, hash)s)
-        self._copy_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        # stores and loads cross the link on streams of their own (it carries both directions at once)
+        self._out_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._in_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._last_load = None  # the event after the latest load's transfers
         # hash -> held now? since take_changes() (the routing index); kept only once an index asked
         # (take_changes), and never for the blocks stored unindexed (a swapped-out request's)
         self._changes: dict[bytes, bool] = {}
@@ -136,13 +142,15 @@ class HostKVTier:
         ops.gather_blocks(self.kv, ids, out=gathered.movedim(0, 2))  # block-major: [n, layers, 2, block, ...]
         pairs = [(slot, block_hash) for slot, (block_hash, _) in zip(slots, todo)]
         if self.cuda:  # the gather ran on the compute stream; the copy to the host runs beside it
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._copy_stream):
+            self._out_stream.wait_stream(torch.cuda.current_stream(self.device))
+            if self._last_load is not None:  # a slot dropped since is rewritten only once loads read it
+                self._out_stream.wait_event(self._last_load)
+            with torch.cuda.stream(self._out_stream):
                 for start, end in _runs(slots):
                     self.host[slots[start] : slots[start] + end - start].copy_(gathered[start:end], non_blocking=True)
                 done = torch.cuda.Event()
-                done.record(self._copy_stream)
-            gathered.record_stream(self._copy_stream)
+                done.record(self._out_stream)
+            gathered.record_stream(self._out_stream)
             self._in_flight.append((done, pairs))
         else:
             self.host[torch.tensor(slots)] = gathered
@@ -175,14 +183,18 @@ class HostKVTier:
             if slot not in self._checksum:  # its store is still in flight: wait for it
                 self._wait_for(slot)
             slots.append(slot)
-        dest = torch.empty((len(slots),) + tuple(self.host.shape[1:]), dtype=self.kv.dtype, device=self.device)
+        shape = (len(slots),) + tuple(self.host.shape[1:])
         runs = _runs(slots)
-        if self.cuda:  # every transfer starts at once (after the blocks' users); the checks run meanwhile
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._copy_stream):
+        if self.cuda:  # every transfer starts at once, beside the steps in flight; the checks run meanwhile
+            with torch.cuda.stream(self._in_stream):  # the staging buffer is the load stream's: no wait for them
+                dest = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
                 for start, end in runs:
                     dest[start:end].copy_(self.host[slots[start] : slots[start] + end - start], non_blocking=True)
-            dest.record_stream(self._copy_stream)  # not reused before its transfers end, whatever the checks find
+                loaded = torch.cuda.Event()
+                loaded.record(self._in_stream)
+            self._last_load = loaded
+        else:
+            dest = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
         good = len(slots)  # slots[:good] passed their checks
         for start, end in runs:
             sums = _checksums(self.host[slots[start] : slots[start] + end - start])
@@ -196,8 +208,9 @@ class HostKVTier:
             self._slot_of.move_to_end(self._hash_in[slot])
         if good:
             ids = torch.tensor(block_ids[:good], device=self.device)
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            if self.cuda:  # the scatter, on the compute stream, after the transfers
+                torch.cuda.current_stream(self.device).wait_event(loaded)
+                dest.record_stream(torch.cuda.current_stream(self.device))
             else:
                 for start, end in runs:
                     dest[start:end] = self.host[slots[start] : slots[start] + end - start]
