@@ -180,3 +180,67 @@ def test_the_routing_index_sees_prefix_blocks_only_and_only_once_asked():
     tier.store([(f"swap:s:{i}".encode(), 4 + i) for i in range(4)], indexed=False)  # evicts swap:r:1, then g
     assert tier.take_changes() == ([], [b"g" * 16])
     assert tier.num_cached == 0 and len(tier) == 4
+
+
+class _Stream:
+    """A CUDA stream as the tier orders its work on it: what each stream waited for, in order."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "waits for stream", other.name))
+
+    def wait_event(self, event):
+        self.log.append((self.name, "waits for", event.name))
+
+
+class _Event:
+    count = 0
+
+    def __init__(self):
+        _Event.count += 1
+        self.name = f"event{_Event.count}"
+        self.stream = None
+
+    def record(self, stream):
+        self.stream = stream.name
+        stream.log.append((stream.name, "records", self.name))
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def test_the_streams_order_stores_after_loads_and_the_scatter_after_its_load(monkeypatch):
+    """The tier's GPU ordering, with its streams recorded instead of run: a store's transfers wait
+    for the compute stream (the gather) and for the last load (a slot it rewrites may be one being
+    read); a load's transfers wait for nothing on the compute stream, whose scatter waits for them."""
+    import contextlib
+
+    log = []
+    compute = _Stream("compute", log)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: log.append((s.name, "uses a buffer", "")))
+    pool = KVCachePool(2, 8, BS, 1, 4, torch.float32, "cpu")
+    pool.kv.normal_()
+    tier = HostKVTier(pool, 8 * 2 * 2 * BS * 4 * 4)
+    tier.cuda = True  # the GPU paths, on CPU tensors
+    tier._out_stream, tier._in_stream = _Stream("out", log), _Stream("in", log)
+    stored = pool.kv[:, :, :2].clone()
+    tier.store([(b"a", 0), (b"b", 1)])
+    tier.poll()
+    assert log[:3] == [("out", "waits for stream", "compute"), ("out", "records", "event1"), ("out", "uses a buffer", "")]
+    log.clear()
+    assert tier.load([b"a", b"b"], [5, 6]) == 2
+    assert ("in", "waits for stream", "compute") not in log
+    assert log.index(("in", "records", "event2")) < log.index(("compute", "waits for", "event2"))
+    assert torch.equal(pool.kv[:, :, 5:7], stored)  # the blocks came back
+    log.clear()
+    tier.drop(b"a")
+    tier.store([(b"c", 2)])  # into slot 0, which the load read
+    assert log[:2] == [("out", "waits for stream", "compute"), ("out", "waits for", "event2")]
