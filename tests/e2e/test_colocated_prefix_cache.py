@@ -66,8 +66,11 @@ def test_a_shared_prefix_and_each_conversation_s_history_are_computed_once(clust
             assert cached >= expected, (cached, len(history), answer)
     info = cluster.wait_blocks_free("decode", "decode-0")
     assert info.prefix_device_hits > 0, info
-    metrics = httpx.get(f"{cluster.base_url}/metrics").text
-    assert 'tandem_kv_cache_hit_blocks_total{tier="device",worker="decode-0"}' in metrics
+    # the gateway reads the worker's record into its metrics as it refreshes them
+    want, deadline = 'tandem_kv_cache_hit_blocks_total{tier="device",worker="decode-0"}', time.monotonic() + 15
+    while want not in (metrics := httpx.get(f"{cluster.base_url}/metrics").text) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert want in metrics
 
 
 def test_bench_multi_turn_sends_each_conversation_so_far_and_reports_the_reuse(cluster, tmp_path):
