@@ -88,7 +88,7 @@ def test_two_ranks_give_the_whole_model_s_logits(tmp_path, arch):
         assert torch.equal(g.argmax(-1), w.argmax(-1))
 
 
-def _lonely_leader(path: str, init_method: str, status) -> None:
+def _lonely_leader(path: str, init_method: str, status, told) -> None:
     from tandem.engine.tensor_parallel import TPGroupLost
 
     torch.set_num_threads(1)
@@ -96,7 +96,7 @@ def _lonely_leader(path: str, init_method: str, status) -> None:
     model, config = load_model(path, dtype=torch.float32, tp_rank=0, tp_size=2)
     runner = ModelRunner.from_model(model, config, num_blocks=32, block_size=BLOCK, tp=group)
     status.put("ready")
-    status.get()  # the follower was killed
+    told.get()  # the follower was killed
     try:
         runner.forward([SeqChunk(A, 0, list(range(8)))])
     except TPGroupLost as exc:
@@ -115,15 +115,16 @@ def _doomed_follower(path: str, init_method: str) -> None:
 def test_a_dead_rank_is_fatal_to_the_leader_s_next_forward(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "llama", "llama")
     ctx = multiprocessing.get_context("spawn")
-    init, status = f"tcp://127.0.0.1:{_free_port()}", ctx.Queue()
-    leader = ctx.Process(target=_lonely_leader, args=(path, init, status))
+    # one queue each way: the test never reads back its own message
+    init, status, told = f"tcp://127.0.0.1:{_free_port()}", ctx.Queue(), ctx.Queue()
+    leader = ctx.Process(target=_lonely_leader, args=(path, init, status, told))
     follower = ctx.Process(target=_doomed_follower, args=(path, init))
     leader.start()
     follower.start()
     assert status.get(timeout=240) == "ready"
     follower.kill()
     follower.join(30)
-    status.put("killed")
+    told.put("killed")
     assert status.get(timeout=120).startswith("lost:")
     leader.join(30)
     assert leader.exitcode == 0
