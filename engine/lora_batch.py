@@ -2,7 +2,7 @@
 
 A step's rows (decode rows and prompt chunks' tokens alike) may carry different adapters and
 none. ``build_lora_batch`` groups the rows that carry one into a segment per slot, the form
-the LoRA ops take (``kernels.ops.lora_shrink``): ``token_order`` lists those rows slot by
+the LoRA op takes (``kernels.ops.lora_add``): ``token_order`` lists those rows slot by
 slot, ``seg_starts`` where each slot's run begins, ``seg_slots`` its slot. A step without
 adapter rows has no ``LoraBatch`` (``AttentionMetadata.lora`` is None) and its forward is the
 base model's, unchanged.

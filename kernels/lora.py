@@ -1,6 +1,6 @@
 """Batched LoRA: the shrink (x @ A^T) and expand (y += (s @ B^T) * scale) of a step whose rows
-carry different adapters (Triton; the contract is ``ops.lora_shrink`` / ``ops.lora_expand`` and,
-for a whole projection, ``ops.lora_add``).
+carry different adapters (Triton; the contract is ``ops.lora_add``, its halves
+``reference.lora_shrink`` / ``reference.lora_expand``).
 
 The rows of one adapter are a segment (``engine.lora_batch``: the step's rows grouped by
 device slot, through ``token_order``). Grid: (segments, row tiles, column tiles); a program

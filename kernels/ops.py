@@ -36,8 +36,6 @@ _TRITON_MODULES = {
     "scatter_blocks": "tandem.kernels.block_copy",
     "apply_penalties": "tandem.kernels.penalties",
     "quantize_rows_fp8": "tandem.kernels.fp8_quant",
-    "lora_shrink": "tandem.kernels.lora",
-    "lora_expand": "tandem.kernels.lora",
     "lora_add": "tandem.kernels.lora",
 }
 
@@ -350,41 +348,6 @@ def apply_penalties(logits, rows, slots, counts, prompt, params):
 # slot seg_slots[i]; a segment of slot -1 is skipped; rows in no segment (the base model's) are left
 # alone. token_order [A] int64 (each row at most once), seg_starts [S + 1] int32 (non-decreasing,
 # seg_starts[0] = 0, seg_starts[S] <= A), seg_slots [S] int32.
-def lora_shrink(
-    x: torch.Tensor,
-    a_stacked: torch.Tensor,
-    token_order: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slots: torch.Tensor,
-) -> torch.Tensor:
-    """LoRA's first product: out[t] = x[t] @ a_stacked[slot(t)].T for every row t of a segment.
-
-    x [T, K] (rows may be strided, columns contiguous); a_stacked [L, R, K]: slot s's A matrices
-    (a fused projection's parts one after another, each padded with zero rows to the maximum rank).
-    -> [T, R] fp32, zero in rows of no segment. The products accumulate in fp32.
-    """
-    return _pick("lora_shrink", x)(x, a_stacked, token_order, seg_starts, seg_slots)
-
-
-def lora_expand(
-    y: torch.Tensor,
-    shrunk: torch.Tensor,
-    b_stacked: torch.Tensor,
-    token_order: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slots: torch.Tensor,
-    scales: torch.Tensor,
-) -> None:
-    """LoRA's second product, added in place: y[t] += (shrunk[t] @ b_stacked[slot(t)].T) * scales[slot(t)]
-    for every row t of a segment, in fp32, rounded to y's dtype once; other rows are not written.
-
-    y [T, N]: the projection's output or a column slice of it (a fused projection's part: row
-    stride wider than N; columns contiguous); shrunk [T, R] fp32 (``lora_shrink``'s output or its
-    part's column slice); b_stacked [L, N, R] (zero columns past a slot's rank); scales [L] fp32.
-    """
-    return _pick("lora_expand", y)(y, shrunk, b_stacked, token_order, seg_starts, seg_slots, scales)
-
-
 def lora_add(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -399,8 +362,8 @@ def lora_add(
     """A whole projection's LoRA, added in place: for each part p of a fused projection (q, k, v;
     gate, up; or one), columns offsets[p] .. offsets[p + 1] (the last: .. N) of y[t] get
     (x[t] @ A_p^T @ B_p^T) * scales[p, slot(t)], where A_p is rows p * R .. (p + 1) * R of
-    a_stacked[slot(t)] and B_p those columns' rows of b_stacked[slot(t)]: ``lora_shrink`` then
-    ``lora_expand`` of each part, with the same rounding.
+    a_stacked[slot(t)] and B_p those columns' rows of b_stacked[slot(t)]: the shrink then each
+    part's expand (``reference.lora_shrink``, ``reference.lora_expand``), with the same rounding.
 
     y [T, N] (columns contiguous); x [T, K]; a_stacked [L, P * R, K]; b_stacked [L, N, R];
     offsets P ints (offsets[0] = 0, ascending; P <= 3); scales [P, L] fp32.

@@ -227,7 +227,8 @@ def _lora_segments(token_order: torch.Tensor, seg_starts: torch.Tensor, seg_slot
 
 def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
                 seg_slots: torch.Tensor) -> torch.Tensor:
-    """ops.lora_shrink in torch."""
+    """LoRA's first product (one half of ``ops.lora_add``): out[t] = x[t] @ a_stacked[slot(t)].T for
+    every row t of a segment; x [T, K], a_stacked [L, R, K] -> [T, R] fp32, zero in rows of no segment."""
     out = torch.zeros(x.shape[0], a_stacked.shape[1], dtype=torch.float32, device=x.device)
     for slot, rows in _lora_segments(token_order, seg_starts, seg_slots):
         out[rows] = x[rows].float() @ a_stacked[slot].float().T
@@ -236,7 +237,9 @@ def lora_shrink(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Ten
 
 def lora_expand(y: torch.Tensor, shrunk: torch.Tensor, b_stacked: torch.Tensor, token_order: torch.Tensor,
                 seg_starts: torch.Tensor, seg_slots: torch.Tensor, scales: torch.Tensor) -> None:
-    """ops.lora_expand in torch (in place on ``y``)."""
+    """LoRA's second product, in place: y[t] += (shrunk[t] @ b_stacked[slot(t)].T) * scales[slot(t)]
+    for every row t of a segment, in fp32, rounded to y's dtype once; y [T, N] (or a column slice),
+    shrunk [T, R] fp32, b_stacked [L, N, R], scales [L] fp32."""
     for slot, rows in _lora_segments(token_order, seg_starts, seg_slots):
         delta = (shrunk[rows].float() @ b_stacked[slot].float().T) * scales[slot].float()
         y[rows] = (y[rows].float() + delta).to(y.dtype)
