@@ -180,22 +180,30 @@ class Generation:
 
         events = read_queued_events(self._queue, deadline=self._deadline, worker_alive=worker_alive)
         try:
-            async for event in events:
+            async for batch in events:  # every event that arrived since the last batch: one delta
                 if self._first_token_at is None:
                     self._on_first_event()
-                if event.num_cached_tokens and not self.num_cached_tokens:
-                    # only the prefill worker's event for index 0 carries it, and it may come second
-                    self.num_cached_tokens = event.num_cached_tokens
-                    self._metrics.cached_tokens.inc(event.num_cached_tokens)
-                if event.prompt_logprobs is not None and self._text.prompt_logprobs is None:
-                    self._text.prompt_logprobs = event.prompt_logprobs  # index 0's: before any delta is made
-                new_token_ids = assembler.add(event)
+                new_token_ids: list[int] = []
+                new_logprobs: list = []
+                for event in batch:
+                    if event.num_cached_tokens and not self.num_cached_tokens:
+                        # only the prefill worker's event for index 0 carries it, and it may come second
+                        self.num_cached_tokens = event.num_cached_tokens
+                        self._metrics.cached_tokens.inc(event.num_cached_tokens)
+                    if event.prompt_logprobs is not None and self._text.prompt_logprobs is None:
+                        self._text.prompt_logprobs = event.prompt_logprobs  # index 0's: before any delta is made
+                    new_token_ids.extend(assembler.add(event))
+                    new_logprobs.extend(assembler.new_logprobs)
                 if assembler.gap_s() > GAP_TIMEOUT_S:
                     raise WorkerLost(f"tokens of this request were lost in transit (a gap of {assembler.gap_s():.1f} s)")
                 if assembler.finish_reason == "error":
                     self._worker_done = True
+                    if new_token_ids:  # the tokens released before the failure still go out
+                        delta = self._advance(new_token_ids, None, new_logprobs)
+                        if delta is not None:
+                            yield delta
                     raise WorkerFailed(f"the request failed on a worker: {assembler.error or 'unknown error'}")
-                delta = self._advance(new_token_ids, assembler.finish_reason, assembler.new_logprobs)
+                delta = self._advance(new_token_ids, assembler.finish_reason, new_logprobs)
                 if delta is not None:
                     yield delta
                 if self.finish_reason is not None:

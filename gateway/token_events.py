@@ -36,25 +36,34 @@ async def read_queued_events(
     deadline: float,
     worker_alive: Callable[[], Awaitable[bool]],
     poll_s: float = POLL_S,
-) -> AsyncIterator[TokenEvent]:
-    """Every TokenEvent put on ``queue``, forever (the caller stops at the last one)."""
+) -> AsyncIterator[list[TokenEvent]]:
+    """The TokenEvents put on ``queue``, forever (the caller stops at the last one), each time
+    all that arrived since the last: a reader that fell behind the workers takes several steps'
+    tokens in one go, so the stream's cost per token falls as the load rises (one delta, one SSE
+    event for the lot, as vLLM's output collector merges outputs its consumer has not taken)."""
     while True:
         remaining_s = deadline - time.monotonic()
         if remaining_s <= 0:
             raise RequestTimeout("request timed out")
-        try:
-            event = await asyncio.wait_for(queue.get(), timeout=min(poll_s, remaining_s))
-        except asyncio.TimeoutError:
-            if not await worker_alive() and queue.empty():
-                raise WorkerLost("the decode worker serving this request stopped responding") from None
+        if queue.empty():
+            try:
+                event = await asyncio.wait_for(queue.get(), timeout=min(poll_s, remaining_s))
+            except asyncio.TimeoutError:
+                if not await worker_alive() and queue.empty():
+                    raise WorkerLost("the decode worker serving this request stopped responding") from None
+                continue
+        else:
+            event = queue.get_nowait()  # what arrived meanwhile, without a timer
+        batch = [event]
+        while not queue.empty():
+            batch.append(queue.get_nowait())
+        failed = next((i for i, item in enumerate(batch) if isinstance(item, Exception)), None)
+        if failed is None:
+            yield batch
             continue
-        while True:
-            if isinstance(event, Exception):  # the gateway itself ends the request (OutputMux.fail_all)
-                raise event
-            yield event
-            if queue.empty():
-                break
-            event = queue.get_nowait()  # what arrived meanwhile, without waiting
+        if failed:  # the events before the gateway's own end (OutputMux.fail_all) still go out
+            yield batch[:failed]
+        raise batch[failed]
 
 
 @dataclass
