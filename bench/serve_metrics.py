@@ -46,6 +46,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     content_chunks: int = 0
     last_token_at: float | None = None  # seconds after the request was sent
+    received: float | None = None  # seconds after the request was sent: its response's last byte (or its failure)
     output_tokens: int = 0
     output_tokens_estimated: bool = False  # no usage and not a length finish: content chunks counted
     usage_prompt_tokens: int | None = None

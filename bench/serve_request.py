@@ -95,7 +95,7 @@ async def _stream_request(
             return
         async for raw in resp.aiter_bytes():
             reads.append((time.perf_counter(), raw))
-    res.latency = time.perf_counter() - t0
+    res.latency = res.received = time.perf_counter() - t0
     _replay(cfg, reads, t0, res)
     if res.last_token_at is not None:  # as vLLM: E2E ends at the last token, not the usage chunk or [DONE]
         res.latency = res.last_token_at
@@ -204,6 +204,8 @@ async def send_request(
         res.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if res.latency is None or not res.success:
         res.latency = time.perf_counter() - t0
+    if res.received is None:
+        res.received = time.perf_counter() - t0
     res.finished = True
     return res
 

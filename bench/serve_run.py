@@ -29,13 +29,24 @@ class BenchState:
     end: float | None = None
     interrupted: bool = False
     in_flight: int = 0
+    # when the last byte of any response arrived (time.perf_counter()): the server's work is done
+    # then; the client still decodes each stream's events after it ends (send_request), which is
+    # the client's time, not the server's
+    last_received: float | None = None
+
+    @property
+    def finished_at(self) -> float:
+        """The run's end: the last response's last byte, or (interrupted, or nothing received)
+        the moment the run stopped."""
+        if self.last_received is not None and not self.interrupted:
+            return self.last_received
+        return self.end if self.end is not None else time.perf_counter()
 
     @property
     def duration(self) -> float:
         if self.start is None:
             return 0.0
-        end = self.end if self.end is not None else time.perf_counter()
-        return max(end - self.start, 0.0)
+        return max(self.finished_at - self.start, 0.0)
 
 
 async def run_benchmark(
@@ -86,6 +97,9 @@ async def run_benchmark(
                     await send_request(client, cfg, spec, res)
                 finally:
                     state.in_flight -= 1
+                if res.received is not None:
+                    received = (state.start or 0.0) + res.start + res.received
+                    state.last_received = max(state.last_received or received, received)
             finally:
                 if sem is not None:
                     sem.release()

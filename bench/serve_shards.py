@@ -77,7 +77,7 @@ def run_in_processes(cfg: BenchConfig, specs: Sequence[RequestSpec], num_process
             if proc.is_alive():
                 proc.terminate()
             proc.join(5)
-    state = BenchState(start=start_at, end=max(s["end"] for s in shards))
+    state = BenchState(start=start_at, end=max(s["end"] for s in shards))  # each shard's finished_at
     state.results = sorted((r for s in shards for r in s["results"]), key=lambda r: r.index)
     return state
 
@@ -89,4 +89,4 @@ def _shard_main(cfg: BenchConfig, specs: list[RequestSpec], offsets: list[float]
     start_at = pipe.recv()
     state = BenchState()
     run_loop(run_benchmark(cfg, specs, state, offsets=offsets, start_at=start_at))
-    results.put({"results": state.results, "end": state.end})
+    results.put({"results": state.results, "end": state.finished_at})

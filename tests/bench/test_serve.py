@@ -256,6 +256,29 @@ def test_e2e_latency_ends_at_the_last_token(server, tmp_path):
     assert doc["metrics"]["mean_e2el_ms"] == doc["metrics"]["e2el_ms"]["mean"]  # vLLM's flat keys too
 
 
+def test_duration_ends_at_the_last_byte_not_after_the_clients_decoding(server, tmp_path, monkeypatch):
+    """The client decodes a stream's events after it ends; that is the client's time, not the
+    server's, and the run's duration (and so its throughput) leaves it out."""
+    from tandem.bench import serve_request
+
+    replay = serve_request._replay
+
+    def slow_replay(*args, **kwargs):
+        time.sleep(0.5)
+        return replay(*args, **kwargs)
+
+    monkeypatch.setattr(serve_request, "_replay", slow_replay)
+    url, _ = server
+    out = tmp_path / "r.json"
+    assert _run(["--base-url", url, "--num-prompts", "2", "--max-concurrency", "1", "--input-len", "5",
+                 "--output-len", "4", "--result-json", str(out)]) == 0
+    m = json.loads(out.read_text())["metrics"]
+    assert m["completed"] == 2
+    served = 2 * (TTFT_S + 3 * ITL_S)
+    # the second request waited for the first one's decoding (0.5 s), but not for its own
+    assert served + 0.5 <= m["duration_s"] < served + 0.5 + 0.4
+
+
 def test_a_malformed_chunk_fails_its_request_not_the_run(server, tmp_path):
     url, _ = server
     out = tmp_path / "r.json"
