@@ -110,6 +110,9 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
     the heads (``ModelRunner.handoff_kv``)."""
     from tandem.engine.kv_cache import KVCachePool, resolve_kv_dtype
     from tandem.engine.kv_scales import kv_scales
+    from tandem.kernels import compile_watch
+
+    compile_watch.install()  # counts the start-up's compilations; the worker loop's are warnings
     from tandem.engine.loader import load_model
     from tandem.engine.runner import ModelRunner
 
