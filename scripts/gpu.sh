@@ -116,32 +116,37 @@ case "${1:-}" in
     done ;;
   offline)  # TensorRT-LLM's offline shapes and 256 streams, llama3-8b, through tandem serve
     # OFFLINE_RUNS picks among fp8, bf16, c256 and long (1000/1000, 1,000 requests); default the first three
+    # OFFLINE_BATCH: --max-batch-size of the offline rows (default 1024); SERVE_EXTRA: more serve
+    # flags for every row (e.g. --gateway-processes 8); RUN_TAG: a suffix of the result folders
     ckpt=/tmp/tandem-bench-llama3-8b
+    batch=${OFFLINE_BATCH:-1024}
+    extra=${SERVE_EXTRA:-}
     for run in ${OFFLINE_RUNS:-fp8 bf16 c256}; do
       case $run in
-        fp8) args=(--num-prompts 3072 --input-len-range 128:128 --output-len 128 --max-batch-size 1024
-                   --serve-args "--quantization fp8 --kv-cache-dtype fp8" --label offline_128_128_3072) ;;
-        bf16) args=(--num-prompts 3072 --input-len-range 128:128 --output-len 128 --max-batch-size 1024
-                    --label offline_128_128_3072) ;;
+        fp8) args=(--num-prompts 3072 --input-len-range 128:128 --output-len 128 --max-batch-size "$batch"
+                   --serve-args "--quantization fp8 --kv-cache-dtype fp8 $extra" --label offline_128_128_3072) ;;
+        bf16) args=(--num-prompts 3072 --input-len-range 128:128 --output-len 128 --max-batch-size "$batch"
+                    --serve-args "$extra" --label offline_128_128_3072) ;;
         c256) args=(--num-prompts 1024 --input-len-range 128:128 --output-len 128 --max-concurrency 256
                     --max-batch-size 256 --label serve_c256_128_128
-                    --serve-args "--quantization fp8 --kv-cache-dtype fp8 --max-num-tokens ${C256_BUDGET:-2048}") ;;
-        long) args=(--num-prompts 1000 --input-len-range 1000:1000 --output-len 1000 --max-batch-size 1024
-                    --serve-args "--quantization fp8 --kv-cache-dtype fp8" --label offline_1000_1000_1000) ;;
+                    --serve-args "--quantization fp8 --kv-cache-dtype fp8 --max-num-tokens ${C256_BUDGET:-2048} $extra") ;;
+        long) args=(--num-prompts 1000 --input-len-range 1000:1000 --output-len 1000 --max-batch-size "$batch"
+                    --serve-args "--quantization fp8 --kv-cache-dtype fp8 $extra" --label offline_1000_1000_1000) ;;
       esac
-      mkdir -p "$OUT/$run"
+      dir="$OUT/$run${RUN_TAG:-}"
+      mkdir -p "$dir"
       # each process's CPU share every 2 s (the gateway, the workers, the load clients)
-      top -b -d 2 -c -w 180 | grep --line-buffered -E "^top -|tandem|bench" > "$OUT/$run/top.log" &
+      top -b -d 2 -c -w 180 | grep --line-buffered -E "^top -|tandem|bench|multiprocessing" > "$dir/top.log" &
       sampler=$!
       timeout "${OFFLINE_TIMEOUT:-240}" python3 -m tandem.bench.cluster_mixed --skip-hf --model-shape llama3-8b \
         --checkpoint "$ckpt" --client-processes "${CLIENTS:-4}" "${args[@]}" --pools "${POOLS:-auto}" \
-        --out "$OUT/$run/result.json" \
-        > "$OUT/$run/run.log" 2>&1
+        --out "$dir/result.json" \
+        > "$dir/run.log" 2>&1
       status=$?
       kill $sampler 2>/dev/null
-      rm -f "$OUT/$run/serve_result.json"  # also inside result.json
-      echo "== $run (exit $status)"
-      python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['serve']['metrics']; print({k: m.get(k) for k in ('completed','failed','output_throughput','duration')})" "$OUT/$run/result.json"
+      rm -f "$dir/serve_result.json"  # also inside result.json
+      echo "== $run${RUN_TAG:-} (exit $status)"
+      python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['serve']['metrics']; print({k: m.get(k) for k in ('completed','failed','output_throughput','duration_s','p99_ttft_ms','p99_tpot_ms')})" "$dir/result.json"
     done ;;
   host-tier)
     for q in bf16 fp8; do
