@@ -13,7 +13,6 @@ from tandem.cluster import keys
 from tandem.cluster.messages import WorkerInfo
 from tandem.cluster.process import pid_namespace, sleep_unless_stopped
 from tandem.cluster.settings import Settings
-from tandem.kernels import compile_watch
 
 log = structlog.get_logger(__name__)
 
@@ -21,9 +20,7 @@ REDIS_RETRY_S = 0.5
 
 
 def run_steps(step: Callable[[], None], stop: threading.Event) -> None:
-    """Call ``step`` until ``stop`` is set; a Redis outage is waited out, not fatal. A kernel
-    compiled from here on is logged (``kernels.compile_watch``): the warm-up missed it."""
-    compile_watch.serving()
+    """Call ``step`` until ``stop`` is set; a Redis outage is waited out, not fatal."""
     while not stop.is_set():
         try:
             step()

@@ -37,6 +37,7 @@ from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.swap import SwapSpace
 from tandem.engine.block_allocator import BlockAllocator
+from tandem.kernels import compile_watch
 from tandem.engine.guide import Guides
 from tandem.engine.caching_allocator import CachingAllocator
 from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
@@ -218,6 +219,7 @@ class DecodeWorker:
         self.heartbeat.start()
         log.info("decode worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total,
                  run_ahead=self.run_ahead)
+        compile_watch.serving()  # a kernel compiled from here on is a warning: the warm-up missed it
         try:
             run_steps(self.step, stop)
         finally:

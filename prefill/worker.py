@@ -31,6 +31,7 @@ from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.settings import Settings
 from tandem.cluster.step_stats import StepStats
 from tandem.engine.block_allocator import BlockAllocator
+from tandem.kernels import compile_watch
 from tandem.engine.warmup import warm_up_prefill
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
@@ -143,6 +144,7 @@ class PrefillWorker:
     def serve(self, stop) -> None:
         self.heartbeat.start()
         log.info("prefill worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total)
+        compile_watch.serving()  # a kernel compiled from here on is a warning: the warm-up missed it
         try:
             run_steps(self.step, stop)
         finally:
