@@ -10,10 +10,10 @@ request when memory frees up, as in vLLM; refusal is an operator's explicit choi
 (``--max-queue-len``, ``--queue-timeout-s``). The queue is ordered by (priority, arrival) like
 the workers' own queues. Only its head asks Redis (``Router.reserve``, every ``poll_s``), so
 requests are admitted in order and a waiting crowd costs one Redis call per poll and nothing
-in Redis; the others sleep on their own event, set when they reach the head, and wake every
-``QUEUED_CHECK_S`` only to ask whether their client went away (``client_gone``:
-ClientDisconnected) or their deadline passed. With no decode worker alive at all,
-``NoWorkerAvailable`` (503) is raised at once instead.
+in Redis; the others sleep until they reach the head, their client leaves (``client_left``,
+set by the gateway's disconnect watch: ClientDisconnected) or a deadline passes, and wake for
+nothing else: 10,000 waiting requests cost the event loop no work. With no decode worker alive
+at all, ``NoWorkerAvailable`` (503) is raised at once instead.
 """
 
 from __future__ import annotations
@@ -22,15 +22,12 @@ import asyncio
 import bisect
 import itertools
 import time
-from collections.abc import Awaitable, Callable
 
 from tandem.cluster.messages import WorkerInfo
 from tandem.gateway.errors import ClientDisconnected, RequestTimeout, ServerBusy
 from tandem.gateway.router import PromptPrefix, Router
 
 POLL_S = 0.01  # the head's retry interval
-CLIENT_CHECK_S = 0.1  # how often the head asks whether its client is still there
-QUEUED_CHECK_S = 1.0  # how often a waiter behind the head does (and looks at its deadlines)
 RESUMED_FIRST = 1 << 60  # subtracted from a resumed request's arrival number: ahead of new ones, FIFO among themselves
 
 
@@ -66,7 +63,7 @@ class AdmissionQueue:
 
     async def admit(self, request_id: str, num_prompt_tokens: int, max_tokens: int, priority: int = 0,
                     resumed: bool = False, deadline: float | None = None,
-                    client_gone: Callable[[], Awaitable[bool]] | None = None,
+                    client_left: asyncio.Event | None = None,
                     prompt: PromptPrefix | None = None) -> WorkerInfo:
         """The worker that took the request (its reservation is made); waits in the queue if none can yet.
 
@@ -74,8 +71,8 @@ class AdmissionQueue:
         the new requests of its priority and is never refused for a full queue. ``deadline``
         (monotonic): the request's own; reaching it raises RequestTimeout. (A deadline, not
         ``asyncio.wait_for``: a cancellation landing inside a redis-py call can be lost.)
-        ``client_gone``: asked while queued; True raises ClientDisconnected. ``prompt``: for
-        prefix-aware admission (``Router.reserve``)."""
+        ``client_left``: set when the client goes away, which raises ClientDisconnected if the
+        request is still queued. ``prompt``: for prefix-aware admission (``Router.reserve``)."""
         reserve = (request_id, num_prompt_tokens, max_tokens, resumed)
         if not self._waiting:
             worker = await self.router.reserve(*reserve, prompt=prompt)
@@ -89,12 +86,12 @@ class AdmissionQueue:
         if self._gauge is not None:
             self._gauge.inc()
         self._waiting[0].turn.set()  # a ticket that went ahead of the head is the head now
-        now = time.monotonic()
-        queue_deadline = float("inf") if self.queue_timeout_s is None else now + self.queue_timeout_s
-        request_deadline = float("inf") if deadline is None else deadline
-        next_client_check = now + CLIENT_CHECK_S
+        queue_deadline = float("inf") if self.queue_timeout_s is None else time.monotonic() + self.queue_timeout_s
+        wake_at = min(queue_deadline, float("inf") if deadline is None else deadline)
         try:
             while True:
+                if client_left is not None and client_left.is_set():
+                    raise ClientDisconnected("client disconnected while queued")
                 head = self._waiting[0] is ticket
                 if head:
                     worker = await self.router.reserve(*reserve, prompt=prompt)
@@ -103,27 +100,31 @@ class AdmissionQueue:
                 else:
                     ticket.turn.clear()
                 now = time.monotonic()
-                if client_gone is not None and now >= next_client_check:
-                    if await client_gone():
-                        raise ClientDisconnected("client disconnected while queued")
-                    next_client_check = now + (CLIENT_CHECK_S if head else QUEUED_CHECK_S)
-                if now >= request_deadline:
+                if deadline is not None and now >= deadline:
                     raise RequestTimeout("request timed out waiting for room on a decode worker")
                 if queue_deadline <= now:
                     raise ServerBusy(f"no decode worker had room within {self.queue_timeout_s:g} s; retry later",
                                      code="queue_timeout")
-                wake_s = min(min(queue_deadline, request_deadline) - now, next_client_check - now)
                 if head:
-                    await asyncio.sleep(max(0.0, min(self.poll_s, wake_s)))
-                elif self._waiting[0] is not ticket:  # (the head may have left during the client check)
-                    try:
-                        async with asyncio.timeout(max(0.0, min(QUEUED_CHECK_S, wake_s))):
-                            await ticket.turn.wait()
-                    except TimeoutError:
-                        pass
+                    await asyncio.sleep(max(0.0, min(self.poll_s, wake_at - now)))
+                elif self._waiting[0] is not ticket:  # (the head may have left meanwhile)
+                    await _first_set(ticket.turn, client_left, timeout=wake_at - now)
         finally:
             self._waiting.remove(ticket)
             if self._gauge is not None:
                 self._gauge.dec()
             if self._waiting:
                 self._waiting[0].turn.set()
+
+
+async def _first_set(turn: asyncio.Event, client_left: asyncio.Event | None, timeout: float) -> None:
+    """Until ``turn`` or ``client_left`` is set, or ``timeout`` (inf: none) seconds passed."""
+    waits = [asyncio.ensure_future(turn.wait())]
+    if client_left is not None:
+        waits.append(asyncio.ensure_future(client_left.wait()))
+    try:
+        await asyncio.wait(waits, timeout=None if timeout == float("inf") else max(0.0, timeout),
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

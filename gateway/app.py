@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from tandem.cluster.settings import Settings
 from tandem.gateway.auth import install_api_key_auth
 from tandem.gateway.body_limit import BodyLimitMiddleware
-from tandem.gateway.cancellation import GenerationStreamResponse, followed_stream_response, until_disconnected
+from tandem.gateway.cancellation import (GenerationStreamResponse, followed_stream_response, until_disconnected,
+                                         watching_disconnect)
 from tandem.gateway.drain import DrainMiddleware
 from tandem.gateway.errors import install_error_handlers
 from tandem.gateway.lora_protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, loaded_text, unloaded_text
@@ -84,13 +85,15 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         inp = await service.prepare_completion(body)
-        choices = await service.start(inp, prefix="cmpl", client_gone=request.is_disconnected)
+        async with watching_disconnect(request) as client_left:
+            choices = await service.start(inp, prefix="cmpl", client_left=client_left)
         return await _respond(request, body, choices, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         inp = await service.prepare_chat(body)
-        choices = await service.start(inp, prefix="chatcmpl", client_gone=request.is_disconnected)
+        async with watching_disconnect(request) as client_left:
+            choices = await service.start(inp, prefix="chatcmpl", client_left=client_left)
         return await _respond(request, body, choices, chat=True)
 
     @app.get("/v1/streams/{request_id}")

@@ -9,10 +9,11 @@ Non-streaming: ``until_disconnected`` runs the work next to a task that waits
 for ``http.disconnect`` (like vLLM's ``with_cancellation``) and cancels the
 work when the client leaves first.
 
-Before either, while a request waits in the admission queue, the queue asks
-``client_gone`` (the request's ``is_disconnected``) every ``CLIENT_CHECK_S``:
-a client that left gives up its place (and is never submitted), so it holds
-no room in the queue that live clients would be refused for.
+Before either, while a request is admitted (and waits in the admission queue),
+``watching_disconnect`` awaits its ``http.disconnect`` and sets an event the
+queue wakes on: a client that left gives up its place (and is never
+submitted), so it holds no room in the queue that live clients would be
+refused for, and a waiting request costs nothing until then (no polling).
 
 Resumable streams (``stream_options.resumable``) are the exception once
 submitted: their response only follows the events retained in Redis
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -48,6 +50,24 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     if work_task.done() and not work_task.cancelled():
         return work_task.result()
     raise ClientDisconnected("client disconnected")
+
+
+@asynccontextmanager
+async def watching_disconnect(request: Request) -> AsyncIterator[asyncio.Event]:
+    """An event set once the client goes away, while the block runs. The request's body has
+    been read, so the next ASGI message is its ``http.disconnect``: awaited, not polled. The
+    watch ends with the block, before a response starts (which listens on its own)."""
+    left = asyncio.Event()
+
+    async def watch() -> None:
+        await _wait_for_disconnect(request)
+        left.set()
+
+    task = asyncio.ensure_future(watch())
+    try:
+        yield left
+    finally:
+        task.cancel()
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
@@ -56,7 +55,7 @@ class Dispatcher:
 
     async def admit(self, wire_id: str, num_prompt_tokens: int, max_tokens: int, priority: int = 0, *,
                     resumed: bool = False, deadline: float | None = None,
-                    client_gone: Callable[[], Awaitable[bool]] | None = None,
+                    client_left: asyncio.Event | None = None,
                     prompt: PromptPrefix | None = None) -> WorkerInfo:
         """Reserve room on a decode worker (waiting in the admission queue while none has it).
         A new request needs a live prefill worker too (or a decode worker that computes its own
@@ -66,7 +65,7 @@ class Dispatcher:
                     w.computes_prompts for w in await self._router.workers("decode")):
                 raise NoWorkerAvailable("no prefill worker is alive; retry later")
             worker = await self._admission.admit(wire_id, num_prompt_tokens, max_tokens, priority,
-                                                 deadline=deadline, client_gone=client_gone, prompt=prompt)
+                                                 deadline=deadline, client_left=client_left, prompt=prompt)
             return self._saw(worker)
         wait_until = time.monotonic() + self._failover_wait_s
         if deadline is not None:
@@ -74,7 +73,7 @@ class Dispatcher:
         while True:
             try:
                 return self._saw(await self._admission.admit(wire_id, num_prompt_tokens, max_tokens, priority,
-                                                             resumed=True, deadline=deadline, client_gone=client_gone))
+                                                             resumed=True, deadline=deadline, client_left=client_left))
             except (NoWorkerAvailable, RedisError):
                 if time.monotonic() + FAILOVER_POLL_S > wait_until:
                     raise

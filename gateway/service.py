@@ -15,7 +15,6 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import redis.asyncio as aioredis
@@ -101,12 +100,12 @@ class GatewayService:
         return await self.lanes.chat(body, await self.adapters.resolve(body.model))
 
     async def start(self, inp: GenerationInput, prefix: str = "cmpl",
-                    client_gone: Callable[[], Awaitable[bool]] | None = None) -> Choices:
+                    client_left: asyncio.Event | None = None) -> Choices:
         """Admit each of the request's ``inp.n`` choices (``inp.best_of`` sequences when more, of
         which ``Choices`` returns the best n) to a decode worker and submit it; raises
         NoWorkerAvailable, ServerBusy (429) or RedisError, or ClientDisconnected where
-        ``client_gone`` (asked while queued and once more before submitting) says the client
-        left. Choices already started when one cannot start are aborted. Every sequence ends
+        ``client_left`` (set when the client goes away: watched while queued and once more before
+        submitting) says the client left. Choices already started when one cannot start are aborted. Every sequence ends
         under one finish reason in the metrics: a started one when its ``Generation`` closes,
         one never started here (``abort`` when its client left, ``error`` otherwise)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -121,7 +120,7 @@ class GatewayService:
             for index in range(num_sequences):
                 wire_id = request_id if num_sequences == 1 else f"{request_id}-{index}"
                 generations.append(await self._start_one(choice_input(sequence, index), wire_id, arrived_at,
-                                                         client_gone))
+                                                         client_left))
         except BaseException as exc:
             for generation in generations:
                 generation.close()  # each counts its own finish
@@ -133,12 +132,12 @@ class GatewayService:
         return Choices(request_id, generations, n=inp.n, logprobs_asked=inp.sampling.logprobs is not None)
 
     async def _start_one(self, inp: GenerationInput, request_id: str, arrived_at: float,
-                         client_gone: Callable[[], Awaitable[bool]] | None) -> Generation:
+                         client_left: asyncio.Event | None) -> Generation:
         dispatcher = self.dispatcher
         worker = await dispatcher.admit(request_id, len(inp.prompt_token_ids), inp.max_tokens, inp.priority,
-                                        client_gone=client_gone,
+                                        client_left=client_left,
                                         prompt=PromptPrefix(inp.prompt_token_ids, inp.lora_digest))
-        if client_gone is not None and await client_gone():  # left while its room was being reserved
+        if client_left is not None and client_left.is_set():  # left while its room was being reserved
             dispatcher.release(worker.worker_id, request_id)
             raise ClientDisconnected("client disconnected before submission")
         generation = Generation(request_id, inp, worker, backend=dispatcher, mux=self.mux, metrics=self.metrics,

@@ -146,23 +146,51 @@ def test_cancelled_waiter_leaves_the_queue():
 def test_waiter_whose_client_left_leaves_the_queue():
     async def scenario():
         router = FakeRouter()
-        queue = AdmissionQueue(router, max_queue_len=1, queue_timeout_s=5, poll_s=0.001)
-        gone = False
-
-        async def client_gone():
-            return gone
-
-        waiter = asyncio.create_task(queue.admit("a", 1, 1, client_gone=client_gone))
-        await asyncio.sleep(0.15)  # past a client check: still there, still queued
-        assert queue.num_queued == 1 and not waiter.done()
-        gone = True
+        queue = AdmissionQueue(router, max_queue_len=2, queue_timeout_s=5, poll_s=0.001)
+        head = asyncio.create_task(queue.admit("head", 1, 1))
+        left = asyncio.Event()
+        waiter = asyncio.create_task(queue.admit("a", 1, 1, client_left=left))
+        await asyncio.sleep(0.05)
+        assert queue.num_queued == 2 and not waiter.done()
+        left.set()  # behind the head: its leaving wakes it at once
         with pytest.raises(ClientDisconnected):
-            await asyncio.wait_for(waiter, 1)
+            await asyncio.wait_for(waiter, 0.2)
+        assert queue.num_queued == 1
+        head.cancel()
+        await asyncio.gather(head, return_exceptions=True)
         router.room = 1
         return queue.num_queued, await queue.admit("b", 1, 1), router.taken
 
     num_queued, worker, taken = asyncio.run(scenario())
     assert num_queued == 0 and worker.worker_id == "w" and taken == ["b"]  # "a" was never admitted
+
+
+def test_a_waiting_crowd_costs_the_event_loop_nothing():
+    """10,000 queued requests whose clients stay: while none can be admitted, only the head wakes
+    (to ask the router every poll_s); the others sleep until they reach the head or leave."""
+    async def scenario():
+        router = FakeRouter()
+        queue = AdmissionQueue(router, poll_s=0.05, queue_timeout_s=60)
+        lefts = [asyncio.Event() for _ in range(10_000)]
+        tasks = [asyncio.create_task(queue.admit(str(i), 1, 1, client_left=left)) for i, left in enumerate(lefts)]
+        await asyncio.sleep(0.5)
+        assert queue.num_queued == 10_000
+        started = time.process_time()
+        await asyncio.sleep(2.0)
+        idle_cpu_s = time.process_time() - started
+        lefts[-1].set()  # the last one leaves: at once, though it never reached the head
+        with pytest.raises(ClientDisconnected):
+            await asyncio.wait_for(tasks[-1], 0.5)
+        router.room = 3  # the first three in line go, in order
+        await asyncio.wait_for(asyncio.gather(*tasks[:3]), 2)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return idle_cpu_s, router.taken, queue.num_queued
+
+    idle_cpu_s, taken, num_queued = asyncio.run(scenario())
+    assert idle_cpu_s < 0.05, idle_cpu_s  # waking each waiter once a second cost about 0.2 s here
+    assert taken == ["0", "1", "2"] and num_queued == 0
 
 
 def test_client_that_leaves_while_queued_frees_its_place(serve, fake_worker):
