@@ -105,7 +105,7 @@ async def _stream_request(
         res.output_tokens = spec.output_len
     else:  # no usage and an early stop: a chunk may carry several tokens
         res.output_tokens, res.output_tokens_estimated = res.content_chunks, True
-    if res.ttft is None:
+    if res.ttft is None:  # neither text nor a finish reason (a stream whose text is empty ends with one)
         res.error = "stream ended without any generated content"
         return
     res.success = True
@@ -146,6 +146,8 @@ def _replay(cfg: BenchConfig, reads: list[tuple[float, bytes]], t0: float, res: 
                     continue
                 if choice.get("finish_reason"):
                     res.finish_reason = str(choice["finish_reason"])
+                    if res.ttft is None:  # every token's text was empty: the answer is complete all the same
+                        res.ttft = res.last_token_at = now - t0
                 if isinstance(choice.get("token_ids"), list):
                     res.token_ids += [int(t) for t in choice["token_ids"]]
             usage = obj.get("usage")

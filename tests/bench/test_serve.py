@@ -75,9 +75,11 @@ def _make_app(state: dict) -> FastAPI:
                 if model == "bad-chunk":  # a well-formed event with an ill-typed delta
                     yield 'data: {"choices": [{"index": 0, "delta": "BAD"}]}\n\n'
                     return
+                if model == "empty-text":  # every token's text empty: only the finishing chunk is sent
+                    yield chunk("", "length")
                 per_chunk = 2 if model in ("two-per-chunk", "stop-early") else 1
                 finish = "stop" if model == "stop-early" else "length"
-                chunks = n // per_chunk - (1 if model == "stop-early" else 0)
+                chunks = 0 if model == "empty-text" else n // per_chunk - (1 if model == "stop-early" else 0)
                 for i in range(chunks):
                     if i:
                         await asyncio.sleep(ITL_S)
@@ -241,6 +243,21 @@ def test_tokens_without_usage_when_a_chunk_carries_several(server, tmp_path, cap
     assert doc["requests"][0]["output_tokens"] == tokens
     assert doc["metrics"]["output_tokens_estimated"] == estimated
     assert ("counted as content chunks" in capsys.readouterr().out) == bool(estimated)
+
+
+def test_an_answer_whose_text_is_empty_is_served_not_failed(server, tmp_path):
+    """Tokens that all decode to empty text (a server sends no chunk for them, only the one with
+    the finish reason): the request succeeded, its tokens come from usage, its first token's
+    time is the finishing chunk's."""
+    url, state = server
+    out = tmp_path / "r.json"
+    assert _run(["--base-url", url, "--model", "empty-text", "--num-prompts", "2", "--input-len", "5",
+                 "--output-len", "4", "--result-json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["metrics"]["completed"] == 2 and doc["metrics"]["failed"] == 0
+    row = doc["requests"][0]
+    assert row["success"] and row["error"] in (None, "") and row["output_tokens"] == 4
+    assert row["ttft_ms"] >= TTFT_S * 1e3
 
 
 def test_e2e_latency_ends_at_the_last_token(server, tmp_path):
