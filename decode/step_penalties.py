@@ -25,7 +25,7 @@ import torch
 from tandem.decode.request import DecodeRequest
 from tandem.engine.logits_process import Plan, apply, plan
 from tandem.engine.penalty_slots import PenaltySlots
-from tandem.engine.sampler import _to_device
+from tandem.engine.device_copy import to_device as _to_device
 from tandem.engine.step_tokens import TokenFeed
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.device_copy import tensor_on
 from tandem.engine.lora_batch import LoraBatch
 
 
@@ -108,12 +109,7 @@ def upload(rows: list[list[int]], device: torch.device | str) -> list[torch.Tens
     """Lists of ints -> int64 tensors on ``device``, in one copy. On CUDA the copy is from pinned
     memory and asynchronous: a copy from pageable memory waits for every kernel already queued on
     the stream, which would stall a step launched while the previous one runs."""
-    flat = torch.tensor([v for row in rows for v in row], dtype=torch.int64)
-    device = torch.device(device)
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it until copied
-    elif device.type != "cpu":
-        flat = flat.to(device)
+    flat = tensor_on([v for row in rows for v in row], device)
     out, at = [], 0
     for row in rows:
         out.append(flat[at : at + len(row)])

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.engine.device_copy import tensor_on
 from tandem.kernels import ops
 
 
@@ -137,7 +138,7 @@ class HostKVTier:
             elif self._indexed:
                 self._changes[block_hash] = True
             slots.append(slot)
-        ids = torch.tensor([block_id for _, block_id in todo], device=self.device)
+        ids = tensor_on([block_id for _, block_id in todo], self.device)  # not waiting for the queued steps
         gathered = torch.empty((len(todo),) + tuple(self.host.shape[1:]), dtype=self.kv.dtype, device=self.device)
         ops.gather_blocks(self.kv, ids, out=gathered.movedim(0, 2))  # block-major: [n, layers, 2, block, ...]
         pairs = [(slot, block_hash) for slot, (block_hash, _) in zip(slots, todo)]
@@ -207,7 +208,7 @@ class HostKVTier:
         for slot in slots[:good]:
             self._slot_of.move_to_end(self._hash_in[slot])
         if good:
-            ids = torch.tensor(block_ids[:good], device=self.device)
+            ids = tensor_on(block_ids[:good], self.device)
             if self.cuda:  # the scatter, on the compute stream, after the transfers
                 torch.cuda.current_stream(self.device).wait_event(loaded)
                 dest.record_stream(torch.cuda.current_stream(self.device))

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from tandem.cluster.sampling import SamplingParams
-from tandem.engine.sampler import _to_device
+from tandem.engine.device_copy import to_device as _to_device
 from tandem.kernels import ops
 
 

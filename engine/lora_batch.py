@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.device_copy import tensor_on
 from tandem.engine.lora_weights import LoraWeights
 from tandem.kernels import ops
 
@@ -65,9 +66,9 @@ def build_lora_batch(chunk_slots: list[tuple[int, int]], weights: LoraWeights | 
         starts.append(len(order))
     projections = frozenset().union(*(weights.projections(slot) for slot in rows_of))
     return LoraBatch(
-        token_order=torch.tensor(order, dtype=torch.int64, device=device),
-        seg_starts=torch.tensor(starts, dtype=torch.int32, device=device),
-        seg_slots=torch.tensor(list(rows_of), dtype=torch.int32, device=device),
+        token_order=tensor_on(order, device),
+        seg_starts=tensor_on(starts, device, torch.int32),
+        seg_slots=tensor_on(list(rows_of), device, torch.int32),
         weights=weights,
         projections=projections,
     )

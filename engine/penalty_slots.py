@@ -20,7 +20,7 @@ from typing import Hashable
 
 import torch
 
-from tandem.engine.sampler import _to_device
+from tandem.engine.device_copy import to_device as _to_device
 
 INITIAL_CAPACITY = 8
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.cluster.sampling import MAX_LOGPROBS
+from tandem.engine.device_copy import tensor_on
 from tandem.engine.logprobs import FLOOR
 
 SLICE_ELEMENTS = 1 << 24  # fp32 logits made at once (64 MiB): rows_per_slice = this // vocab
@@ -48,7 +49,7 @@ def chunk_entries(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden
     n = len(next_token_ids)
     if n == 0:
         return []
-    targets = torch.tensor(next_token_ids, dtype=torch.int64, device=hidden.device)
+    targets = tensor_on(next_token_ids, hidden.device)
     parts = []
     for lo in range(0, n, max(slice_rows, 1)):
         hi = min(lo + max(slice_rows, 1), n)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tandem.cluster.sampling import SamplingParams
+from tandem.engine.device_copy import to_device as _to_device
 
 # Prime multiplier: (seed, step) pairs map to distinct generator seeds in practice.
 _SEED_STRIDE = 1_000_003
@@ -103,12 +104,6 @@ def _keep_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torc
     return keep
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor onto ``device`` without making the host wait for the device
-    (a copy from pageable memory would: the decode loop launches the next step first)."""
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _uniforms(params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:

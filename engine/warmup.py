@@ -29,6 +29,7 @@ import structlog
 import torch
 
 from tandem.engine.attention import SeqChunk
+from tandem.engine.device_copy import tensor_on
 from tandem.kernels import ops
 
 log = structlog.get_logger(__name__)
@@ -49,7 +50,7 @@ def warm_up_prefill(runner, allocator, max_num_tokens: int) -> float:
         try:
             runner.forward([SeqChunk([1] * q_len, 0, blocks)])
             kv = runner.kv_pool.kv
-            ids = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+            ids = tensor_on(blocks, kv.device)
             ops.scatter_blocks(kv, ids, ops.gather_blocks(kv, ids))  # in place: the blocks keep their data
         finally:
             allocator.free(blocks)
