@@ -1,10 +1,12 @@
 """Periodic worker-loop statistics, logged the way operators read them from vLLM:
 steps and tokens per second, mean batch, where a loop iteration's time went, and
-the queues and free KV blocks at the end of the interval."""
+the queues and free KV blocks at the end of the interval, and how much each of the
+worker's counters (``counters``: e.g. the device allocator's) rose during it."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -12,10 +14,13 @@ log = structlog.get_logger(__name__)
 
 
 class StepStats:
-    def __init__(self, role: str, interval_s: float):
-        """``interval_s``: how often to log (--stats-interval-s)."""
+    def __init__(self, role: str, interval_s: float, counters: Callable[[], dict[str, int]] | None = None):
+        """``interval_s``: how often to log (--stats-interval-s); ``counters``: cumulative counts,
+        read when a line is logged, whose rise over the interval the line carries."""
         self.role = role
         self.interval_s = interval_s
+        self._counters = counters
+        self._last_counts = counters() if counters is not None else {}
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
@@ -34,6 +39,11 @@ class StepStats:
         elapsed = now - self._since
         if elapsed < self.interval_s:
             return False
+        rises = {}
+        if self._counters is not None:
+            counts = self._counters()
+            rises = {name: value - self._last_counts.get(name, 0) for name, value in counts.items()}
+            self._last_counts = counts
         if self.steps:
             log.info(
                 f"{self.role} stats",
@@ -44,6 +54,7 @@ class StepStats:
                 loop_ms=round(1e3 * self.loop_s / self.steps, 3),
                 busy_fraction=round(self.loop_s / elapsed, 3),
                 **gauges,
+                **rises,
             )
         self._reset(now)
         return True

@@ -10,6 +10,7 @@ takes and the admissions it gives back: ``tandem.decode.intake``.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import redis
@@ -36,6 +37,7 @@ from tandem.decode.intake import (
 from tandem.decode.request import DecodeRequest
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.swap import SwapSpace
+from tandem.engine.allocator_counters import allocator_counters
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.kernels import compile_watch
 from tandem.engine.guide import Guides
@@ -139,7 +141,8 @@ class DecodeWorker:
         self.handoffs = PrefillHandoffs(settings=settings, worker_id=self.worker_id, redis=self.redis,
                                         scheduler=self.scheduler, transport=self.transport,
                                         kv_endpoint=self.kv_endpoint, mailer=self.mailer, publish=self._publish)
-        self.stats = StepStats(self.role, settings.stats_interval_s)
+        self.stats = StepStats(self.role, settings.stats_interval_s,
+                               counters=functools.partial(allocator_counters, self.runner.device))
         guides = Guides(settings.tokenizer or settings.model, self.runner.config.vocab_size,
                         self.runner.config.eos_token_ids)
         self.steps = DeviceSteps(self.runner, self.allocator, self.stats, self.runner.config.eos_token_ids, guides)

@@ -14,6 +14,7 @@ and what comes of it (prompt logprobs, first tokens, a max_tokens 0 job's one ev
 
 from __future__ import annotations
 
+import functools
 import time
 
 import redis
@@ -30,6 +31,7 @@ from tandem.cluster.registry import Heartbeat
 from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.settings import Settings
 from tandem.cluster.step_stats import StepStats
+from tandem.engine.allocator_counters import allocator_counters
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.kernels import compile_watch
 from tandem.engine.warmup import warm_up_prefill
@@ -111,7 +113,8 @@ class PrefillWorker:
         self._deferred: dict[str, PrefillJob] = {}
         self._started_at = time.time()
         self._device_identity = device_identity(self.runner.device)
-        self.stats = StepStats(self.role, settings.stats_interval_s)
+        self.stats = StepStats(self.role, settings.stats_interval_s,
+                               counters=functools.partial(allocator_counters, self.runner.device))
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:

@@ -25,3 +25,29 @@ def test_logs_rates_once_per_interval_and_resets(monkeypatch):
     with structlog.testing.capture_logs() as logs:
         stats.maybe_log()
     assert logs == []  # nothing ran: nothing to report
+
+
+def test_a_line_carries_how_much_each_counter_rose_in_its_interval(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("tandem.cluster.step_stats.time.monotonic", lambda: clock[0])
+    counts = {"cuda_mallocs": 7, "alloc_retries": 0}
+    stats = StepStats("decode", interval_s=1.0, counters=lambda: dict(counts))  # read at start: the baseline
+    stats.record(8, forward_s=0.01, loop_s=0.01)
+    counts.update(cuda_mallocs=10, alloc_retries=1)
+    clock[0] += 1.0
+    with structlog.testing.capture_logs() as logs:
+        assert stats.maybe_log()
+    assert (logs[0]["cuda_mallocs"], logs[0]["alloc_retries"]) == (3, 1)
+    stats.record(8, forward_s=0.01, loop_s=0.01)
+    clock[0] += 1.0
+    with structlog.testing.capture_logs() as logs:
+        assert stats.maybe_log()
+    assert (logs[0]["cuda_mallocs"], logs[0]["alloc_retries"]) == (0, 0)  # nothing new since the last line
+
+
+def test_the_allocator_has_no_counters_off_the_gpu():
+    import torch
+
+    from tandem.engine.allocator_counters import allocator_counters
+
+    assert allocator_counters(torch.device("cpu")) == {}
