@@ -1,7 +1,8 @@
 """Tests for ``tandem bench serve`` (bench/serve.py): the client end to end against a
-tiny in-process SSE server with known delays. The metric math, SSE parsing and
-synthetic requests are tested in test_serve_metrics.py, test_serve_sse.py and
-test_datasets.py."""
+tiny in-process SSE server with known delays (conftest.py): load shapes, client processes,
+failures and interruption. How a stream's tokens and times are counted:
+test_serve_accounting.py; the metric math, SSE parsing and synthetic requests:
+test_serve_metrics.py, test_serve_sse.py and test_datasets.py."""
 
 from __future__ import annotations
 
@@ -12,136 +13,20 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.bench import serve
 from tandem.bench.datasets import arrival_offsets, synthetic_requests
 from tandem.bench.serve_metrics import compute_metrics
 from tandem.bench.serve_request import BenchConfig
+from tests.bench.conftest import CHAT_TEMPLATE_TOKENS, ITL_S, TTFT_S, run_serve as _run
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-# ------------------------------------------------------- in-process SSE server
-
-TTFT_S = 0.060  # server delay before the first token
-ITL_S = 0.015  # server delay between tokens
-CHAT_TEMPLATE_TOKENS = 5
-
-
-def _make_app(state: dict) -> FastAPI:
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "tiny-model", "object": "model"}]}
-
-    async def handle(request: Request, chat: bool):
-        body = await request.json()
-        state["bodies"].append(body)
-        model = body.get("model")
-        if model == "reject":
-            return JSONResponse(
-                {"error": {"message": "model 'reject' does not exist", "type": "NotFound"}},
-                status_code=404)
-        n = int(body["max_tokens"])
-        if chat:
-            prompt_tokens = len(body["messages"][0]["content"].split()) + CHAT_TEMPLATE_TOKENS
-        else:
-            prompt_tokens = len(body["prompt"])
-
-        def chunk(text: str, finish=None) -> str:
-            if chat:
-                choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text, "finish_reason": finish}
-            return f"data: {json.dumps({'object': 'chunk', 'choices': [choice]})}\n\n"
-
-        async def gen():
-            state["active"] += 1
-            state["peak"] = max(state["peak"], state["active"])
-            try:
-                yield ": keep-alive\n\n"
-                if chat:  # role-only first delta: no content, must not count as TTFT
-                    yield ('data: {"choices": [{"index": 0, "delta": {"role": "assistant",'
-                           ' "content": ""}}]}\n\n')
-                await asyncio.sleep(5.0 if model == "slow" else TTFT_S)
-                if model == "bad-chunk":  # a well-formed event with an ill-typed delta
-                    yield 'data: {"choices": [{"index": 0, "delta": "BAD"}]}\n\n'
-                    return
-                if model == "empty-text":  # every token's text empty: only the finishing chunk is sent
-                    yield chunk("", "length")
-                per_chunk = 2 if model in ("two-per-chunk", "stop-early") else 1
-                finish = "stop" if model == "stop-early" else "length"
-                chunks = 0 if model == "empty-text" else n // per_chunk - (1 if model == "stop-early" else 0)
-                for i in range(chunks):
-                    if i:
-                        await asyncio.sleep(ITL_S)
-                    yield chunk(" t" * per_chunk, finish if i == chunks - 1 else None)
-                    if model == "midstream-error":
-                        yield 'data: {"error": {"message": "worker died", "code": 500}}\n\n'
-                        return
-                if model == "late-usage":
-                    await asyncio.sleep(0.3)
-                if body.get("stream_options", {}).get("include_usage") and not state["no_usage"]:
-                    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                             "total_tokens": prompt_tokens + n}
-                    yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                state["active"] -= 1
-
-        return StreamingResponse(gen(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, chat=True)
-
-    return app
-
-
-@pytest.fixture(scope="module")
-def sse_server():
-    import uvicorn
-
-    state: dict = {}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(_make_app(state), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 15
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("test SSE server did not start")
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", state
-    server.should_exit = True
-    thread.join(timeout=10)
-
-
-@pytest.fixture
-def server(sse_server):
-    url, state = sse_server
-    state.update(bodies=[], active=0, peak=0, no_usage=False)
-    return url, state
-
-
-def _run(argv: list[str]) -> int:
-    parser = serve.build_parser()
-    return serve.main(parser.parse_args(argv + ["--no-progress"]))
 
 
 def test_max_concurrency_completions(server, tmp_path, capsys):
@@ -214,95 +99,6 @@ def test_request_rate_chat(server, tmp_path):
     assert min(r["ttft_ms"] for r in rows) >= TTFT_S * 0.9 * 1e3
     # one-token requests have no TPOT
     assert all((r["tpot_ms"] is None) == (r["output_tokens"] == 1) for r in rows)
-
-
-def test_output_tokens_without_usage_chunk(server, tmp_path):
-    url, state = server
-    state["no_usage"] = True
-    out = tmp_path / "r.json"
-    rc = _run(["--base-url", url, "--model", "m", "--num-prompts", "3", "--input-len", "5",
-               "--output-len", "6", "--result-json", str(out), "--save-text"])
-    assert rc == 0
-    doc = json.loads(out.read_text())
-    assert doc["metrics"]["total_output_tokens"] == 18  # a length finish: max_tokens each
-    assert doc["metrics"]["total_input_tokens"] == 15  # nominal prompt length
-    row = doc["requests"][0]
-    assert row["usage_output_tokens"] is None and row["generated_text"].startswith(" t t")
-
-
-@pytest.mark.parametrize("model, tokens, estimated", [("two-per-chunk", 8, 0), ("stop-early", 3, 1)])
-def test_tokens_without_usage_when_a_chunk_carries_several(server, tmp_path, capsys, model, tokens, estimated):
-    """A length finish means max_tokens were generated; an early stop without usage can only
-    count chunks, and the report says so."""
-    url, state = server
-    state["no_usage"] = True
-    out = tmp_path / "r.json"
-    assert _run(["--base-url", url, "--model", model, "--num-prompts", "1", "--input-len", "5",
-                 "--output-len", "8", "--result-json", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    assert doc["requests"][0]["output_tokens"] == tokens
-    assert doc["metrics"]["output_tokens_estimated"] == estimated
-    assert ("counted as content chunks" in capsys.readouterr().out) == bool(estimated)
-
-
-def test_an_answer_whose_text_is_empty_is_served_not_failed(server, tmp_path):
-    """Tokens that all decode to empty text (a server sends no chunk for them, only the one with
-    the finish reason): the request succeeded, its tokens come from usage, its first token's
-    time is the finishing chunk's."""
-    url, state = server
-    out = tmp_path / "r.json"
-    assert _run(["--base-url", url, "--model", "empty-text", "--num-prompts", "2", "--input-len", "5",
-                 "--output-len", "4", "--result-json", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    assert doc["metrics"]["completed"] == 2 and doc["metrics"]["failed"] == 0
-    row = doc["requests"][0]
-    assert row["success"] and row["error"] in (None, "") and row["output_tokens"] == 4
-    assert row["ttft_ms"] >= TTFT_S * 1e3
-
-
-def test_e2e_latency_ends_at_the_last_token(server, tmp_path):
-    """Not at the usage chunk or [DONE] after it (vLLM's definition)."""
-    url, _ = server
-    out = tmp_path / "r.json"
-    assert _run(["--base-url", url, "--model", "late-usage", "--num-prompts", "1", "--input-len", "5",
-                 "--output-len", "4", "--result-json", str(out)]) == 0
-    doc = json.loads(out.read_text())
-    row = doc["requests"][0]
-    assert row["output_tokens"] == 4  # the usage still counted
-    assert row["e2el_ms"] < (TTFT_S + 3 * ITL_S + 0.2) * 1e3  # the 0.3 s before the usage chunk left out
-    assert doc["metrics"]["mean_e2el_ms"] == doc["metrics"]["e2el_ms"]["mean"]  # vLLM's flat keys too
-
-
-def test_duration_ends_at_the_last_byte_not_after_the_clients_decoding(server, tmp_path, monkeypatch):
-    """The client decodes a stream's events after it ends; that is the client's time, not the
-    server's, and the run's duration (and so its throughput) leaves it out."""
-    from tandem.bench import serve_request
-
-    replay = serve_request._replay
-
-    def slow_replay(*args, **kwargs):
-        time.sleep(0.5)
-        return replay(*args, **kwargs)
-
-    monkeypatch.setattr(serve_request, "_replay", slow_replay)
-    url, _ = server
-    out = tmp_path / "r.json"
-    assert _run(["--base-url", url, "--num-prompts", "2", "--max-concurrency", "1", "--input-len", "5",
-                 "--output-len", "4", "--result-json", str(out)]) == 0
-    m = json.loads(out.read_text())["metrics"]
-    assert m["completed"] == 2
-    served = 2 * (TTFT_S + 3 * ITL_S)
-    # the second request waited for the first one's decoding (0.5 s), but not for its own
-    assert served + 0.5 <= m["duration_s"] < served + 0.5 + 0.4
-
-
-def test_a_malformed_chunk_fails_its_request_not_the_run(server, tmp_path):
-    url, _ = server
-    out = tmp_path / "r.json"
-    assert _run(["--base-url", url, "--endpoint", "chat", "--model", "bad-chunk", "--num-prompts", "2",
-                 "--input-len", "5", "--output-len", "4", "--result-json", str(out)]) == 1  # none succeeded
-    m = json.loads(out.read_text())["metrics"]
-    assert (m["completed"], m["failed"]) == (0, 2) and "AttributeError" in m["errors"][0]["error"]
 
 
 def test_processes_split_the_concurrency_cap_exactly(server, tmp_path):
