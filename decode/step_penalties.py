@@ -25,7 +25,7 @@ import torch
 from tandem.decode.request import DecodeRequest
 from tandem.engine.logits_process import Plan, apply, plan
 from tandem.engine.penalty_slots import PenaltySlots
-from tandem.engine.device_copy import to_device as _to_device
+from tandem.engine.device_copy import to_device
 from tandem.engine.step_tokens import TokenFeed
 
 
@@ -84,6 +84,6 @@ class DecodePenalties:
                                  [r.output_token_ids for r in requests])
         pending = [(i, r, s) for i, r, s in zip(rows, requests, slots) if r.num_pending]
         if pending:
-            index = _to_device(torch.tensor([[feed.rows[i] for i, _, _ in pending], [s for _, _, s in pending]],
+            index = to_device(torch.tensor([[feed.rows[i] for i, _, _ in pending], [s for _, _, s in pending]],
                                             dtype=torch.int64), self.slots.device)
             self.slots.count([r.request_id for _, r, _ in pending], index[1], feed.tokens[index[0]])

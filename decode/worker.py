@@ -39,13 +39,13 @@ from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.swap import SwapSpace
 from tandem.engine.allocator_counters import allocator_counters
 from tandem.engine.block_allocator import BlockAllocator
-from tandem.kernels import compile_watch
 from tandem.engine.guide import Guides
 from tandem.engine.caching_allocator import CachingAllocator
 from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
+from tandem.kernels import compile_watch
 from tandem.kvtransfer import get_transport
 from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
 

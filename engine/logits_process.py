@@ -8,7 +8,7 @@ then ``frequency_penalty * count + presence_penalty * (count > 0)`` is subtracte
 count the token's occurrences in the row's output (OpenAI's rule: generated tokens only).
 
 Everything runs on the logits' device from small host-built index tensors copied
-without making the host wait (``tandem.engine.sampler._to_device``): the decode loop
+without making the host wait (``tandem.engine.device_copy.to_device``): the decode loop
 launches the next step before this one's tokens reach the host, so nothing here may
 read device data back. The caller's logits are never changed (logprobs are the raw
 distribution): ``apply`` returns a new tensor. The counts and prompt marks of
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from tandem.cluster.sampling import SamplingParams
-from tandem.engine.device_copy import to_device as _to_device
+from tandem.engine.device_copy import to_device
 from tandem.kernels import ops
 
 
@@ -46,15 +46,15 @@ def plan(params: list[SamplingParams], vocab: int, device: torch.device,
     bias = None
     entries = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias if 0 <= t < vocab]
     if entries:  # ids outside the logits (the model cannot produce them anyway) are left out
-        bias = (_to_device(torch.tensor([r * vocab + t for r, t, _ in entries], dtype=torch.int64), device),
-                _to_device(torch.tensor([b for _, _, b in entries], dtype=torch.float32), device))
+        bias = (to_device(torch.tensor([r * vocab + t for r, t, _ in entries], dtype=torch.int64), device),
+                to_device(torch.tensor([b for _, _, b in entries], dtype=torch.float32), device))
     penalties = None
     if slots:
         rows = sorted(slots)
         weights = [[params[r].repetition_penalty, params[r].frequency_penalty, params[r].presence_penalty]
                    for r in rows]
-        penalties = (_to_device(torch.tensor([rows, [slots[r] for r in rows]], dtype=torch.int64), device),
-                     _to_device(torch.tensor(weights, dtype=torch.float32), device))
+        penalties = (to_device(torch.tensor([rows, [slots[r] for r in rows]], dtype=torch.int64), device),
+                     to_device(torch.tensor(weights, dtype=torch.float32), device))
     return Plan(bias, penalties)
 
 
@@ -89,7 +89,7 @@ def first_token(logits: torch.Tensor, params: list[SamplingParams], prompts: lis
 def prompt_marks(vocab: int, prompts: list[list[int]], device: torch.device) -> torch.Tensor:
     """[len(prompts), vocab] bool: True at each row's prompt tokens."""
     marks = torch.zeros(len(prompts), vocab, dtype=torch.bool, device=device)
-    index = _to_device(torch.tensor([[r for r, ids in enumerate(prompts) for _ in ids],
+    index = to_device(torch.tensor([[r for r, ids in enumerate(prompts) for _ in ids],
                                      [t for ids in prompts for t in ids]], dtype=torch.int64), device)
     marks[index[0], index[1]] = True
     return marks

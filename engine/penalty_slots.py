@@ -20,7 +20,7 @@ from typing import Hashable
 
 import torch
 
-from tandem.engine.device_copy import to_device as _to_device
+from tandem.engine.device_copy import to_device
 
 INITIAL_CAPACITY = 8
 
@@ -59,7 +59,7 @@ class PenaltySlots:
                     self._grow()
                 self._slot[key] = self._free.pop()
         slots = [self._slot[key] for key in keys]
-        index = _to_device(torch.tensor(slots, dtype=torch.int64), self.device)
+        index = to_device(torch.tensor(slots, dtype=torch.int64), self.device)
         self.counts.index_fill_(0, index, 0.0)
         self.prompt.index_fill_(0, index, False)
         marks = self._pairs(slots, prompts)
@@ -100,4 +100,4 @@ class PenaltySlots:
         """[2, N] int64 on the device: (slot, token) for every token of every slot's list."""
         host = torch.tensor([[s for s, ids in zip(slots, token_lists) for _ in ids],
                              [t for ids in token_lists for t in ids]], dtype=torch.int64)
-        return _to_device(host, self.device)
+        return to_device(host, self.device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tandem.cluster.sampling import SamplingParams
-from tandem.engine.device_copy import to_device as _to_device
+from tandem.engine.device_copy import to_device
 
 # Prime multiplier: (seed, step) pairs map to distinct generator seeds in practice.
 _SEED_STRIDE = 1_000_003
@@ -43,7 +43,7 @@ def sample_async(logits: torch.Tensor, params: list[SamplingParams], step_indice
     tokens = logits.argmax(dim=-1)  # [B]; greedy rows keep this
     random_rows = [b for b, p in enumerate(params) if p.temperature != 0]
     if random_rows:
-        rows = _to_device(torch.tensor(random_rows), logits.device)
+        rows = to_device(torch.tensor(random_rows), logits.device)
         chosen = _sample_rows(
             logits[rows], [params[b] for b in random_rows], [step_indices[b] for b in random_rows]
         )
@@ -59,21 +59,21 @@ def _ban(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
     rows = [r for r, ids in enumerate(banned) for _ in ids]
     cols = [t for ids in banned for t in ids]
     logits = logits.clone()
-    logits[_to_device(torch.tensor(rows), logits.device), _to_device(torch.tensor(cols), logits.device)] = float("-inf")
+    logits[to_device(torch.tensor(rows), logits.device), to_device(torch.tensor(cols), logits.device)] = float("-inf")
     return logits
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:
     """logits [R, V] of non-greedy rows -> [R] int64 token ids."""
     device = logits.device
-    temperatures = _to_device(torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params]), device)
+    temperatures = to_device(torch.tensor([max(p.temperature, _MIN_TEMPERATURE) for p in params]), device)
     probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
     # stable: among equal probabilities the lower token id comes first, as argmax does
     sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True, stable=True)  # [R, V]
     keep = _keep_mask(sorted_probs, params)
     sorted_probs = sorted_probs.masked_fill(~keep, 0.0).double()
     cdf = sorted_probs.cumsum(dim=-1)  # [R, V], unnormalised
-    uniforms = _to_device(_uniforms(params, step_indices), device)  # [R] in [0, 1)
+    uniforms = to_device(_uniforms(params, step_indices), device)  # [R] in [0, 1)
     thresholds = uniforms * cdf[:, -1]
     ranks = torch.searchsorted(cdf, thresholds[:, None], right=True)  # first rank with cdf > u * total
     ranks = ranks.clamp_(max=logits.shape[-1] - 1)
@@ -84,11 +84,11 @@ def _keep_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torc
     """[R, V] bool over descending-sorted probabilities: which ranks survive top-k, top-p and min_p."""
     num_rows, vocab = sorted_probs.shape
     device = sorted_probs.device
-    top_k = _to_device(torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]), device)
+    top_k = to_device(torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]), device)
     # every token at least as likely as the k-th survives, ties included (as HF's TopKLogitsWarper)
     kth = sorted_probs.gather(1, (top_k - 1)[:, None])  # [R, 1]
     keep = sorted_probs >= kth
-    top_p = _to_device(torch.tensor([p.top_p for p in params], dtype=sorted_probs.dtype), device)
+    top_p = to_device(torch.tensor([p.top_p for p in params], dtype=sorted_probs.dtype), device)
     # Renormalise over the top-k survivors first (top-k then top-p, as HF/vLLM do).
     kept_probs = sorted_probs.masked_fill(~keep, 0.0)
     kept_probs = kept_probs / kept_probs.sum(dim=-1, keepdim=True)
@@ -98,12 +98,10 @@ def _keep_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torc
     if any(p.min_p for p in params):
         # min_p: at least min_p times the top probability (HF's MinPLogitsWarper; a ratio that
         # renormalising over the top-k and top-p survivors leaves as it is)
-        min_p = _to_device(torch.tensor([p.min_p for p in params], dtype=sorted_probs.dtype), device)
+        min_p = to_device(torch.tensor([p.min_p for p in params], dtype=sorted_probs.dtype), device)
         keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
     keep[:, 0] = True  # always at least the most likely token
     return keep
-
-
 
 
 def _uniforms(params: list[SamplingParams], step_indices: list[int]) -> torch.Tensor:
