@@ -15,10 +15,14 @@ first request's prefill step took 446 ms for 445 tokens without them (one H200,
 A step with prompt chunks (one device running both pools) runs its attention eagerly between
 its CUDA-graph pieces (``engine.mixed_graph``); its decode rows' attention picks its launch
 (KV splits, tile, warps: ``kernels.decode_config``) from the number of rows and the longest
-context, so each (rows, context) class is a compilation of its own. The first mixed steps of a
+context, so each form of that launch is a compilation of its own. The first mixed steps of a
 256-stream run on a fresh machine took 0.7-1.3 s each where they take ~50 ms (one H100,
 2026-12-06, `OFFLINE_RUNS=c256 bash scripts/gpu.sh offline`, the worker's statistics):
-``warm_up_mixed`` runs one mixed step per class before traffic.
+``warm_up_mixed`` runs one mixed step per form (``ops.decode_attention_variants``) before
+traffic. The attention kernels are compiled for every value of what varies from step to step
+(table widths, split and sequence counts, where a slice of the step's arrays starts), so their
+forms are all there is; ``tests/engine/test_warm_up_coverage.py`` runs random steps of each
+benchmark shape against the warm-up's launches.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ log = structlog.get_logger(__name__)
 QUERY_LENGTHS = (16, 32, 64, 256)  # one per query tile size
 
 
-def warm_up_prefill(runner, allocator, max_num_tokens: int) -> float:
+def warm_up_prefill(runner, allocator, max_num_tokens: int, force: bool = False) -> float:
     """Run one forward per query tile size on scratch blocks, and gather then scatter those
-    blocks in place (the handoff's kernels); -> seconds spent (0 off CUDA)."""
-    if runner.device.type != "cuda":
+    blocks in place (the handoff's kernels); -> seconds spent (0 off CUDA unless ``force``)."""
+    if runner.device.type != "cuda" and not force:
         return 0.0
     started = time.perf_counter()
     for q_len in sorted({min(n, max_num_tokens) for n in QUERY_LENGTHS}):
@@ -61,41 +65,37 @@ def warm_up_prefill(runner, allocator, max_num_tokens: int) -> float:
     return seconds
 
 
-def _doubling(first: int, last: int) -> list[int]:
-    """first, 2 * first, ... below last, then last."""
-    values = []
-    while first < last:
-        values.append(first)
-        first *= 2
-    return values + [last]
-
-
 def warm_up_mixed(runner, allocator, max_batch_size: int, max_seq_len: int, max_num_tokens: int,
                   force: bool = False) -> int:
-    """Run a mixed step (decode rows and one prompt chunk) for each number of decode rows
-    1, 2, 4 .. ``max_batch_size`` and each longest context 64, 128 .. ``max_seq_len`` (as far as
-    the free blocks reach), on scratch blocks every row shares; -> the steps run (0 off CUDA
-    unless ``force``). Every block is free again after."""
+    """Run a mixed step (decode rows and one prompt chunk) for each form of the decode rows'
+    attention launch (``ops.decode_attention_variants``: rows 1 .. ``max_batch_size``, block
+    tables as wide as ``max_seq_len`` or as far as the free blocks reach, each layer's window), on
+    scratch blocks every row shares; -> the steps run (0 off CUDA unless ``force``). Every block
+    is free again after."""
     if runner.device.type != "cuda" and not force:
         return 0
     started = time.perf_counter()
     block = allocator.block_size
     chunk_len = min(16, block)
     longest = min(max_seq_len, (allocator.num_free - 1) * block)  # one sequence, and the chunk's block
-    if longest < 2:
+    max_rows = min(max_batch_size, max_num_tokens - chunk_len)
+    if longest < 2 or max_rows < 1:
         return 0
-    contexts = _doubling(min(64, longest), longest)
-    rows = [n for n in _doubling(1, max_batch_size) if n + chunk_len <= max_num_tokens]
+    k_cache, _ = runner.kv_pool.layer(0)
+    config = runner.config
+    shapes: set[tuple[int, int]] = set()
+    for window in {config.layer_sliding_window(i) for i in range(config.num_layers)}:
+        variants = ops.decode_attention_variants(max_rows, -(-longest // block), runner.dtype, k_cache, window)
+        shapes.update(variants.values())
     blocks = allocator.allocate(longest)
     chunk_blocks = allocator.allocate(chunk_len)
     steps = 0
     try:
-        for context in contexts:
-            table = blocks[: -(-context // block)]
-            for num_rows in rows:  # rows of one context read the same blocks; they write one scratch slot
-                decode = [SeqChunk([1], context - 1, table) for _ in range(num_rows)]
-                runner.forward(decode + [SeqChunk([1] * chunk_len, 0, chunk_blocks)])
-                steps += 1
+        for num_rows, width in sorted(shapes):  # the rows read the same blocks; they write one scratch slot
+            context = min(width * block, longest)
+            decode = [SeqChunk([1], context - 1, blocks[:width]) for _ in range(num_rows)]
+            runner.forward(decode + [SeqChunk([1] * chunk_len, 0, chunk_blocks)])
+            steps += 1
     finally:
         allocator.free(chunk_blocks)
         allocator.free(blocks)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.decode_config import FP8_F16_DOT, DecodeWorkspace, _tile_config, num_kv_splits
+from tandem.kernels.decode_config import FP8_F16_DOT, DecodeWorkspace, _tile_config, num_kv_splits, row_classes
 from tandem.kernels.decode_tiles import (_attend_kv_tile, _cache_new_kv, _f16_query, _f16_value_scale,
                                          _load_kv_tile, _rotated_new_kv, _store_new_kv)
 from tandem.kernels.dot import upcast_bf16_dot
@@ -61,7 +61,10 @@ IDS_REG_MAX = 512
 F16_DOT: bool | None = None
 
 
-@triton.jit
+# A step's table width and split count vary with its rows and contexts (a step with prompt chunks
+# runs this launch eagerly): one binary for every value, not one per value class (1, a multiple
+# of 16, other), so traffic compiles nothing its warm-up did not (tests/engine/test_warm_up_coverage.py).
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "num_table_blocks"])
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     partial_out_ptr, partial_lse_ptr, out_ptr,
@@ -233,7 +236,7 @@ def _decode_partial_kernel(
                      + split * stride_po_split + offs_d[None, :], out, mask=head_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr,
     stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_o_s, stride_o_h,
@@ -272,6 +275,77 @@ class NewToken(NamedTuple):
     slot_mapping: torch.Tensor  # [num_seqs] int64, -1 = do not write
 
 
+class LaunchPlan(NamedTuple):
+    """What the shape rules (or a tuning ``config``) pick for one launch."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    heads_first: bool
+    v_dequant: bool
+    f16_dot: bool
+    ids_reg: int  # block table entries loaded once into registers (0: per tile)
+
+    def variant(self, head_dim: int) -> tuple:
+        """What of the plan is compiled into the kernels' binaries (the splits only as one or
+        several, and through the merge's padded count and warps); launches with equal variants and
+        equal argument specializations run the same binaries."""
+        return (self.block_n, self.num_warps, self.num_stages, self.num_splits == 1,
+                triton.next_power_of_2(self.num_splits), _reduce_warps(head_dim, self.num_splits),
+                self.heads_first, self.v_dequant, self.f16_dot, self.ids_reg)
+
+
+def _reduce_warps(head_dim: int, num_splits: int) -> int:
+    return 4 if head_dim * num_splits >= 2048 else 2
+
+
+def launch_plan(num_seqs: int, table_width: int, q_dtype: torch.dtype, k_cache: torch.Tensor,
+                sliding_window: int | None = None, config: tuple | None = None,
+                ids_in_registers: bool | None = None) -> LaunchPlan:
+    """The launch of ``num_seqs`` rows whose block tables are ``table_width`` entries wide
+    (``_launch_decode_attention``'s keywords otherwise), from shapes only."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    max_context_len = table_width * block_size
+    if sliding_window is not None:
+        max_context_len = min(max_context_len, sliding_window)
+    num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, k_cache.device)
+    block_n, num_warps, num_stages, rule_ids = _tile_config(head_dim, q_dtype, num_seqs * num_kv_heads,
+                                                            is_fp8(k_cache))
+    if ids_in_registers is None:
+        ids_in_registers = rule_ids
+    heads_first, v_dequant = HEADS_FIRST, True  # V_DEQUANT: every FP8 cache (kernels.decode_config)
+    f16_dot = FP8_F16_DOT if F16_DOT is None else F16_DOT
+    if config is not None:
+        block_n, num_warps, num_stages, num_splits, *rest = config
+        heads_first = rest[0] if rest else heads_first
+        v_dequant = bool(len(rest) > 1 and rest[1])  # explicit: False unless given
+        f16_dot = bool(len(rest) > 2 and rest[2]) if F16_DOT is None else F16_DOT
+    ids_reg = 0
+    if ids_in_registers:  # the share's block table entries, rounded up to a power of 2
+        share = triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
+        ids_reg = triton.next_power_of_2(triton.cdiv(share, block_size) + 1)
+        if ids_reg > IDS_REG_MAX:  # too many to hold: per-tile loads, on the tile made for them
+            ids_reg = 0
+            if config is None:
+                block_n, num_warps, num_stages, _ = _tile_config(head_dim, q_dtype)
+    return LaunchPlan(block_n, num_warps, num_stages, num_splits, heads_first, v_dequant, f16_dot, ids_reg)
+
+
+def decode_attention_variants(max_rows: int, max_width: int, q_dtype: torch.dtype, k_cache: torch.Tensor,
+                              sliding_window: int | None = None) -> dict[tuple, tuple[int, int]]:
+    """Every variant (``LaunchPlan.variant``) that decode rows launch with 1..``max_rows`` rows and
+    block tables 1..``max_width`` entries wide -> the first (rows, width) that launches it: a
+    warm-up that runs one launch of each compiles all of them."""
+    head_dim = k_cache.shape[3]
+    variants: dict[tuple, tuple[int, int]] = {}
+    for rows in row_classes(max_rows, k_cache.shape[2], head_dim, q_dtype, is_fp8(k_cache), k_cache.device):
+        for width in range(1, max_width + 1):
+            variants.setdefault(launch_plan(rows, width, q_dtype, k_cache, sliding_window).variant(head_dim),
+                                (rows, width))
+    return variants
+
+
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
                              config: tuple | None = None, new_token: NewToken | None = None,
                              k_scale=None, v_scale=None, ids_in_registers: bool | None = None,
@@ -299,30 +373,10 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     if num_seqs == 0:
         return
     group = num_q_heads // num_kv_heads
-    max_context_len = block_tables.shape[1] * block_size
-    if sliding_window is not None:
-        max_context_len = min(max_context_len, sliding_window)
-    num_splits = num_kv_splits(num_seqs, num_kv_heads, max_context_len, q.device)
-    block_n, num_warps, num_stages, rule_ids = _tile_config(head_dim, q.dtype, num_seqs * num_kv_heads,
-                                                            is_fp8(k_cache))
-    if ids_in_registers is None:
-        ids_in_registers = rule_ids
-    heads_first, v_dequant = HEADS_FIRST, True  # V_DEQUANT: every FP8 cache (kernels.decode_config)
-    f16_dot = FP8_F16_DOT if F16_DOT is None else F16_DOT
-    if config is not None:
-        block_n, num_warps, num_stages, num_splits, *rest = config
-        heads_first = rest[0] if rest else heads_first
-        v_dequant = bool(len(rest) > 1 and rest[1])  # explicit: False unless given
-        f16_dot = bool(len(rest) > 2 and rest[2]) if F16_DOT is None else F16_DOT
+    plan = launch_plan(num_seqs, block_tables.shape[1], q.dtype, k_cache, sliding_window, config,
+                       ids_in_registers)
+    block_n, num_warps, num_stages, num_splits, heads_first, v_dequant, f16_dot, ids_reg = plan
     direct = num_splits == 1
-    ids_reg = 0
-    if ids_in_registers:  # the share's block table entries, rounded up to a power of 2
-        share = triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
-        ids_reg = triton.next_power_of_2(triton.cdiv(share, block_size) + 1)
-        if ids_reg > IDS_REG_MAX:  # too many to hold: per-tile loads, on the tile made for them
-            ids_reg = 0
-            if config is None:
-                block_n, num_warps, num_stages, _ = _tile_config(head_dim, q.dtype)
     if direct:
         partial_out = partial_lse = out  # unused
         po_strides, pl_strides = (0, 0, 0), (0, 0)
@@ -358,7 +412,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
             partial_out, partial_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
             num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4 if head_dim * num_splits >= 2048 else 2, **launch_options(q),
+            num_warps=_reduce_warps(head_dim, num_splits), **launch_options(q),
         )
 
 

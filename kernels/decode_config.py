@@ -41,9 +41,27 @@ class DecodeWorkspace:
 def num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
     """Splits per (sequence, KV head), from shapes only: enough programs to fill the GPU,
     no share shorter than MIN_TOKENS_PER_SPLIT of the longest possible context."""
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms(device), max(num_seqs * num_kv_heads, 1))
     useful = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, useful, MAX_SPLITS))
+    return max(1, min(_wanted_splits(num_seqs, num_kv_heads, device), useful, MAX_SPLITS))
+
+
+def _wanted_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    return triton.cdiv(PROGRAMS_PER_SM * num_sms(device), max(num_seqs * num_kv_heads, 1))
+
+
+def row_classes(max_rows: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_fp8: bool,
+                device: torch.device) -> list[int]:
+    """The fewest row counts in 1..max_rows that meet every way the rules treat rows: the first
+    count of each run of counts with the same tile (``_tile_config``) and the same wanted split
+    count (``num_kv_splits``); the rest of a launch depends on the context only."""
+    firsts, last = [], None
+    for rows in range(1, max_rows + 1):
+        key = (_tile_config(head_dim, dtype, rows * num_kv_heads, kv_fp8),
+               min(_wanted_splits(rows, num_kv_heads, device), MAX_SPLITS))
+        if key != last:
+            firsts.append(rows)
+            last = key
+    return firsts
 
 
 

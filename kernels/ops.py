@@ -32,6 +32,7 @@ _TRITON_MODULES = {
     "prefill_attention": "tandem.kernels.prefill_attention",
     "decode_attention": "tandem.kernels.decode_attention",
     "decode_attention_new_token": "tandem.kernels.decode_attention",
+    "decode_attention_variants": "tandem.kernels.decode_attention",
     "gather_blocks": "tandem.kernels.block_copy",
     "scatter_blocks": "tandem.kernels.block_copy",
     "apply_penalties": "tandem.kernels.penalties",
@@ -295,6 +296,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``prefill_attention`` with one-token chunks."""
     return _pick("decode_attention", q)(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
                                         *_scales(k_scale, v_scale))
+
+
+def decode_attention_variants(max_rows: int, max_width: int, q_dtype: torch.dtype, k_cache: torch.Tensor,
+                              sliding_window: int | None = None) -> dict[tuple, tuple[int, int]]:
+    """Each compiled form of ``decode_attention`` over 1..``max_rows`` rows and block tables
+    1..``max_width`` entries wide -> one (rows, width) that launches it (``engine.warmup`` runs a
+    step of each before traffic); the torch reference has one form."""
+    return _pick("decode_attention_variants", k_cache)(max_rows, max_width, q_dtype, k_cache, sliding_window)
 
 
 def decode_attention_new_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

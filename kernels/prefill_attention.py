@@ -157,7 +157,11 @@ def _causal_key_range(first, last, window, BLOCK_N: tl.constexpr, HAS_WINDOW: tl
     return lo, full_lo, full_hi, hi
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])  # vary per batch: one compile, not one per value class
+# vary per step: one binary for every value, not one per value class; the per-sequence arrays are
+# read one entry at a time, so their alignment (a step's prompt rows are a slice of its arrays,
+# after its decode rows) is no reason for a binary of its own (tests/engine/test_warm_up_coverage.py)
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     k_chunk_ptr, v_chunk_ptr, k_scale_ptr, v_scale_ptr,

@@ -175,6 +175,11 @@ def decode_attention_new_token(q, k, v, positions, cos_sin_cache, k_cache, v_cac
     return decode_attention(q_rot, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, k_scale, v_scale)
 
 
+def decode_attention_variants(max_rows, max_width, q_dtype, k_cache, sliding_window=None):
+    """ops.decode_attention_variants of the torch reference: one form for every shape."""
+    return {(): (max_rows, max_width)}
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, k_scale=None,
                      v_scale=None):
     """ops.decode_attention in torch: prefill_attention with one query per sequence."""

@@ -13,6 +13,7 @@ from tandem.engine.mixed_graph import token_buckets
 from tandem.engine.runner import ModelRunner
 from tandem.engine.step_tokens import StepTokens, TokenFeed
 from tandem.engine.warmup import warm_up_mixed
+from tandem.kernels import decode_attention, ops
 
 BLOCK = 8
 BLOCKS_PER_SEQ = 52  # 416 tokens a sequence
@@ -84,9 +85,14 @@ def test_what_the_graphs_cannot_run_goes_eager(tiny_checkpoints):
     assert logits.shape == (1, runner.config.vocab_size) and torch.isfinite(logits).all()
 
 
-def test_mixed_warm_up_runs_through_a_real_runner(tiny_checkpoints):
-    """The steps it builds are ones the runner accepts (on the CPU when forced)."""
+def test_mixed_warm_up_runs_through_a_real_runner(tiny_checkpoints, monkeypatch):
+    """The steps it builds, one per form of the GPU's decode launch, are ones the runner accepts (on
+    the CPU when forced)."""
+    monkeypatch.setattr(ops, "decode_attention_variants", decode_attention.decode_attention_variants)
     runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=24, block_size=16)
     allocator = BlockAllocator(24, 16)
-    assert warm_up_mixed(runner, allocator, max_batch_size=4, max_seq_len=100, max_num_tokens=64, force=True) == 3 * 2
+    forms = decode_attention.decode_attention_variants(4, 23, runner.dtype, runner.kv_pool.layer(0)[0])
+    assert len(forms) > 1  # 23 blocks of 16: one to three splits
+    assert warm_up_mixed(runner, allocator, max_batch_size=4, max_seq_len=360, max_num_tokens=64,
+                         force=True) == len(forms)
     assert allocator.num_free == 24

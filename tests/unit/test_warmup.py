@@ -50,27 +50,39 @@ def test_capped_by_the_token_budget_and_skipped_off_cuda(monkeypatch):
 
 
 class _MixedRunner:
-    def __init__(self):
+    def __init__(self, windows=(None,)):
         self.device = torch.device("cuda")
+        self.dtype = torch.bfloat16
+        self.config = SimpleNamespace(num_layers=len(windows), layer_sliding_window=lambda layer: windows[layer])
+        self.kv_pool = SimpleNamespace(layer=lambda layer: (torch.empty(64, 16, 2, 8), torch.empty(64, 16, 2, 8)))
         self.steps = []
 
     def forward(self, chunks):
         *decode, chunk = chunks
         assert all(len(c.token_ids) == 1 for c in decode) and len(chunk.token_ids) > 1
-        assert len({c.seq_len for c in decode}) == 1  # one context per step
-        self.steps.append((len(decode), decode[0].seq_len, chunk.block_ids))
+        assert len({(c.seq_len, len(c.block_ids)) for c in decode}) == 1  # one context and table per step
+        self.steps.append((len(decode), decode[0].seq_len, len(decode[0].block_ids), len(chunk.block_ids)))
 
 
-def test_mixed_steps_over_every_rows_and_context_class(monkeypatch):
-    """Decode rows 1, 2, 4 .. the batch limit by longest context 64, 128 .. the sequence limit, each
-    with a prompt chunk; the budget caps the rows, and every block is free again after."""
+def test_a_mixed_step_per_form_of_the_decode_launch(monkeypatch):
+    """One mixed step (decode rows of one context, then a prompt chunk) for each form the decode
+    attention's rules give over the rows the token budget leaves beside a chunk and the tables the
+    sequence limit (or the free blocks) reach, for each layer's window; every block is free again after."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    runner, allocator = _MixedRunner(), BlockAllocator(64, 16)
-    assert warm_up_mixed(runner, allocator, max_batch_size=40, max_seq_len=300, max_num_tokens=32) == 5 * 4
-    assert sorted({(rows, context) for rows, context, _ in runner.steps}) == [  # 32 rows + 16 > 32 tokens
-        (rows, context) for rows in (1, 2, 4, 8, 16) for context in (64, 128, 256, 300)]
-    assert allocator.num_free == 64
-    # the free blocks bound the context: 63 blocks' 1,008 tokens (one block is the chunk's)
-    assert warm_up_mixed(_MixedRunner(), allocator, 256, 4096, 8192) == 9 * 5
-    assert warm_up_mixed(SimpleNamespace(device=torch.device("cpu")), allocator, 8, 64, 64) == 0
+    asked = []
 
+    def variants(max_rows, max_width, q_dtype, k_cache, window):
+        asked.append((max_rows, max_width, window))
+        return {"one row, one block": (1, 1), "wide": (16, 4), "wide and long": (16, 19)}
+
+    monkeypatch.setattr(ops, "decode_attention_variants", variants)
+    runner, allocator = _MixedRunner(windows=(None, 24, None)), BlockAllocator(64, 16)
+    assert warm_up_mixed(runner, allocator, max_batch_size=40, max_seq_len=300, max_num_tokens=32) == 3
+    assert sorted(asked, key=str) == [(16, 19, 24), (16, 19, None)]  # 16 rows + a 16-token chunk = the budget
+    # (rows, context, table width, chunk blocks): the last table's 19 blocks hold the limit's 300 tokens
+    assert runner.steps == [(1, 16, 1, 1), (16, 64, 4, 1), (16, 300, 19, 1)]
+    assert allocator.num_free == 64
+    # the free blocks bound the tables: 63 blocks (one is the chunk's)
+    asked.clear()
+    assert warm_up_mixed(_MixedRunner(), allocator, 256, 4096, 8192) == 3 and asked == [(256, 63, None)]
+    assert warm_up_mixed(SimpleNamespace(device=torch.device("cpu")), allocator, 8, 64, 64) == 0

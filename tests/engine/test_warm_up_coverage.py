@@ -1,0 +1,130 @@
+"""The worker's warm-up compiles every attention binary that steps of traffic launch.
+
+A colocated worker's steps with prompt chunks run their attention eagerly, between CUDA-graph
+pieces (``engine.mixed_graph``); each Triton launch there is compiled for its key (the
+constexprs and launch options its shape rules pick, and the specialization of every other
+argument: ``tests/kernels/launch_keys.py``). A key the warm-up (``warm_up_prefill``, then
+``warm_up_mixed``) never launched compiles inside a step of real traffic, for half a second or
+more, and every stream of the batch waits for it. Here the warm-up and a few hundred random
+steps of each benchmark shape (decode rows, new prompts, prompts continued in chunks) run
+through the model's own attention dispatch with the llama3-8b geometry and an H100's / H200's
+132 SMs; the kernels are recorded, not run, and every key the traffic launches must be one
+the warm-up launched.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tandem.engine.attention import SeqChunk, build_metadata
+from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.kv_cache import KVCachePool
+from tandem.engine.model import DecoderLayer
+from tandem.engine.warmup import warm_up_mixed, warm_up_prefill
+from tandem.kernels import decode_attention, decode_config, ops, prefill_attention
+from tests.kernels.launch_keys import recording, unlike
+
+BLOCK = 16
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # llama3-8b
+SMS = 132  # H100 and H200
+STEPS = 300
+
+# (max batch, token budget, sequence limit, prompt length, longest context): `bash scripts/gpu.sh
+# offline`'s rows (tandem.bench.cluster_mixed's limits: the sequence limit at least 1,024), and
+# short chats whose steps hold only a few blocks a row
+SHAPES = {
+    "c256": (256, 2048, 1024, 128, 256),
+    "offline_128": (1024, 8192, 1024, 128, 256),
+    "offline_1000": (1024, 8192, 2048, 1000, 2000),
+    "short_chats": (1024, 8192, 1024, 16, 48),
+}
+
+
+class _AttentionRunner:
+    """``forward`` as a step with prompt chunks runs on the GPU (``MixedGraphs.forward``): the
+    step's metadata built on the host, q, k and v in static buffers, then the layer's attention
+    dispatch (``DecoderLayer.attend``); one layer, the rest of the model left out."""
+
+    def __init__(self, pool: KVCachePool, max_num_tokens: int):
+        self.device = torch.device("cpu")
+        self.dtype = torch.bfloat16
+        self.config = SimpleNamespace(num_layers=1, layer_sliding_window=lambda layer: None)
+        self.kv_pool = pool
+        self.layer = SimpleNamespace(layer_idx=0, scale=HEAD_DIM ** -0.5, sliding_window=None)
+        self.q = torch.empty(max_num_tokens, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        self.k = torch.empty(max_num_tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        self.v = torch.empty_like(self.k)
+        self.attn = torch.empty(max_num_tokens, Q_HEADS * HEAD_DIM, dtype=torch.bfloat16)
+
+    def forward(self, chunks: list[SeqChunk]) -> None:
+        meta = build_metadata(chunks, BLOCK, self.device)
+        n = meta.num_tokens
+        q, k, v = self.q[:n], self.k[:n], self.v[:n]
+        DecoderLayer.attend(self.layer, q, k, v, self.kv_pool, meta, out=self.attn[:n].view(q.shape))
+
+
+def _traffic(rng: random.Random, max_batch: int, budget: int, prompt_len: int, longest: int,
+             num_blocks: int) -> list[list[SeqChunk]]:
+    """Steps of decode rows (each at a context its request could reach) followed by prompt chunks
+    (new prompts, and prompts continued past an earlier chunk), within the token budget."""
+    steps = []
+    for _ in range(STEPS):
+        chunks = []
+        num_decode = rng.choice([0, rng.randint(1, max_batch), max_batch])
+        num_decode = min(num_decode, budget - 1)
+        for _ in range(num_decode):
+            context = rng.randint(1, longest - 1)
+            chunks.append(SeqChunk([1], context, _blocks(rng, context + 1, longest, num_blocks)))
+        room = budget - num_decode
+        while room > 0:
+            done = rng.choice([0, 0, rng.randint(1, prompt_len - 1)])
+            length = min(rng.randint(1, prompt_len - done), room)
+            chunks.append(SeqChunk([1] * length, done, _blocks(rng, done + length, longest, num_blocks)))
+            room -= length
+            if rng.random() < 0.3:  # a step the waiting prompts do not fill
+                break
+        steps.append(chunks)
+    return steps
+
+
+def _blocks(rng: random.Random, tokens: int, longest: int, num_blocks: int) -> list[int]:
+    """A request's block ids: those its tokens fill, or (reserved ahead) up to the longest context."""
+    needed = -(-tokens // BLOCK)
+    count = rng.choice([needed, rng.randint(needed, max(needed, -(-longest // BLOCK)))])
+    return [rng.randrange(num_blocks) for _ in range(count)]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8_kv", "bf16_kv"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_steps_of_traffic_launch_only_what_the_warm_up_compiled(monkeypatch, shape, kv_dtype):
+    max_batch, budget, max_seq_len, prompt_len, longest = SHAPES[shape]
+    monkeypatch.setattr(decode_config, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(ops, "_pick", lambda name, tensor: getattr(
+        importlib.import_module(ops._TRITON_MODULES[name]), name))  # the Triton launchers, on the CPU
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    num_blocks = -(-max_seq_len // BLOCK) + 2
+    scales = {"k_scale": torch.ones(1, KV_HEADS), "v_scale": torch.ones(1, KV_HEADS)} if kv_dtype.itemsize == 1 else {}
+    pool = KVCachePool(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, kv_dtype, **scales)
+    runner = _AttentionRunner(pool, budget)
+    kernels = ("_decode_partial_kernel", "_decode_reduce_kernel")
+    with recording(decode_attention, *kernels) as decode, \
+            recording(prefill_attention, "_prefill_attention_kernel") as prefill:
+        monkeypatch.setattr(ops, "gather_blocks", lambda kv, ids, out=None: None)  # not attention
+        monkeypatch.setattr(ops, "scatter_blocks", lambda kv, ids, blocks: None)
+        allocator = BlockAllocator(num_blocks, BLOCK)
+        warm_up_prefill(runner, allocator, budget, force=True)
+        warm_up_mixed(runner, allocator, max_batch, max_seq_len, budget, force=True)
+        warmed = decode.distinct() | prefill.distinct()
+        decode.keys.clear()
+        prefill.keys.clear()
+        for chunks in _traffic(random.Random(7), max_batch, budget, prompt_len, longest, num_blocks):
+            runner.forward(chunks)
+        traffic = decode.distinct() | prefill.distinct()
+    missed = traffic - warmed
+    assert not missed, (f"{len(missed)} of {len(traffic)} binaries that traffic launches compile while serving "
+                        f"({len(warmed)} warmed up), e.g.:\n" + "\n".join(sorted(unlike(k, warmed) for k in missed)[:8]))
