@@ -105,16 +105,24 @@ def build_input_ids(seqs: list[SeqChunk], device: torch.device | str) -> torch.T
     return upload([[t for seq in seqs for t in seq.token_ids]], device)[0]
 
 
+ROW_ALIGN = 2  # int64s: each row starts 16 bytes into the copy, as a fresh tensor would
+
+
 def upload(rows: list[list[int]], device: torch.device | str) -> list[torch.Tensor]:
     """Lists of ints -> int64 tensors on ``device``, in one copy. On CUDA the copy is from pinned
     memory and asynchronous: a copy from pageable memory waits for every kernel already queued on
-    the stream, which would stall a step launched while the previous one runs."""
-    flat = tensor_on([v for row in rows for v in row], device)
-    out, at = [], 0
+    the stream, which would stall a step launched while the previous one runs. Each row starts at a
+    multiple of 16 bytes: a Triton kernel is compiled apart for a pointer that is not, so rows
+    placed by the lengths before them would compile kernels during traffic
+    (tests/engine/test_warm_up_coverage.py)."""
+    values: list[int] = []
+    starts = []
     for row in rows:
-        out.append(flat[at : at + len(row)])
-        at += len(row)
-    return out
+        values.extend([0] * (-len(values) % ROW_ALIGN))
+        starts.append(len(values))
+        values.extend(row)
+    flat = tensor_on(values, device)
+    return [flat[at : at + len(row)] for at, row in zip(starts, rows)]
 
 
 def _slots(seq: SeqChunk, block_size: int) -> list[int]:

@@ -2,8 +2,9 @@
 first request.
 
 The prefill attention kernel picks its query tile (16, 32, 64 or, for head
-dims below 128, 128 rows) from the batch's mean query length; each tile is a separate Triton
-compilation, a second or more each. Without a warm-up, the first batches of
+dims below 128, 128 rows) from the batch's mean query length, and the skinny GEMM its row tile
+from the step's tokens (up to 128); each tile is a separate Triton compilation, a second or
+more each. Without a warm-up, the first batches of
 real traffic pay for them (measured on an H200: 8192-token prefill batches
 taking 1-2 s instead of ~0.2 s in the first seconds of a benchmark). The KV
 handoff's block gather and scatter kernels (tandem.kernels.block_copy, run by the
@@ -38,7 +39,10 @@ from tandem.kernels import ops
 
 log = structlog.get_logger(__name__)
 
-QUERY_LENGTHS = (16, 32, 64, 256)  # one per query tile size
+# One forward of each token count: one token (the GEMV and the decode kernel), then one per
+# query tile size of the prefill attention and per row tile of the skinny GEMM (16, 32, 64, 128
+# rows), and past the skinny GEMM's rows
+QUERY_LENGTHS = (1, 16, 32, 64, 128, 256)
 
 
 def warm_up_prefill(runner, allocator, max_num_tokens: int, force: bool = False) -> float:

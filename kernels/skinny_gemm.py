@@ -48,7 +48,7 @@ MAX_M = 128  # the x tile and the accumulators grow with M: beyond this, cuBLAS'
 _SMEM_BYTES = 220 << 10  # tile buffers per program (sm90 allows 227 KB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the rows vary per step; BLOCK_M (from M) is what compiles apart
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, num_out, K, stride_xm, stride_wn, stride_ym, stride_ys,
     tiles_per_split,

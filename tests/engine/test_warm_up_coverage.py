@@ -128,3 +128,54 @@ def test_steps_of_traffic_launch_only_what_the_warm_up_compiled(monkeypatch, sha
     missed = traffic - warmed
     assert not missed, (f"{len(missed)} of {len(traffic)} binaries that traffic launches compile while serving "
                         f"({len(warmed)} warmed up), e.g.:\n" + "\n".join(sorted(unlike(k, warmed) for k in missed)[:8]))
+
+
+def _jit_kernels(module) -> list[str]:
+    return [name for name, value in vars(module).items()
+            if name.endswith("_kernel") and hasattr(value, "fn") and hasattr(value, "__getitem__")]
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
+def test_eager_prompt_steps_launch_only_what_the_prefill_warm_up_compiled(monkeypatch, tiny_checkpoints,
+                                                                         quantization):
+    """A prefill worker's steps run every kernel eagerly, for any number of tokens: the warm-up's
+    forwards compile every binary that steps of 1 .. 600 tokens in 1 .. 8 prompts launch (a
+    prompt's chunk of one token at the head of a step attends as a decode row)."""
+    from contextlib import ExitStack
+
+    from tandem.engine.runner import ModelRunner
+
+    monkeypatch.setattr(decode_config, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(ops, "_triton_layout", lambda x, weight, bias: x.dim() == 2 and x.shape[0] > 0)
+    monkeypatch.setattr(ops, "_pick", lambda name, tensor: ops._triton_impl(name) or getattr(ops.reference, name))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=128, block_size=BLOCK, dtype=torch.bfloat16,
+                         quantization=quantization)
+    modules = {importlib.import_module(m) for m in ops._TRITON_MODULES.values()}
+    with ExitStack() as stack:
+        recorded = [stack.enter_context(recording(m, *_jit_kernels(m))) for m in modules]
+
+        def distinct():
+            return set().union(*(r.distinct() for r in recorded))
+
+        allocator = BlockAllocator(128, BLOCK)
+        warm_up_prefill(runner, allocator, 2048, force=True)  # as the prefill worker does
+        warm_up_mixed(runner, allocator, 8, 512, 2048, force=True)  # the tiny model's 512 positions
+        warmed = distinct()
+        for r in recorded:
+            r.keys.clear()
+        rng = random.Random(3)
+        for _ in range(60):
+            chunks, tokens = [], 0
+            for _ in range(rng.randint(1, 8)):
+                length = rng.randint(1, 75)
+                blocks = allocator.allocate(length)
+                chunks.append(SeqChunk([1] * length, 0, blocks))
+                tokens += length
+            runner.forward(chunks)
+            for chunk in chunks:
+                allocator.free(chunk.block_ids)
+        traffic = distinct()
+    missed = traffic - warmed
+    assert not missed, (f"{len(missed)} of {len(traffic)} binaries that prompt steps launch compile while serving "
+                        f"({len(warmed)} warmed up), e.g.:\n" + "\n".join(sorted(unlike(k, warmed) for k in missed)[:8]))

@@ -44,7 +44,7 @@ def test_capped_by_the_token_budget_and_skipped_off_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     runner, allocator = _Runner("cuda"), BlockAllocator(64, 16)
     warm_up_prefill(runner, allocator, max_num_tokens=48)
-    assert [n for n, _, _ in runner.forwards] == [16, 32, 48]
+    assert [n for n, _, _ in runner.forwards] == [1, 16, 32, 48]
     cpu = _Runner("cpu")
     assert warm_up_prefill(cpu, allocator, 2048) == 0.0 and cpu.forwards == []
 
