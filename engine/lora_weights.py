@@ -19,6 +19,7 @@ model's dtype) and zeroes the rest of them; no other slot is written.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,19 @@ class LoraWeights:
 
     def occupied(self, slot: int) -> bool:
         return bool(self._projections[slot])
+
+    @contextmanager
+    def zero_adapter(self, slot: int):
+        """Within: the empty slot ``slot`` holds an adapter of every projection whose weights and
+        scales are all zero, so a step of its rows launches every LoRA kernel and adds nothing (the
+        warm-up's, ``engine.warmup.warm_up_adapters``)."""
+        if self.occupied(slot):
+            raise ValueError(f"LoRA slot {slot} holds an adapter")
+        self._projections[slot] = frozenset(PROJECTION_TARGETS)
+        try:
+            yield
+        finally:
+            self._projections[slot] = frozenset()
 
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.layers for p in layer.values() for t in (p.a, p.b_all, p.scales))

@@ -69,6 +69,36 @@ def warm_up_prefill(runner, allocator, max_num_tokens: int, force: bool = False)
     return seconds
 
 
+def warm_up_adapters(runner, allocator, max_num_tokens: int, force: bool = False) -> int:
+    """With LoRA slots: the forwards of ``warm_up_prefill`` again, every token an adapter row (an
+    empty slot holding a zero adapter of every projection, ``LoraWeights.zero_adapter``), since a
+    step with adapter rows runs eagerly, its projections apart from their fused norms, and the
+    LoRA kernels pick their row tile from the adapter rows; -> the forwards run (0 off CUDA unless
+    ``force``, without LoRA slots, or with every slot holding an adapter)."""
+    if (runner.device.type != "cuda" and not force) or runner.lora is None:
+        return 0
+    weights = runner.lora.weights
+    slot = next((s for s in range(weights.max_loras) if not weights.occupied(s)), None)
+    if slot is None:
+        log.warning("no empty LoRA slot: adapter steps' kernels compile on first use")
+        return 0
+    started, forwards = time.perf_counter(), 0
+    with weights.zero_adapter(slot):
+        for q_len in sorted({min(n, max_num_tokens) for n in QUERY_LENGTHS}):
+            if allocator.num_free * allocator.block_size < q_len:
+                break
+            blocks = allocator.allocate(q_len)
+            try:
+                runner.forward([SeqChunk([1] * q_len, 0, blocks, lora_slot=slot)])
+                forwards += 1
+            finally:
+                allocator.free(blocks)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize(runner.device)
+    log.info("adapter steps warmed up", forwards=forwards, seconds=round(time.perf_counter() - started, 2))
+    return forwards
+
+
 def warm_up_mixed(runner, allocator, max_batch_size: int, max_seq_len: int, max_num_tokens: int,
                   force: bool = False) -> int:
     """Run a mixed step (decode rows and one prompt chunk) for each form of the decode rows'

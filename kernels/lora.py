@@ -56,7 +56,9 @@ def _segment_rows(order_ptr, starts_ptr, slots_ptr, BLOCK_M: tl.constexpr):
     return slot, tokens, mask, (slot >= 0) & (first < end)
 
 
-@triton.jit
+# The split and the partials' stride follow a step's adapter rows and tokens: one binary for
+# every value, not one per value class (tests/engine/test_warm_up_coverage.py)
+@triton.jit(do_not_specialize=["K_PER_SPLIT", "stride_split"])
 def _lora_shrink_kernel(
     x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, slots_ptr,
     R, K, K_PER_SPLIT, NUM_R_TILES, stride_xm, stride_as, stride_ar, stride_om, stride_split,
@@ -99,7 +101,7 @@ def _part_bound(i: tl.constexpr, N, OFF1, OFF2, PARTS: tl.constexpr):
         return OFF2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLIT", "stride_split"])
 def _lora_expand_kernel(
     y_ptr, s_ptr, b_ptr, scales_ptr, order_ptr, starts_ptr, slots_ptr,
     N, R, SPLIT, OFF1, OFF2, stride_ym, stride_sm, stride_split, stride_bs, stride_bn, stride_sp,

@@ -318,3 +318,22 @@ def test_adapter_config_json_is_pefts(adapters):
     with open(os.path.join(adapters["b"], "adapter_config.json")) as f:
         saved = json.load(f)
     assert saved["peft_type"] == "LORA" and saved["use_rslora"] is True and saved["r"] == 8
+
+
+def test_a_zero_adapter_runs_every_lora_kernel_and_changes_nothing(base):
+    """The warm-up's zero adapter (LoraWeights.zero_adapter): within, an empty slot's rows take
+    every projection's LoRA and the logits equal the base model's; after, the slot is empty again
+    and a step naming it is refused."""
+    runner = ModelRunner(base, num_blocks=16, block_size=4)
+    weights = runner.enable_lora(max_loras=2, max_rank=8).weights
+    prompt = list(range(3, 12))
+    plain = runner.forward([SeqChunk(prompt, 0, [0, 1, 2])])
+    with weights.zero_adapter(1):
+        assert weights.occupied(1) and weights.projections(1) == frozenset(PROJECTION_TARGETS)
+        batch = build_lora_batch([(1, len(prompt))], weights, "cpu")
+        assert batch.projections == frozenset(PROJECTION_TARGETS)
+        with_zero = runner.forward([SeqChunk(prompt, 0, [4, 5, 6], lora_slot=1)])
+    assert torch.equal(with_zero, plain)
+    assert not weights.occupied(1)
+    with pytest.raises(ValueError, match="holds no adapter"):
+        runner.forward([SeqChunk(prompt, 0, [4, 5, 6], lora_slot=1)])

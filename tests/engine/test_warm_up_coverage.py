@@ -25,7 +25,7 @@ from tandem.engine.attention import SeqChunk, build_metadata
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.kv_cache import KVCachePool
 from tandem.engine.model import DecoderLayer
-from tandem.engine.warmup import warm_up_mixed, warm_up_prefill
+from tandem.engine.warmup import warm_up_adapters, warm_up_mixed, warm_up_prefill
 from tandem.kernels import decode_attention, decode_config, ops, prefill_attention
 from tests.kernels.launch_keys import recording, unlike
 
@@ -179,3 +179,90 @@ def test_eager_prompt_steps_launch_only_what_the_prefill_warm_up_compiled(monkey
     missed = traffic - warmed
     assert not missed, (f"{len(missed)} of {len(traffic)} binaries that prompt steps launch compile while serving "
                         f"({len(warmed)} warmed up), e.g.:\n" + "\n".join(sorted(unlike(k, warmed) for k in missed)[:8]))
+
+
+def test_eager_steps_with_adapter_rows_launch_only_what_the_warm_up_compiled(monkeypatch, tiny_checkpoints,
+                                                                            tmp_path):
+    """A step whose rows carry adapters runs eagerly (decode rows and prompt chunks of any mix of
+    adapters and the base model): the worker's warm-up compiles every binary such steps launch."""
+    from contextlib import ExitStack
+
+    from lora_testing import make_peft_adapter
+
+    from tandem.engine.runner import ModelRunner
+    from tandem.kernels import lora
+
+    base = tiny_checkpoints["llama"]
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    monkeypatch.setattr(decode_config, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(lora, "_num_sms", lambda device: SMS)
+    monkeypatch.setattr(lora, "_split_k", lambda x, programs, k_blocks: max(1, min(k_blocks // 4, 2 * SMS // programs)))
+    monkeypatch.setattr(ops, "_triton_layout", lambda x, weight, bias: x.dim() == 2 and x.shape[0] > 0)
+    monkeypatch.setattr(ops, "_pick", lambda name, tensor: ops._triton_impl(name) or getattr(ops.reference, name))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    runner = ModelRunner(base, num_blocks=128, block_size=BLOCK, dtype=torch.bfloat16)
+    manager = runner.enable_lora(max_loras=4, max_rank=16)
+    manager.add("wide", make_peft_adapter(base, tmp_path / "wide", 16, 32, every, seed=1))
+    manager.add("narrow", make_peft_adapter(base, tmp_path / "narrow", 8, 8, ["q_proj", "down_proj"], seed=2))
+    slots = list(manager.slots_for(["wide", "narrow"]).values()) + [-1]
+    modules = {importlib.import_module(m) for m in ops._TRITON_MODULES.values()}
+    with ExitStack() as stack:
+        recorded = [stack.enter_context(recording(m, *_jit_kernels(m))) for m in modules]
+
+        def distinct():
+            return set().union(*(r.distinct() for r in recorded))
+
+        allocator = BlockAllocator(128, BLOCK)
+        warm_up_prefill(runner, allocator, 2048, force=True)  # as the worker of both pools does
+        assert warm_up_adapters(runner, allocator, 2048, force=True) == 6
+        warm_up_mixed(runner, allocator, 64, 512, 2048, force=True)
+        warmed = distinct()
+        for r in recorded:
+            r.keys.clear()
+        rng = random.Random(5)
+        for _ in range(60):
+            chunks = []
+            for _ in range(rng.choice([0, rng.randint(1, 64)])):
+                context = rng.randint(1, 200)
+                chunks.append(SeqChunk([1], context, _blocks(rng, context + 1, 256, 128), lora_slot=rng.choice(slots)))
+            for _ in range(rng.randint(0 if chunks else 1, 6)):
+                length = rng.randint(2, 75)
+                chunks.append(SeqChunk([1] * length, 0, _blocks(rng, length, 256, 128), lora_slot=rng.choice(slots)))
+            runner.forward(chunks)
+        traffic = distinct()
+    missed = traffic - warmed
+    assert not missed, (f"{len(missed)} of {len(traffic)} binaries that adapter steps launch compile while serving "
+                        f"({len(warmed)} warmed up), e.g.:\n" + "\n".join(sorted(unlike(k, warmed) for k in missed)[:10]))
+
+
+@pytest.mark.parametrize("projection", ["qkv_proj", "down_proj"])
+def test_lora_launches_of_any_rows_and_adapters_are_the_warm_ups(monkeypatch, projection):
+    """The LoRA kernels at llama3-8b's shapes (rank 16), for 1 .. 2,048 adapter rows over 1 .. 8
+    adapters, launch only binaries that ``warm_up_adapters``' single-adapter steps of 1 .. 256 rows
+    launched, splits of K included (the tiny models' K never splits)."""
+    from tandem.engine.warmup import QUERY_LENGTHS
+    from tandem.kernels import lora
+
+    monkeypatch.setattr(lora, "_num_sms", lambda device: SMS)
+    monkeypatch.setattr(lora, "_split_k", lambda x, programs, k_blocks: max(1, min(k_blocks // 4, 2 * SMS // programs)))
+    K, N, parts = (4096, 6144, [0, 4096, 5120]) if projection == "qkv_proj" else (14336, 4096, [0])
+    a = torch.empty(8, 16 * len(parts), K, dtype=torch.bfloat16)
+    b = torch.empty(8, N, 16, dtype=torch.bfloat16)
+    scales = torch.ones(len(parts), 8)
+
+    def launch(num_rows: int, num_adapters: int) -> None:
+        x, y = torch.empty(num_rows, K, dtype=torch.bfloat16), torch.empty(num_rows, N, dtype=torch.bfloat16)
+        bounds = [num_rows * i // num_adapters for i in range(num_adapters + 1)]
+        lora.lora_add(y, x, a, b, parts, scales, torch.arange(num_rows), torch.tensor(bounds, dtype=torch.int32),
+                      torch.arange(num_adapters, dtype=torch.int32))
+
+    with recording(lora, "_lora_shrink_kernel", "_lora_expand_kernel") as launches:
+        for rows in QUERY_LENGTHS:
+            launch(rows, 1)
+        warmed = launches.distinct()
+        rng = random.Random(11)
+        for _ in range(200):
+            num_adapters = rng.randint(1, 8)
+            launch(rng.randint(num_adapters, 2048), num_adapters)
+        missed = launches.distinct() - warmed
+    assert not missed, "\n".join(sorted(unlike(k, warmed) for k in missed)[:8])

@@ -1,12 +1,13 @@
 """Prefill warm-up: one forward per query tile size, and the handoff's block gather and scatter,
 on scratch blocks given back."""
 
+import contextlib
 from types import SimpleNamespace
 
 import torch
 
 from tandem.engine.block_allocator import BlockAllocator
-from tandem.engine.warmup import QUERY_LENGTHS, warm_up_mixed, warm_up_prefill
+from tandem.engine.warmup import QUERY_LENGTHS, warm_up_adapters, warm_up_mixed, warm_up_prefill
 from tandem.kernels import ops
 
 
@@ -86,3 +87,41 @@ def test_a_mixed_step_per_form_of_the_decode_launch(monkeypatch):
     asked.clear()
     assert warm_up_mixed(_MixedRunner(), allocator, 256, 4096, 8192) == 3 and asked == [(256, 63, None)]
     assert warm_up_mixed(SimpleNamespace(device=torch.device("cpu")), allocator, 8, 64, 64) == 0
+
+
+class _AdapterWeights:
+    """LoraWeights' slot bookkeeping: which slots hold an adapter, and the warm-up's zero adapter."""
+
+    def __init__(self, occupied):
+        self.max_loras, self.held, self.zero = len(occupied), list(occupied), None
+
+    def occupied(self, slot):
+        return self.held[slot] or self.zero == slot
+
+    @contextlib.contextmanager
+    def zero_adapter(self, slot):
+        assert not self.held[slot]
+        self.zero = slot
+        try:
+            yield
+        finally:
+            self.zero = None
+
+
+def test_adapter_steps_run_the_token_counts_again_in_an_empty_slot(monkeypatch):
+    """Every row of each forward carries the first empty slot, holding a zero adapter only while
+    the warm-up runs; without LoRA slots, or with every slot taken, nothing runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    weights = _AdapterWeights([True, False, False])
+    seen = []
+    runner = _Runner("cuda")
+    runner.lora = SimpleNamespace(weights=weights)
+    runner.forward = lambda chunks: seen.append([(len(c.token_ids), c.lora_slot, weights.zero) for c in chunks])
+    allocator = BlockAllocator(64, 16)
+    assert warm_up_adapters(runner, allocator, max_num_tokens=2048) == len(QUERY_LENGTHS)
+    assert seen == [[(n, 1, 1)] for n in sorted(QUERY_LENGTHS)]
+    assert weights.zero is None and allocator.num_free == 64
+    runner.lora = SimpleNamespace(weights=_AdapterWeights([True, True]))
+    assert warm_up_adapters(runner, allocator, 2048) == 0
+    runner.lora = None
+    assert warm_up_adapters(runner, allocator, 2048) == 0
