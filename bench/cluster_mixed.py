@@ -237,10 +237,13 @@ def main() -> int:
     with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "cluster.log")) as f:
         timeline = cluster_timeline.parse(f)  # where the run's time went, worker by worker
     print(cluster_timeline.format_table(timeline))
+    loop_seconds = cluster_timeline.seconds(timeline)
+    if loop_seconds:
+        print("a second of the decode loop: " + ", ".join(f"{k} {v}" for k, v in loop_seconds.items()))
 
     def save():
         with open(args.out, "w") as f:
-            json.dump({"rows": rows, "serve": result, "timeline": timeline}, f, indent=1)
+            json.dump({"rows": rows, "serve": result, "timeline": timeline, "loop_seconds": loop_seconds}, f, indent=1)
 
     save()
     if not args.skip_hf:  # after the cluster, so a late timeout still leaves our numbers

@@ -6,6 +6,10 @@ queues. This turns a cluster log into rows ordered by time, seconds from the fir
 one benchmark run shows the prefill phase, the decode batch growing and the tail.
 
     python3 -m tandem.bench.cluster_timeline cluster.log
+
+and, last, where an average second of each worker's loop went (``seconds``): its parts'
+shares (scheduling, launching steps, reading them back, publishing, admissions), and how much
+of the reading was the host waiting for the device.
 """
 
 from __future__ import annotations
@@ -40,6 +44,21 @@ def parse(lines) -> list[dict]:
     return rows
 
 
+def seconds(rows: list[dict], role: str = "decode") -> dict[str, float]:
+    """Where an average second of ``role``'s busy lines (those that stepped) went: each loop
+    part's share (``cluster.step_stats``: ``<part>_frac``) averaged over them, and the rest of
+    the second as ``other``."""
+    busy = [r for r in rows if r.get("role") == role and r.get("steps_per_s")]
+    if not busy:
+        return {}
+    parts = sorted({k for r in busy for k in r if k.endswith("_frac") and k != "device_wait_frac"})
+    shares = {k[: -len("_frac")]: round(sum(r.get(k, 0.0) for r in busy) / len(busy), 3) for k in parts}
+    shares["other"] = round(max(0.0, 1.0 - sum(shares.values())), 3)
+    if any("device_wait_frac" in r for r in busy):  # inside "read": the host waiting for the device
+        shares["of which device_wait"] = round(sum(r.get("device_wait_frac", 0.0) for r in busy) / len(busy), 3)
+    return shares
+
+
 def format_table(rows: list[dict]) -> str:
     gauges = sorted({k for r in rows for k in r} - {"t_s", "role", "service", *COLUMNS})
     header = ["t_s", "role", *COLUMNS, *gauges]
@@ -54,7 +73,11 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
     with open(argv[0]) as f:
-        print(format_table(parse(f)))
+        rows = parse(f)
+    print(format_table(rows))
+    for role in sorted({r["role"] for r in rows}):
+        if shares := seconds(rows, role):
+            print(f"a second of {role}'s loop: " + ", ".join(f"{k} {v}" for k, v in shares.items()))
     return 0
 
 

@@ -172,9 +172,11 @@ class DeviceSteps:
         """The tokens of ``step`` (waits for it; raises the engine's error)."""
         if self.in_flight is step:
             self.in_flight = None
+        started = time.perf_counter()
         token_ids = step.tokens.wait()
-        self.allocator.step_done(step.step_id)
         now = time.perf_counter()
+        self.stats.add_time("device_wait", now - started)  # the host ahead of the device
+        self.allocator.step_done(step.step_id)
         num_tokens = len(step.batch) + sum(len(p.chunk.token_ids) for p in step.prompts)
         self.stats.record(num_tokens, now - step.launched_at, now - self._read_at)
         self._read_at = now

@@ -161,38 +161,49 @@ class DecodeWorker:
         ended, was aborted or paused) are held by the allocator until that step is read
         back, so nothing another process writes can land in a block a step still uses.
         """
-        policy = self.policies.refresh().capacity_scheduler_policy  # Redis first: an error here loses nothing
+        part = self.stats.phase  # where the turn's time goes (cluster.step_stats)
+        with part("policies"):
+            policy = self.policies.refresh().capacity_scheduler_policy  # Redis first: an error here loses nothing
         previous = self.steps.in_flight
         ahead = self.run_ahead and previous is not None and self.scheduler.can_schedule_ahead()
-        events = [] if ahead else self._collect(previous)
-        self.scheduler.set_policy(policy)
-        batch, held = self._schedule()
-        prompts = self._prompt_rows(len(batch))
-        failure = self.steps.launch(batch, previous, prompts) if batch or prompts else None
-        if prompts:
-            self._prompts_launched(prompts, failure)
+        with part("read"):  # its device_wait share: waiting for the step's tokens
+            events = [] if ahead else self._collect(previous)
+        with part("schedule"):
+            self.scheduler.set_policy(policy)
+            batch, held = self._schedule()
+            prompts = self._prompt_rows(len(batch))
+        with part("launch"):
+            failure = self.steps.launch(batch, previous, prompts) if batch or prompts else None
+            if prompts:
+                self._prompts_launched(prompts, failure)
         if ahead:
-            events = self._collect(previous)  # read even if the launch failed: its tokens are good
+            with part("read"):
+                events = self._collect(previous)  # read even if the launch failed: its tokens are good
         if failure is not None:
             self._engine_failed(failure)  # its error events queue behind this step's tokens
-        self.outbox.flush()  # in order: what an outage kept back, then this turn's events
-        self.mailer.flush()
+        with part("publish"):  # the turn's token events, one round trip
+            self.outbox.flush()  # in order: what an outage kept back, then this turn's events
+            self.mailer.flush()
         idle = not batch and not events and not self._busy()
         # before the inbox read: whatever a prefill worker found lost now sent before it died is
         # read below, before dispatch re-dispatches its jobs (a finished one is not computed again)
         if self.handoffs.refresh_peers():
             self.batch_wait.shared = shares_gpu(self._device_identity, self.handoffs.prefill_workers)
         # holding: wait on the inbox a little (a PrefillDone ends the wait early) instead of spinning
-        self._handle_messages(self.inbox.read(block_ms=20 if idle else HOLD_POLL_MS if held else None))
-        adapters_read(self.lora_loads, self.scheduler, self._refuse)
-        self.handoffs.dispatch()
-        self.handoffs.check()
-        self._release_admissions()
-        self.steps.penalties.release(self.scheduler.pop_left_batch())  # their slots of token counts
-        if self.host_tier is not None:
-            self.host_tier.poll()  # checksums of landed stores, so a load only checks them
-        if self.prefix_index is not None:
-            self.prefix_index.sync()  # what the gateway routes by (tandem.colocated)
+        with part("inbox"):  # idle: mostly the wait for a message
+            messages = self.inbox.read(block_ms=20 if idle else HOLD_POLL_MS if held else None)
+        with part("intake"):  # admissions: prefix matches, host-tier loads, handoffs
+            self._handle_messages(messages)
+            adapters_read(self.lora_loads, self.scheduler, self._refuse)
+            self.handoffs.dispatch()
+            self.handoffs.check()
+            self._release_admissions()
+        with part("upkeep"):
+            self.steps.penalties.release(self.scheduler.pop_left_batch())  # their slots of token counts
+            if self.host_tier is not None:
+                self.host_tier.poll()  # checksums of landed stores, so a load only checks them
+            if self.prefix_index is not None:
+                self.prefix_index.sync()  # what the gateway routes by (tandem.colocated)
         self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
                              waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free,
                              holds=self.batch_wait.num_holds)

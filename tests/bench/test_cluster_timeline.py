@@ -42,3 +42,19 @@ def test_stats_lines_become_rows_in_time_order():
 
 def test_a_log_without_stats_gives_no_rows():
     assert parse(["", "plain text", "[1, 2]", "{\"event\": \"serving\"}"]) == []
+
+
+def test_a_second_of_the_loop_averages_its_parts_over_the_lines_that_stepped():
+    from tandem.bench.cluster_timeline import seconds
+
+    rows = [
+        {"role": "decode", "steps_per_s": 100.0, "launch_frac": 0.2, "read_frac": 0.6, "device_wait_frac": 0.5,
+         "publish_frac": 0.1},
+        {"role": "decode", "steps_per_s": 90.0, "launch_frac": 0.4, "read_frac": 0.4, "device_wait_frac": 0.3,
+         "publish_frac": 0.1},
+        {"role": "decode", "steps_per_s": 0.0, "inbox_frac": 0.99},  # idle: left out
+        {"role": "prefill", "steps_per_s": 5.0, "launch_frac": 0.9},
+    ]
+    assert seconds(rows) == {"launch": 0.3, "publish": 0.1, "read": 0.5, "other": 0.1, "of which device_wait": 0.4}
+    assert seconds(rows, "prefill") == {"launch": 0.9, "other": 0.1}
+    assert seconds(rows, "gateway") == {}

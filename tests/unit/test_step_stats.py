@@ -51,3 +51,36 @@ def test_the_allocator_has_no_counters_off_the_gpu():
     from tandem.engine.allocator_counters import allocator_counters
 
     assert allocator_counters(torch.device("cpu")) == {}
+
+
+def test_a_line_carries_each_part_of_the_loops_share_of_its_seconds(monkeypatch):
+    """``phase`` times a part of the loop turn (also when it raises), ``add_time`` adds time
+    measured elsewhere; a line carries each part's share of the interval, then they start over."""
+    clock, wall = [100.0], [10.0]
+    monkeypatch.setattr("tandem.cluster.step_stats.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("tandem.cluster.step_stats.time.perf_counter", lambda: wall[0])
+    stats = StepStats("decode", interval_s=1.0)
+    for _ in range(4):
+        with stats.phase("schedule"):
+            wall[0] += 0.05
+        with stats.phase("launch"):
+            wall[0] += 0.025
+        stats.add_time("device_wait", 0.1)
+        stats.record(8, forward_s=0.2, loop_s=0.2)
+    try:
+        with stats.phase("intake"):
+            wall[0] += 0.1
+            raise RuntimeError("a bad message")
+    except RuntimeError:
+        pass
+    clock[0] += 2.0
+    with structlog.testing.capture_logs() as logs:
+        assert stats.maybe_log()
+    (entry,) = logs
+    assert (entry["schedule_frac"], entry["launch_frac"], entry["device_wait_frac"], entry["intake_frac"]) == (
+        0.1, 0.05, 0.2, 0.05)
+    stats.record(8, forward_s=0.2, loop_s=0.2)
+    clock[0] += 1.0
+    with structlog.testing.capture_logs() as logs:
+        assert stats.maybe_log()
+    assert not any(key.endswith("_frac") for key in logs[0])  # no part timed in this interval
