@@ -123,28 +123,36 @@ class PrefillWorker:
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:
         started = time.perf_counter()
-        self.mailer.flush()  # PrefillDones a Redis outage kept back go out first
-        self.outbox.flush()  # then the first tokens it kept back (their PrefillDones are ahead of them)
+        part = self.stats.phase  # where the turn's time goes (cluster.step_stats)
+        with part("publish"):
+            self.mailer.flush()  # PrefillDones a Redis outage kept back go out first
+            self.outbox.flush()  # then the first tokens it kept back (their PrefillDones are ahead of them)
         busy = self.scheduler.jobs or self.lora_loads.num_waiting
-        self._handle_messages(self.inbox.read(block_ms=None if busy else 20))
-        self._adapters_read()
-        self.scheduler.set_policy(self.policies.refresh().context_chunking_policy)
-        chunks = self.scheduler.schedule()
+        with part("inbox"):  # idle: mostly the wait for a message
+            messages = self.inbox.read(block_ms=None if busy else 20)
+        with part("intake"):
+            self._handle_messages(messages)
+            self._adapters_read()
+        with part("schedule"):
+            self.scheduler.set_policy(self.policies.refresh().context_chunking_policy)
+            chunks = self.scheduler.schedule()
         if chunks:
             forward_started = time.perf_counter()
-            logits = self._run(chunks)
-            if logits is not None:
-                self._after_forward(chunks, logits)
+            with part("step"):  # the forward, its first tokens and the KV pushed to the decode workers
+                logits = self._run(chunks)
+                if logits is not None:
+                    self._after_forward(chunks, logits)
             self.stats.record(sum(n for _, n in chunks), time.perf_counter() - forward_started,
                               time.perf_counter() - started)
-        self._poll_transfers()
-        self._accept_deferred()
-        if self.prefix_index is not None:
-            self.prefix_index.sync()
-        host = {}
-        if self.host_tier is not None:
-            self.host_tier.poll()
-            host = {"host_blocks": len(self.host_tier), "host_hits": self.host_tier.stats.loaded_blocks}
+        with part("upkeep"):  # transfers finished, re-dispatched requests, the routing index, host tier
+            self._poll_transfers()
+            self._accept_deferred()
+            if self.prefix_index is not None:
+                self.prefix_index.sync()
+            host = {}
+            if self.host_tier is not None:
+                self.host_tier.poll()
+                host = {"host_blocks": len(self.host_tier), "host_hits": self.host_tier.stats.loaded_blocks}
         self.stats.maybe_log(jobs=len(self.scheduler.jobs), transferring=len(self.scheduler.transferring),
                              free_blocks=self.allocator.num_free, **host)
 
