@@ -19,7 +19,9 @@ BLOCK = 2048  # vocabulary entries per program
 LAUNCH_OPTIONS = {"num_warps": 8, "enable_fp_fusion": False}
 
 
-@triton.jit
+# rows and slots are the two rows of one [2, n] tensor: where slots starts moves with n, and each
+# is read one entry a program, so its alignment is no reason for a binary of its own
+@triton.jit(do_not_specialize_on_alignment=["rows_ptr", "slots_ptr"])
 def _penalties_kernel(
     logits_ptr, stride_logits, rows_ptr, slots_ptr, counts_ptr, stride_counts, prompt_ptr, stride_prompt,
     params_ptr, vocab, BLOCK: tl.constexpr,

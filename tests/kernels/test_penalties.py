@@ -86,3 +86,20 @@ def test_compiled_for_sm90_it_divides_exactly_and_fuses_no_multiply_add():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == "['div.rn.f32']"
+
+
+def test_one_binary_for_any_number_of_penalized_rows():
+    """The rows and slots come as the two rows of one [2, n] tensor (engine.logits_process), so the
+    slots' address moves with n: the launch's compile key must not (tests/kernels/launch_keys.py)."""
+    from launch_keys import recording
+
+    from tandem.kernels import penalties
+
+    vocab = 300
+    logits, counts = torch.zeros(64, vocab), torch.zeros(64, vocab)
+    prompt = torch.zeros(64, vocab, dtype=torch.bool)
+    with recording(penalties, "_penalties_kernel") as launches:
+        for n in range(1, 9):
+            index = torch.arange(2 * n).view(2, n)
+            apply_penalties(logits, index[0], index[1], counts, prompt, torch.ones(n, 3))
+    assert len(launches.keys) == 8 and len(launches.distinct()) == 1
