@@ -32,6 +32,10 @@
 #                                 replaces these) on llama3-8b FP8 with prefix caching and a device pool of 32,768
 #                                 tokens, a quarter of the conversations' final 135k, without and with the host tier
 #                                 (MT_TIERS, default "0 24" GB)
+#   bash scripts/gpu.sh verify    in one 10-minute call: the GPU tests of the kernels and the engine, then 256
+#                                 streams and 3,072 requests at once (offline's c256 and fp8 rows), the kernels
+#                                 compiled while serving (none expected: the warm-up covers them) and where a
+#                                 second of the decode loop went (loop_seconds); then pack
 #   bash scripts/gpu.sh pack      everything under $OUT into one $OUT/results.tar.gz (a run that returns only a few
 #                                 files then keeps every log); run it last
 #   bash scripts/gpu.sh lora      the LoRA GPU tests, tandem.bench.lora_step (llama3-8b, batch 64, base / one
@@ -182,6 +186,16 @@ case "${1:-}" in
       echo "== c256 over $n adapters (exit $?)"
       python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['serve']['metrics']; print({k: m.get(k) for k in ('completed','failed','output_throughput')})" "$OUT/lora_c256_$n/result.json"
     done ;;
+  verify)
+    timeout 170 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels tests/engine -m gpu 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -3
+    OFFLINE_TIMEOUT=190 OFFLINE_RUNS='c256 fp8' bash "$0" offline
+    echo "== kernels compiled while serving"
+    grep -h "kernel compiled while serving" "$OUT"/*/cluster.log 2>/dev/null | cut -c1-240 | head -20
+    for result in "$OUT"/*/result.json; do
+      python3 -c "import json,sys; print(sys.argv[1], json.load(open(sys.argv[1])).get('loop_seconds'))" "$result"
+    done
+    bash "$0" pack ;;
   pack)
     tar -czf /tmp/results.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tar.gz "$OUT/"
     ls -la "$OUT" ;;
