@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import random
+from contextlib import ExitStack, contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -25,8 +26,9 @@ from tandem.engine.attention import SeqChunk, build_metadata
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.kv_cache import KVCachePool
 from tandem.engine.model import DecoderLayer
-from tandem.engine.warmup import warm_up_adapters, warm_up_mixed, warm_up_prefill
-from tandem.kernels import decode_attention, decode_config, ops, prefill_attention
+from tandem.engine.runner import ModelRunner
+from tandem.engine.warmup import QUERY_LENGTHS, warm_up_adapters, warm_up_mixed, warm_up_prefill
+from tandem.kernels import decode_attention, decode_config, lora, ops, prefill_attention
 from tests.kernels.launch_keys import recording, unlike
 
 BLOCK = 16
@@ -43,6 +45,48 @@ SHAPES = {
     "offline_1000": (1024, 8192, 2048, 1000, 2000),
     "short_chats": (1024, 8192, 1024, 16, 48),
 }
+
+
+@pytest.fixture
+def gpu_dispatch(monkeypatch):
+    """The GPU's dispatch and shape rules on the CPU: every op through its Triton launcher (the
+    kernels recorded, not run: ``recording``), the GEMV and skinny GEMM routes, 132 SMs."""
+    monkeypatch.setattr(decode_config, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(ops, "_triton_layout", lambda x, weight, bias: x.dim() == 2 and x.shape[0] > 0)
+    monkeypatch.setattr(ops, "_pick", lambda name, tensor: ops._triton_impl(name) or getattr(ops.reference, name))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+
+
+class _EveryKernel:
+    """The launches of every kernel of every op's module, while ``recording``."""
+
+    def __init__(self, recorded):
+        self.recorded = recorded
+
+    def distinct(self) -> set[tuple]:
+        return set().union(*(r.distinct() for r in self.recorded))
+
+    def clear(self) -> None:
+        for r in self.recorded:
+            r.keys.clear()
+
+
+@contextmanager
+def every_kernel_recorded():
+    modules = {importlib.import_module(m) for m in ops._TRITON_MODULES.values()}
+    with ExitStack() as stack:
+        yield _EveryKernel([stack.enter_context(recording(m, *_jit_kernels(m))) for m in modules])
+
+
+def _jit_kernels(module) -> list[str]:
+    return [name for name, value in vars(module).items()
+            if name.endswith("_kernel") and hasattr(value, "fn") and hasattr(value, "__getitem__")]
+
+
+def _missed(what: str, traffic: set[tuple], warmed: set[tuple]) -> str:
+    missed = traffic - warmed
+    return (f"{len(missed)} of {len(traffic)} binaries that {what} launch compile while serving "
+            f"({len(warmed)} warmed up), e.g.:\n" + "\n".join(sorted(unlike(k, warmed) for k in missed)[:8]))
 
 
 class _AttentionRunner:
@@ -101,12 +145,8 @@ def _blocks(rng: random.Random, tokens: int, longest: int, num_blocks: int) -> l
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8_kv", "bf16_kv"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_steps_of_traffic_launch_only_what_the_warm_up_compiled(monkeypatch, shape, kv_dtype):
+def test_steps_of_traffic_launch_only_what_the_warm_up_compiled(monkeypatch, gpu_dispatch, shape, kv_dtype):
     max_batch, budget, max_seq_len, prompt_len, longest = SHAPES[shape]
-    monkeypatch.setattr(decode_config, "num_sms", lambda device: SMS)
-    monkeypatch.setattr(ops, "_pick", lambda name, tensor: getattr(
-        importlib.import_module(ops._TRITON_MODULES[name]), name))  # the Triton launchers, on the CPU
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     num_blocks = -(-max_seq_len // BLOCK) + 2
     scales = {"k_scale": torch.ones(1, KV_HEADS), "v_scale": torch.ones(1, KV_HEADS)} if kv_dtype.itemsize == 1 else {}
     pool = KVCachePool(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, kv_dtype, **scales)
@@ -125,45 +165,23 @@ def test_steps_of_traffic_launch_only_what_the_warm_up_compiled(monkeypatch, sha
         for chunks in _traffic(random.Random(7), max_batch, budget, prompt_len, longest, num_blocks):
             runner.forward(chunks)
         traffic = decode.distinct() | prefill.distinct()
-    missed = traffic - warmed
-    assert not missed, (f"{len(missed)} of {len(traffic)} binaries that traffic launches compile while serving "
-                        f"({len(warmed)} warmed up), e.g.:\n" + "\n".join(sorted(unlike(k, warmed) for k in missed)[:8]))
-
-
-def _jit_kernels(module) -> list[str]:
-    return [name for name, value in vars(module).items()
-            if name.endswith("_kernel") and hasattr(value, "fn") and hasattr(value, "__getitem__")]
+    assert traffic <= warmed, _missed("steps of traffic", traffic, warmed)
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
-def test_eager_prompt_steps_launch_only_what_the_prefill_warm_up_compiled(monkeypatch, tiny_checkpoints,
+def test_eager_prompt_steps_launch_only_what_the_prefill_warm_up_compiled(gpu_dispatch, tiny_checkpoints,
                                                                          quantization):
     """A prefill worker's steps run every kernel eagerly, for any number of tokens: the warm-up's
     forwards compile every binary that steps of 1 .. 600 tokens in 1 .. 8 prompts launch (a
     prompt's chunk of one token at the head of a step attends as a decode row)."""
-    from contextlib import ExitStack
-
-    from tandem.engine.runner import ModelRunner
-
-    monkeypatch.setattr(decode_config, "num_sms", lambda device: SMS)
-    monkeypatch.setattr(ops, "_triton_layout", lambda x, weight, bias: x.dim() == 2 and x.shape[0] > 0)
-    monkeypatch.setattr(ops, "_pick", lambda name, tensor: ops._triton_impl(name) or getattr(ops.reference, name))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=128, block_size=BLOCK, dtype=torch.bfloat16,
                          quantization=quantization)
-    modules = {importlib.import_module(m) for m in ops._TRITON_MODULES.values()}
-    with ExitStack() as stack:
-        recorded = [stack.enter_context(recording(m, *_jit_kernels(m))) for m in modules]
-
-        def distinct():
-            return set().union(*(r.distinct() for r in recorded))
-
+    with every_kernel_recorded() as launches:
         allocator = BlockAllocator(128, BLOCK)
         warm_up_prefill(runner, allocator, 2048, force=True)  # as the prefill worker does
         warm_up_mixed(runner, allocator, 8, 512, 2048, force=True)  # the tiny model's 512 positions
-        warmed = distinct()
-        for r in recorded:
-            r.keys.clear()
+        warmed = launches.distinct()
+        launches.clear()
         rng = random.Random(3)
         for _ in range(60):
             chunks, tokens = [], 0
@@ -175,50 +193,32 @@ def test_eager_prompt_steps_launch_only_what_the_prefill_warm_up_compiled(monkey
             runner.forward(chunks)
             for chunk in chunks:
                 allocator.free(chunk.block_ids)
-        traffic = distinct()
-    missed = traffic - warmed
-    assert not missed, (f"{len(missed)} of {len(traffic)} binaries that prompt steps launch compile while serving "
-                        f"({len(warmed)} warmed up), e.g.:\n" + "\n".join(sorted(unlike(k, warmed) for k in missed)[:8]))
+        traffic = launches.distinct()
+    assert traffic <= warmed, _missed("prompt steps", traffic, warmed)
 
 
-def test_eager_steps_with_adapter_rows_launch_only_what_the_warm_up_compiled(monkeypatch, tiny_checkpoints,
-                                                                            tmp_path):
+def test_eager_steps_with_adapter_rows_launch_only_what_the_warm_up_compiled(monkeypatch, gpu_dispatch,
+                                                                            tiny_checkpoints, tmp_path):
     """A step whose rows carry adapters runs eagerly (decode rows and prompt chunks of any mix of
     adapters and the base model): the worker's warm-up compiles every binary such steps launch."""
-    from contextlib import ExitStack
-
     from lora_testing import make_peft_adapter
-
-    from tandem.engine.runner import ModelRunner
-    from tandem.kernels import lora
 
     base = tiny_checkpoints["llama"]
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    monkeypatch.setattr(decode_config, "num_sms", lambda device: SMS)
     monkeypatch.setattr(lora, "_num_sms", lambda device: SMS)
     monkeypatch.setattr(lora, "_split_k", lambda x, programs, k_blocks: max(1, min(k_blocks // 4, 2 * SMS // programs)))
-    monkeypatch.setattr(ops, "_triton_layout", lambda x, weight, bias: x.dim() == 2 and x.shape[0] > 0)
-    monkeypatch.setattr(ops, "_pick", lambda name, tensor: ops._triton_impl(name) or getattr(ops.reference, name))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     runner = ModelRunner(base, num_blocks=128, block_size=BLOCK, dtype=torch.bfloat16)
     manager = runner.enable_lora(max_loras=4, max_rank=16)
     manager.add("wide", make_peft_adapter(base, tmp_path / "wide", 16, 32, every, seed=1))
     manager.add("narrow", make_peft_adapter(base, tmp_path / "narrow", 8, 8, ["q_proj", "down_proj"], seed=2))
     slots = list(manager.slots_for(["wide", "narrow"]).values()) + [-1]
-    modules = {importlib.import_module(m) for m in ops._TRITON_MODULES.values()}
-    with ExitStack() as stack:
-        recorded = [stack.enter_context(recording(m, *_jit_kernels(m))) for m in modules]
-
-        def distinct():
-            return set().union(*(r.distinct() for r in recorded))
-
+    with every_kernel_recorded() as launches:
         allocator = BlockAllocator(128, BLOCK)
         warm_up_prefill(runner, allocator, 2048, force=True)  # as the worker of both pools does
         assert warm_up_adapters(runner, allocator, 2048, force=True) == 6
         warm_up_mixed(runner, allocator, 64, 512, 2048, force=True)
-        warmed = distinct()
-        for r in recorded:
-            r.keys.clear()
+        warmed = launches.distinct()
+        launches.clear()
         rng = random.Random(5)
         for _ in range(60):
             chunks = []
@@ -229,10 +229,8 @@ def test_eager_steps_with_adapter_rows_launch_only_what_the_warm_up_compiled(mon
                 length = rng.randint(2, 75)
                 chunks.append(SeqChunk([1] * length, 0, _blocks(rng, length, 256, 128), lora_slot=rng.choice(slots)))
             runner.forward(chunks)
-        traffic = distinct()
-    missed = traffic - warmed
-    assert not missed, (f"{len(missed)} of {len(traffic)} binaries that adapter steps launch compile while serving "
-                        f"({len(warmed)} warmed up), e.g.:\n" + "\n".join(sorted(unlike(k, warmed) for k in missed)[:10]))
+        traffic = launches.distinct()
+    assert traffic <= warmed, _missed("steps with adapter rows", traffic, warmed)
 
 
 @pytest.mark.parametrize("projection", ["qkv_proj", "down_proj"])
@@ -240,9 +238,6 @@ def test_lora_launches_of_any_rows_and_adapters_are_the_warm_ups(monkeypatch, pr
     """The LoRA kernels at llama3-8b's shapes (rank 16), for 1 .. 2,048 adapter rows over 1 .. 8
     adapters, launch only binaries that ``warm_up_adapters``' single-adapter steps of 1 .. 256 rows
     launched, splits of K included (the tiny models' K never splits)."""
-    from tandem.engine.warmup import QUERY_LENGTHS
-    from tandem.kernels import lora
-
     monkeypatch.setattr(lora, "_num_sms", lambda device: SMS)
     monkeypatch.setattr(lora, "_split_k", lambda x, programs, k_blocks: max(1, min(k_blocks // 4, 2 * SMS // programs)))
     K, N, parts = (4096, 6144, [0, 4096, 5120]) if projection == "qkv_proj" else (14336, 4096, [0])
@@ -264,5 +259,5 @@ def test_lora_launches_of_any_rows_and_adapters_are_the_warm_ups(monkeypatch, pr
         for _ in range(200):
             num_adapters = rng.randint(1, 8)
             launch(rng.randint(num_adapters, 2048), num_adapters)
-        missed = launches.distinct() - warmed
-    assert not missed, "\n".join(sorted(unlike(k, warmed) for k in missed)[:8])
+        traffic = launches.distinct()
+    assert traffic <= warmed, _missed("lora_add's steps", traffic, warmed)
