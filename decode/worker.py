@@ -45,6 +45,7 @@ from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
+from tandem.engine.warmup import warm_up_penalties
 from tandem.kernels import compile_watch
 from tandem.kvtransfer import get_transport
 from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
@@ -95,6 +96,7 @@ class DecodeWorker:
     def _set_up(self, settings: Settings) -> None:
         if self.runner.device.type == "cuda":
             self.runner.enable_cuda_graphs(settings.max_batch_size, settings.max_seq_len)
+        warm_up_penalties(self.runner)  # the first penalized request's step does not compile it
         self.kv_endpoint = self.transport.export_pool(self.runner.kv_pool, self.runner.rank_pools)
         self.allocator = BlockAllocator(self.runner.kv_pool.num_blocks, settings.tokens_per_block,
                                         hold_freed=self.others_write_pool)

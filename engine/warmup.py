@@ -33,6 +33,8 @@ import time
 import structlog
 import torch
 
+from tandem.cluster.sampling import SamplingParams
+from tandem.engine import logits_process
 from tandem.engine.attention import SeqChunk
 from tandem.engine.device_copy import tensor_on
 from tandem.kernels import ops
@@ -67,6 +69,18 @@ def warm_up_prefill(runner, allocator, max_num_tokens: int, force: bool = False)
     seconds = time.perf_counter() - started
     log.info("prefill kernels warmed up", seconds=round(seconds, 2))
     return seconds
+
+
+def warm_up_penalties(runner, force: bool = False) -> bool:
+    """Run the penalties' path once (``logits_process.first_token`` on a scratch row with a
+    repetition penalty): its kernel is one binary for any batch, compiled here rather than in the
+    step of the first request that asks for a penalty; -> whether it ran (not off CUDA unless
+    ``force``)."""
+    if runner.device.type != "cuda" and not force:
+        return False
+    logits = torch.zeros(1, runner.config.vocab_size, dtype=torch.float32, device=runner.device)
+    logits_process.first_token(logits, [SamplingParams(repetition_penalty=1.1)], [[0]])
+    return True
 
 
 def warm_up_adapters(runner, allocator, max_num_tokens: int, force: bool = False) -> int:

@@ -261,3 +261,32 @@ def test_lora_launches_of_any_rows_and_adapters_are_the_warm_ups(monkeypatch, pr
             launch(rng.randint(num_adapters, 2048), num_adapters)
         traffic = launches.distinct()
     assert traffic <= warmed, _missed("lora_add's steps", traffic, warmed)
+
+
+def test_penalized_rows_of_any_step_launch_only_what_the_warm_up_compiled(gpu_dispatch):
+    """``warm_up_penalties``' one scratch row compiles the binary that every later penalized step
+    launches: first tokens of 1 .. 8 prompts (counts made for the step), and decode steps of any
+    rows over the worker's slots of counts and prompt marks."""
+    from tandem.cluster.sampling import SamplingParams
+    from tandem.engine import logits_process
+    from tandem.engine.penalty_slots import PenaltySlots
+    from tandem.engine.warmup import warm_up_penalties
+    from tandem.kernels import penalties
+
+    vocab = 1000
+    runner = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(vocab_size=vocab))
+    slots = PenaltySlots(vocab, torch.device("cpu"))
+    with recording(penalties, "_penalties_kernel") as launches:
+        assert warm_up_penalties(runner, force=True)
+        warmed = launches.distinct()
+        rng = random.Random(13)
+        for _ in range(20):
+            n = rng.randint(1, 8)
+            params = [SamplingParams(repetition_penalty=1.2, presence_penalty=rng.choice([0.0, 0.5])) for _ in range(n)]
+            logits_process.first_token(torch.zeros(n, vocab), params, [[1, 2, 3]] * n)
+            keys = [f"request-{i}" for i in range(n)]
+            rows = slots.reset(keys, [[1, 2]] * n, [[3]] * n)
+            plan = logits_process.plan(params, vocab, torch.device("cpu"), dict(enumerate(rows)))
+            logits_process.apply(torch.zeros(n, vocab), plan, slots.counts, slots.prompt)
+        traffic = launches.distinct()
+    assert len(launches.keys) == 41 and traffic <= warmed, _missed("penalized steps", traffic, warmed)
