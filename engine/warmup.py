@@ -48,27 +48,45 @@ QUERY_LENGTHS = (1, 16, 32, 64, 128, 256)
 
 
 def warm_up_prefill(runner, allocator, max_num_tokens: int, force: bool = False) -> float:
-    """Run one forward per query tile size on scratch blocks, and gather then scatter those
-    blocks in place (the handoff's kernels); -> seconds spent (0 off CUDA unless ``force``)."""
+    """Run one forward per token count (``QUERY_LENGTHS``) on scratch blocks, gathering then
+    scattering those blocks in place (the handoff's kernels), and with LoRA slots the same
+    forwards with adapter rows (``warm_up_adapters``); -> seconds spent (0 off CUDA unless
+    ``force``)."""
     if runner.device.type != "cuda" and not force:
         return 0.0
     started = time.perf_counter()
-    for q_len in sorted({min(n, max_num_tokens) for n in QUERY_LENGTHS}):
-        if allocator.num_free * allocator.block_size < q_len:
-            break
-        blocks = allocator.allocate(q_len)
-        try:
-            runner.forward([SeqChunk([1] * q_len, 0, blocks)])
-            kv = runner.kv_pool.kv
-            ids = tensor_on(blocks, kv.device)
-            ops.scatter_blocks(kv, ids, ops.gather_blocks(kv, ids))  # in place: the blocks keep their data
-        finally:
-            allocator.free(blocks)
+
+    def handoff_copies(blocks):
+        kv = runner.kv_pool.kv
+        ids = tensor_on(blocks, kv.device)
+        ops.scatter_blocks(kv, ids, ops.gather_blocks(kv, ids))  # in place: the blocks keep their data
+
+    _token_count_forwards(runner, allocator, max_num_tokens, after=handoff_copies)
+    warm_up_adapters(runner, allocator, max_num_tokens, force)
     if torch.cuda.is_available():
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - started
     log.info("prefill kernels warmed up", seconds=round(seconds, 2))
     return seconds
+
+
+def _token_count_forwards(runner, allocator, max_num_tokens: int, lora_slot: int = -1, after=None) -> int:
+    """One forward of each of ``QUERY_LENGTHS`` tokens (capped by the budget, as far as the free
+    blocks reach), every token carrying ``lora_slot``, on scratch blocks given back after it
+    (``after(blocks)`` first) -> the forwards run."""
+    forwards = 0
+    for q_len in sorted({min(n, max_num_tokens) for n in QUERY_LENGTHS}):
+        if allocator.num_free * allocator.block_size < q_len:
+            break
+        blocks = allocator.allocate(q_len)
+        try:
+            runner.forward([SeqChunk([1] * q_len, 0, blocks, lora_slot=lora_slot)])
+            if after is not None:
+                after(blocks)
+            forwards += 1
+        finally:
+            allocator.free(blocks)
+    return forwards
 
 
 def warm_up_penalties(runner, force: bool = False) -> bool:
@@ -84,7 +102,7 @@ def warm_up_penalties(runner, force: bool = False) -> bool:
 
 
 def warm_up_adapters(runner, allocator, max_num_tokens: int, force: bool = False) -> int:
-    """With LoRA slots: the forwards of ``warm_up_prefill`` again, every token an adapter row (an
+    """With LoRA slots (``warm_up_prefill`` runs it): its forwards again, every token an adapter row (an
     empty slot holding a zero adapter of every projection, ``LoraWeights.zero_adapter``), since a
     step with adapter rows runs eagerly, its projections apart from their fused norms, and the
     LoRA kernels pick their row tile from the adapter rows; -> the forwards run (0 off CUDA unless
@@ -96,20 +114,9 @@ def warm_up_adapters(runner, allocator, max_num_tokens: int, force: bool = False
     if slot is None:
         log.warning("no empty LoRA slot: adapter steps' kernels compile on first use")
         return 0
-    started, forwards = time.perf_counter(), 0
     with weights.zero_adapter(slot):
-        for q_len in sorted({min(n, max_num_tokens) for n in QUERY_LENGTHS}):
-            if allocator.num_free * allocator.block_size < q_len:
-                break
-            blocks = allocator.allocate(q_len)
-            try:
-                runner.forward([SeqChunk([1] * q_len, 0, blocks, lora_slot=slot)])
-                forwards += 1
-            finally:
-                allocator.free(blocks)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize(runner.device)
-    log.info("adapter steps warmed up", forwards=forwards, seconds=round(time.perf_counter() - started, 2))
+        forwards = _token_count_forwards(runner, allocator, max_num_tokens, lora_slot=slot)
+    log.info("adapter steps warmed up", forwards=forwards)
     return forwards
 
 

@@ -34,7 +34,7 @@ from tandem.cluster.step_stats import StepStats
 from tandem.engine.allocator_counters import allocator_counters
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.kernels import compile_watch
-from tandem.engine.warmup import warm_up_adapters, warm_up_mixed, warm_up_penalties, warm_up_prefill
+from tandem.engine.warmup import warm_up_mixed, warm_up_penalties, warm_up_prefill
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
 from tandem.engine.prefix_cache import PrefixCache
@@ -80,7 +80,6 @@ class PrefillWorker:
                 f"less than --max-seq-len {settings.max_seq_len} (a resumed request can be that long)"
             )
         warm_up_prefill(self.runner, self.allocator, settings.max_num_tokens)
-        warm_up_adapters(self.runner, self.allocator, settings.max_num_tokens)
         warm_up_penalties(self.runner)  # first tokens with a repetition penalty
         # a step whose first chunks hold one token each attends them as decode rows
         warm_up_mixed(self.runner, self.allocator, settings.max_batch_size, settings.max_seq_len,

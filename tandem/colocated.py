@@ -48,7 +48,7 @@ from tandem.engine.attention import SeqChunk
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.prompt_logprobs import chunk_entries, num_scored, rows_per_slice
 from tandem.engine.sampling_pipeline import FirstToken
-from tandem.engine.warmup import warm_up_adapters, warm_up_mixed, warm_up_prefill
+from tandem.engine.warmup import warm_up_mixed, warm_up_prefill
 from tandem.prefill.job import PrefillState
 from tandem.prefill.scheduler import PrefillScheduler
 
@@ -209,7 +209,6 @@ class ColocatedWorker(DecodeWorker):
                                      runner=self.runner, outbox=self.outbox, publish=self._publish)
         # the prefill attention's compilations happen before traffic, not in a first mixed step
         warm_up_prefill(self.runner, self.allocator, settings.max_num_tokens)
-        warm_up_adapters(self.runner, self.allocator, settings.max_num_tokens)  # steps with adapter rows run eagerly
         if self.runner.device.type == "cuda":  # steps with prompt chunks replay graphs, piecewise
             self.runner.enable_mixed_graphs(settings.max_num_tokens)
         # and their decode rows' attention variants compile before traffic too

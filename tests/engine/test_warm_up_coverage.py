@@ -98,6 +98,7 @@ class _AttentionRunner:
         self.device = torch.device("cpu")
         self.dtype = torch.bfloat16
         self.config = SimpleNamespace(num_layers=1, layer_sliding_window=lambda layer: None)
+        self.lora = None  # no LoRA slots
         self.kv_pool = pool
         self.layer = SimpleNamespace(layer_idx=0, scale=HEAD_DIM ** -0.5, sliding_window=None)
         self.q = torch.empty(max_num_tokens, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)

@@ -12,6 +12,8 @@ from tandem.kernels import ops
 
 
 class _Runner:
+    lora = None  # no LoRA slots
+
     def __init__(self, device):
         self.device = torch.device(device)
         self.forwards = []
