@@ -41,11 +41,11 @@ from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.guide import Guides
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
-from tandem.kvtransfer.sender import kv_format_mismatch, pool_num_blocks
 from tandem.kvtransfer.base import TransferError
 from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
 from tandem.prefill.chunk_forward import chunks_done, first_token_events, run_chunks
 from tandem.prefill.job import PrefillState
+from tandem.prefill.job_checks import job_problem
 from tandem.prefill.scheduler import PrefillScheduler
 
 log = structlog.get_logger(__name__)
@@ -234,7 +234,8 @@ class PrefillWorker:
             log.error("duplicate prefill job ignored", request_id=job.request_id)
             return
         state = PrefillState(job=job)
-        problem = self._unfit(job)
+        problem = job_problem(job, self.settings.max_seq_len, self.block_size, self.allocator,
+                              self.runner.config.vocab_size, self.lora_loads, self.runner.kv_pool)
         if problem is not None:
             log.error("prefill job refused", request_id=job.request_id, error=problem)
             self._reply(state, "failed", error=problem)
@@ -258,33 +259,6 @@ class PrefillWorker:
             self._reply(state, "failed", error=str(exc))
             return
         self.scheduler.add(state)
-
-    def _unfit(self, job: PrefillJob) -> str | None:
-        """Why this worker cannot run a job that decoded (what needs its model, limits and the
-        destination pool); a prompt it could never be given room for would hold up every job behind it."""
-        num_prompt, max_seq_len = len(job.prompt_token_ids), self.settings.max_seq_len
-        if num_prompt >= max_seq_len:
-            return f"the prompt has {num_prompt} tokens, no fewer than max_seq_len {max_seq_len}"
-        if not job.resume and num_prompt + job.max_tokens > max_seq_len:  # a resume's prompt holds its output
-            return f"the prompt's {num_prompt} tokens + max_tokens {job.max_tokens} exceed max_seq_len {max_seq_len}"
-        if job.max_tokens and len(job.dst_block_ids) * self.block_size < num_prompt:
-            # its last chunks would have nowhere to go: refused before any forward is spent on it
-            return (f"{len(job.dst_block_ids)} destination blocks cannot hold the prompt's {num_prompt} tokens "
-                    f"({self.block_size} a block)")
-        if not self.allocator.can_allocate_total(num_prompt):
-            pool_tokens = self.allocator.num_total * self.block_size
-            return f"{num_prompt} tokens exceed this prefill worker's KV pool of {pool_tokens}"
-        adapter = AdapterRef.of(job)
-        if adapter is not None and (problem := self.lora_loads.problem(adapter)) is not None:
-            return problem
-        vocab_size = self.runner.config.vocab_size
-        if max(job.prompt_token_ids) >= vocab_size:
-            return f"prompt token ids outside the vocabulary of {vocab_size}"  # an embedding out of range
-        num_dst = pool_num_blocks(job.kv_endpoint)
-        if num_dst is not None and max(job.dst_block_ids) >= num_dst:
-            # a write there would land outside the decode worker's pool
-            return f"destination blocks outside the decode worker's pool of {num_dst}"
-        return kv_format_mismatch(job.kv_endpoint, self.runner.kv_pool)  # blocks travel as bytes
 
     def _connect(self, job: PrefillJob):
         """The connection to the job's decode pool, made once per pool. A decode worker that
