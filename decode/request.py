@@ -1,10 +1,10 @@
-"""A request as the decode worker holds it (plain Python)."""
+"""A request as the decode worker holds it (plain Python), and the token events its steps send."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.cluster.messages import GenerateRequest
+from tandem.cluster.messages import GenerateRequest, TokenEvent
 from tandem.cluster.request_state import RequestStatus
 
 
@@ -76,3 +76,18 @@ class DecodeRequest:
     def keep_key(self) -> tuple[int, int]:
         """Running order: who keeps its blocks longest (the largest key is preempted first)."""
         return (self.spec.priority, self.admitted_seq or 0)
+
+
+def token_events(events: list[tuple[DecodeRequest, int, str | None]], error: str | None = None,
+                 logprobs: dict[int, list | None] | None = None) -> list[tuple[str, TokenEvent]]:
+    """A step's events (request, output index, finish reason) -> (reply stream, TokenEvent) pairs
+    for the outbox: each request's tokens from that index on (none for an error, which carries
+    ``error``). ``logprobs``: id(request) -> its step's engine.logprobs entry (the event's one new token)."""
+    queued = []
+    for request, index, reason in events:
+        new_tokens = request.output_token_ids[index:] if reason != "error" else []
+        entry = logprobs.get(id(request)) if logprobs and new_tokens else None
+        event = TokenEvent(request.request_id, index, new_tokens, reason, error if reason == "error" else None,
+                           logprobs=None if entry is None else [entry])
+        queued.append((request.spec.reply_to, event))
+    return queued

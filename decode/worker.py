@@ -34,7 +34,7 @@ from tandem.decode.handoffs import PrefillHandoffs
 from tandem.decode.intake import (
     ADMITTED_BATCHES, Admissions, adapters_read, checked_prefill_done, reject, remember_early_abort, request_problem,
 )
-from tandem.decode.request import DecodeRequest
+from tandem.decode.request import DecodeRequest, token_events
 from tandem.decode.scheduler import DecodeScheduler
 from tandem.decode.swap import SwapSpace
 from tandem.engine.allocator_counters import allocator_counters
@@ -378,7 +378,7 @@ class DecodeWorker:
         entries = self.steps.logprob_entries(step)
         events = self.scheduler.on_step(step.batch, token_ids, step.indices)
         by_request = None if entries is None else {id(r): e for r, e in zip(step.batch, entries)}
-        self.outbox.keep(self._token_events(events, logprobs=by_request))
+        self.outbox.keep(token_events(events, logprobs=by_request))
         if step.prompts:
             self._prompts_read(step)
         return events
@@ -392,20 +392,7 @@ class DecodeWorker:
 
     def _publish(self, events: list[tuple[DecodeRequest, int, str | None]], error: str | None = None) -> None:
         """Every event of one step in one round trip."""
-        self.outbox.send(self._token_events(events, error))
-
-    @staticmethod
-    def _token_events(events: list[tuple[DecodeRequest, int, str | None]], error: str | None = None,
-                      logprobs: dict[int, list | None] | None = None) -> list:
-        """``logprobs``: id(request) -> its step's engine.logprobs entry (the event's one new token)."""
-        queued = []
-        for request, index, reason in events:
-            new_tokens = request.output_token_ids[index:] if reason != "error" else []
-            entry = logprobs.get(id(request)) if logprobs and new_tokens else None
-            event = TokenEvent(request.request_id, index, new_tokens, reason, error if reason == "error" else None,
-                               logprobs=None if entry is None else [entry])
-            queued.append((request.spec.reply_to, event))
-        return queued
+        self.outbox.send(token_events(events, error))
 
 
 def main(settings: Settings, stop) -> None:
