@@ -91,7 +91,7 @@ def test_compiled_for_sm90_it_divides_exactly_and_fuses_no_multiply_add():
 def test_one_binary_for_any_number_of_penalized_rows():
     """The rows and slots come as the two rows of one [2, n] tensor (engine.logits_process), so the
     slots' address moves with n: the launch's compile key must not (tests/kernels/launch_keys.py)."""
-    from launch_keys import recording
+    from tests.kernels.launch_keys import recording
 
     from tandem.kernels import penalties
 
