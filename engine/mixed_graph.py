@@ -96,12 +96,15 @@ class MixedGraphs:
         """Piece ``index`` (module docstring) over the first ``size`` rows of the static buffers."""
         model = self.runner.model
         layers, eps = model.layers, self.runner.config.rms_norm_eps
+        qkv = model.qkv_weights()  # what each norm hands an FP8 qkv projection comes quantized (model.forward)
         if index == 0:
             hidden = model.embed_tokens(self.input_ids[:size])
-            hidden, residual = ops.fused_add_rms_norm(hidden, None, layers[0].input_layernorm, eps)
+            hidden, residual = ops.fused_add_rms_norm(hidden, None, layers[0].input_layernorm, eps,
+                                                      quantize_for=qkv[0])
         else:
             next_norm = layers[index].input_layernorm if index < len(layers) else model.norm
-            hidden, residual = layers[index - 1].after_attention(self.attn[:size], self.residual[:size], next_norm)
+            hidden, residual = layers[index - 1].after_attention(self.attn[:size], self.residual[:size], next_norm,
+                                                                 next_qkv=qkv[index])
         if index == len(layers):
             self.hidden[:size].copy_(hidden)
             return

@@ -74,23 +74,31 @@ class DecoderLayer(nn.Module):
         kv_pool: KVCachePool,
         meta: AttentionMetadata,
         next_norm: torch.Tensor,  # [hidden]: the next layer's input_layernorm, or the final norm
+        next_qkv=None,  # the next layer's qkv weight (qkv_weight), None after the last layer
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (the stream after this layer normed by ``next_norm``, the stream). Each residual
         add and the norm after it are fused into the projection before them (kernels.ops)."""
         attn = self._attention(hidden, positions, cos_sin_cache, kv_pool, meta)  # [T, q_size]
-        return self.after_attention(attn, residual, next_norm, meta.lora)
+        return self.after_attention(attn, residual, next_norm, meta.lora, next_qkv)
 
-    def after_attention(self, attn, residual, next_norm, lora: LoraBatch | None = None):
+    def qkv_weight(self):
+        return projection_weight(self.qkv_proj)
+
+    def after_attention(self, attn, residual, next_norm, lora: LoraBatch | None = None, next_qkv=None):
         """From the attention's output [T, q_size] to (the stream after this layer normed by
-        ``next_norm``, the stream): o_proj, its residual add and norm, the MLP, its add and norm."""
+        ``next_norm``, the stream): o_proj, its residual add and norm, the MLP, its add and norm.
+        The hidden states each norm and the SiLU·mul hand to an FP8 projection come quantized
+        where it would quantize them (``quantize_for``: kernels.ops.quantizes_input); the last
+        norm's, for ``next_qkv`` (None: the stream out stays in the model's dtype)."""
         if lora is not None:
             return self._after_attention_with_lora(attn, residual, next_norm, lora)
         if self.tp is not None:
             return self._after_attention_split(attn, residual, next_norm)
+        gate_up, down = projection_weight(self.gate_up_proj), projection_weight(self.down_proj)
         hidden, residual = ops.linear_add_rms_norm(attn, projection_weight(self.o_proj), residual,
-                                                   self.post_attention_layernorm, self.eps)
-        act = ops.gate_up_silu_mul(hidden, projection_weight(self.gate_up_proj))  # [T, intermediate]
-        return ops.linear_add_rms_norm(act, projection_weight(self.down_proj), residual, next_norm, self.eps)
+                                                   self.post_attention_layernorm, self.eps, quantize_for=gate_up)
+        act = ops.gate_up_silu_mul(hidden, gate_up, quantize_for=down)  # [T, intermediate]
+        return ops.linear_add_rms_norm(act, down, residual, next_norm, self.eps, quantize_for=next_qkv)
 
     def _after_attention_split(self, attn, residual, next_norm):
         """The rest of ``forward`` on one rank of a split model: o_proj and down_proj are this rank's
@@ -208,11 +216,22 @@ class LlamaFamilyModel(nn.Module):
         """-> [T, hidden], final-normed hidden states of every new token."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         first_norm = self.layers[0].input_layernorm if len(self.layers) else self.norm
-        hidden, residual = ops.fused_add_rms_norm(hidden, None, first_norm, self.config.rms_norm_eps)
+        qkv = self.qkv_weights(meta.lora is None)
+        hidden, residual = ops.fused_add_rms_norm(hidden, None, first_norm, self.config.rms_norm_eps,
+                                                  quantize_for=qkv[0])
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv_pool, meta, next_norm)
+            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv_pool, meta, next_norm,
+                                     qkv[i + 1])
         return hidden
+
+    def qkv_weights(self, quantized_input: bool = True) -> list:
+        """Each layer's qkv weight, then None (the final norm's output stays in the model's dtype):
+        what the norm before each takes as ``quantize_for``. All None where the hidden states must
+        stay in the model's dtype (steps with LoRA rows, whose adapters read them; a split model)."""
+        if not quantized_input or any(layer.tp is not None for layer in self.layers):
+            return [None] * (len(self.layers) + 1)
+        return [layer.qkv_weight() for layer in self.layers] + [None]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

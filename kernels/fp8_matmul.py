@@ -16,6 +16,7 @@ from functools import cache
 
 import torch
 
+from tandem.kernels import switches
 from tandem.kernels.fp8_weight import Fp8Weight
 
 
@@ -44,3 +45,30 @@ def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: Fp8Weight, bias:
     y = torch._scaled_mm(x_q, weight.data.t(), scale_a=x_scale, scale_b=weight.scale.view(1, -1),
                          out_dtype=out_dtype)
     return y if bias is None else y.add_(bias)
+
+
+# FP8 weights take the weight-only skinny GEMM (E4M3 widened to x's dtype in registers) up to this
+# many rows, FP8 tensor cores past them. One H200, 2026-12-02, llama3-8b's projections per step
+# (python3 -m tandem.bench.tune_fp8 --parts skinny; docs/kernels.md): at 16 rows weight-only 3.63 ms
+# at its best tiles (bf16 skinny 3.84), the tensor-core skinny GEMM with x quantized first 2.81,
+# torch's scaled matmul 4.44; at 64 rows 6.12, 3.11 and 4.28 (bf16 4.27). So from 2 rows on: the
+# tensor-core skinny GEMM. Engine, same day (tandem bench engine --models llama3-8b --batches 1,16,64
+# --quantization fp8): b16 6.873 -> 3.654 ms per step, b64 5.483 -> 4.259 (bf16 4.812, 5.211).
+FP8_SKINNY_MAX_ROWS = 1
+
+
+def fp8_skinny_max_rows() -> int:
+    rows = switches.current().fp8_skinny_max_rows
+    return FP8_SKINNY_MAX_ROWS if rows is None else rows
+
+
+# Past fp8_skinny_max_rows(), FP8 weights take the skinny GEMM on FP8 tensor cores (x quantized per
+# token) up to this many rows, torch's scaled matmul past them (0: the scaled matmul throughout).
+# At 128 rows (the skinny GEMM's most; same sweep, --batches 128): 3.76 ms per step, torch's scaled
+# matmul 4.03, bf16 cuBLAS 4.53. Past 128 rows: torch's scaled matmul, as for prefill.
+FP8_TENSOR_SKINNY_MAX_ROWS = 128
+
+
+def fp8_tensor_skinny_max_rows() -> int:
+    rows = switches.current().fp8_tensor_skinny_max_rows
+    return FP8_TENSOR_SKINNY_MAX_ROWS if rows is None else rows

@@ -16,12 +16,11 @@ grid in fp32 (``SOFT_ROUND``), after which its conversion is exact.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fp8_kv import soft_round
 from tandem.kernels.fp8_weight import FP8_DTYPE, FP8_MAX
 
 
@@ -37,6 +36,23 @@ def _round_to_e4m3_grid(y):
 
 
 @triton.jit
+def row_scale(row_max, FP8_LIMIT: tl.constexpr):
+    """A row's scale from its amax (1 for a row of zeros). Shared with the kernels that quantize
+    their own output (kernels.rms_norm, kernels.activation): the same math in each."""
+    return tl.where(row_max > 0, tl.math.div_rn(row_max, FP8_LIMIT), 1.0)
+
+
+@triton.jit
+def to_codes(x, scale, FP8_LIMIT: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """Values of a row (any float dtype) and its scale -> their E4M3 codes: the IEEE quotient,
+    clamped, rounded to nearest even."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -FP8_LIMIT), FP8_LIMIT)
+    if SOFT_ROUND:
+        y = _round_to_e4m3_grid(y)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, FP8_LIMIT: tl.constexpr,
                           BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
@@ -46,16 +62,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, FP8_LIMI
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    row_max = tl.max(amax, axis=0)
-    scale = tl.where(row_max > 0, tl.math.div_rn(row_max, FP8_LIMIT), 1.0)
+    scale = row_scale(tl.max(amax, axis=0), FP8_LIMIT)
     tl.store(s_ptr + m, scale)
     for k0 in range(0, K, BLOCK):
         mask = k0 + cols < K
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -FP8_LIMIT), FP8_LIMIT)
-        if SOFT_ROUND:
-            y = _round_to_e4m3_grid(y)
-        tl.store(q_ptr + m * stride_qm + k0 + cols, y.to(tl.float8e4nv), mask=mask)
+        tl.store(q_ptr + m * stride_qm + k0 + cols, to_codes(x, scale, FP8_LIMIT, SOFT_ROUND), mask=mask)
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +81,7 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block = min(4096, triton.next_power_of_2(max(K, 16)))
     _quantize_rows_kernel[(M,)](
         x, q, scale, K, x.stride(0), q.stride(0), FP8_LIMIT=FP8_MAX, BLOCK=block,
-        SOFT_ROUND=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        SOFT_ROUND=soft_round(),
         num_warps=max(1, min(8, block // 512)),
     )
     return q, scale

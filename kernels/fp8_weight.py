@@ -36,6 +36,37 @@ class Fp8Weight(NamedTuple):
         return self.data.device
 
 
+class Fp8Rows(NamedTuple):
+    """Activations already in the per-token FP8 form an FP8 matmul takes: ``codes`` [M, K]
+    float8_e4m3fn, ``scale`` [M, 1] fp32 (row m ≈ codes[m] * scale[m]), standing for [M, K]
+    activations of ``dtype``. A kernel before the matmul (the RMSNorm, SiLU·mul) writes this form
+    instead of its output, so the matmul's own quantization pass is not run (``kernels.ops``:
+    ``quantize_for``). The dispatch rules read its shape, strides, dtype and device as those of
+    the activations it stands for."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.codes.is_cuda
+
+    def dim(self) -> int:
+        return self.codes.dim()
+
+    def stride(self, dim: int | None = None):
+        return self.codes.stride() if dim is None else self.codes.stride(dim)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M] fp32) with x[m] ≈ q[m] * scale[m]:
     scale = amax(|x[m]|) / 448 (1 for a row of zeros), q = x / scale rounded to nearest even.

@@ -17,12 +17,15 @@ from functools import cache
 import torch
 
 from tandem.kernels import fp8_matmul, reference, switches
-from tandem.kernels.fp8_weight import Fp8Weight, dequantize
+from tandem.kernels.fp8_matmul import fp8_skinny_max_rows, fp8_tensor_skinny_max_rows
+from tandem.kernels.fp8_weight import Fp8Rows, Fp8Weight, dequantize
 
 # op name -> module in this package holding its Triton implementation
 _TRITON_MODULES = {
     "fused_add_rms_norm": "tandem.kernels.rms_norm",
+    "fused_add_rms_norm_fp8": "tandem.kernels.rms_norm",
     "silu_mul": "tandem.kernels.activation",
+    "silu_mul_fp8": "tandem.kernels.activation",
     "gemv": "tandem.kernels.gemv",
     "gemv_silu_mul": "tandem.kernels.gemv",
     "skinny_linear": "tandem.kernels.skinny_gemm",
@@ -59,12 +62,47 @@ def _pick(name: str, tensor: torch.Tensor):
     return getattr(reference, name)
 
 
-def fused_add_rms_norm(x, residual, weight, eps):
+def fused_add_rms_norm(x, residual, weight, eps, quantize_for=None):
+    """-> (x + residual normed, x + residual). ``quantize_for``: the weight the normed rows go into;
+    where that projection would quantize them per token anyway (``quantizes_input``), they come
+    as ``Fp8Rows``, quantized by the norm's own kernel."""
+    if quantize_for is not None and quantizes_input(x, quantize_for):
+        return _pick("fused_add_rms_norm_fp8", x)(x, residual, weight, eps)
     return _pick("fused_add_rms_norm", x)(x, residual, weight, eps)
 
 
-def silu_mul(x):
+def silu_mul(x, quantize_for=None):
+    """silu(gate) * up of x = [gate | up]; ``quantize_for`` as fused_add_rms_norm's."""
+    if quantize_for is not None and quantizes_input(x[..., : x.shape[-1] // 2], quantize_for):
+        return _pick("silu_mul_fp8", x)(x)
     return _pick("silu_mul", x)(x)
+
+
+# The kernel before an FP8 projection (an RMSNorm, SiLU·mul) writes its output quantized per token
+# (Fp8Rows) instead of leaving it to the projection's own quantization pass: one kernel and one
+# round trip of the activations less per projection (three of a layer's four). TANDEM_FUSED_FP8_QUANT=0
+# turns it off (tandem.kernels.switches). The results are the same bits either way.
+def quantizes_input(x, weight) -> bool:
+    """Whether every FP8 route that takes rows like ``x`` into ``weight`` (linear, gate_up_silu_mul,
+    linear_add_rms_norm) quantizes them per token first: then they may come as ``Fp8Rows``."""
+    if not isinstance(weight, Fp8Weight) or not switches.current().fused_fp8_quant:
+        return False
+    limits = (None, SKINNY_SILU_MUL_MAX_ROWS, min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT))
+    return all(_quantizes(_triton_matmul(x, weight, None, limit), x, weight) for limit in limits)
+
+
+def _quantizes(kind: str | None, x, weight) -> bool:
+    return kind == "skinny_fp8" or (kind is None and fp8_matmul.takes(x, weight))
+
+
+def _fp8_rows(x):
+    """(E4M3 codes, scales [M, 1]) of x: as they came (Fp8Rows), else quantized now."""
+    return (x.codes, x.scale) if isinstance(x, Fp8Rows) else quantize_rows_fp8(x)
+
+
+def _bf16_route(kind: str | None, x) -> None:
+    if isinstance(x, Fp8Rows):  # quantizes_input said every route quantizes: a broken promise
+        raise ValueError(f"rows already quantized reached the {kind or 'unquantized'} route of an FP8 weight")
 
 
 # Decode batches multiply through tandem.kernels.skinny_gemm up to these many tokens (0 turns it
@@ -90,37 +128,44 @@ def linear(x, weight, bias=None):
     """x: [T, K] -> [T, N]. On CUDA one token goes through the Triton GEMV, a small decode batch
     through the skinny GEMM (_triton_matmul); otherwise cuBLAS / torch."""
     kind = _triton_matmul(x, weight, bias)
+    if kind == "skinny_fp8":
+        x_q, x_scale = _fp8_rows(x)
+        return _pick("skinny_linear", x)(x_q, weight, bias, x_scale=x_scale, out_dtype=x.dtype)
+    if kind is not None:
+        _bf16_route(kind, x)
     if kind == "gemv":
         return _pick("gemv", x)(x, weight, bias)
     if kind == "skinny":
         return _pick("skinny_linear", x)(x, weight, bias)
-    if kind == "skinny_fp8":
-        x_q, x_scale = quantize_rows_fp8(x)
-        return _pick("skinny_linear", x)(x_q, weight, bias, x_scale=x_scale, out_dtype=x.dtype)
     return _matmul(x, weight, bias)
 
 
-def gate_up_silu_mul(x, weight):
-    """x: [T, K], weight [2I, K] = [gate; up] -> silu(gate) * up: [T, I], one kernel on CUDA (as linear)."""
+def gate_up_silu_mul(x, weight, quantize_for=None):
+    """x: [T, K], weight [2I, K] = [gate; up] -> silu(gate) * up: [T, I], one kernel on CUDA (as
+    linear). ``quantize_for``: the down projection's weight (fused_add_rms_norm's); on cuBLAS's
+    route the SiLU·mul after it then writes Fp8Rows."""
     kind = _triton_matmul(x, weight, None, SKINNY_SILU_MUL_MAX_ROWS)
+    if kind == "skinny_fp8":
+        x_q, x_scale = _fp8_rows(x)
+        return _pick("skinny_silu_mul", x)(x_q, weight, x_scale=x_scale, out_dtype=x.dtype)
+    if kind is not None:
+        _bf16_route(kind, x)
     if kind == "gemv":
         return _pick("gemv_silu_mul", x)(x, weight)
     if kind == "skinny":
         return _pick("skinny_silu_mul", x)(x, weight)
-    if kind == "skinny_fp8":
-        x_q, x_scale = quantize_rows_fp8(x)
-        return _pick("skinny_silu_mul", x)(x_q, weight, x_scale=x_scale, out_dtype=x.dtype)
-    return silu_mul(_matmul(x, weight, None))
+    return silu_mul(_matmul(x, weight, None), quantize_for)
 
 
 def _matmul(x, weight, bias):
     """cuBLAS / torch: F.linear; an FP8 weight on FP8 tensor cores with x quantized per token
     (fp8_matmul.scaled_mm, where it runs: bf16 x on sm89+), else dequantized to x's dtype."""
+    if isinstance(weight, Fp8Weight) and fp8_matmul.takes(x, weight):
+        x_q, x_scale = _fp8_rows(x)
+        return fp8_matmul.scaled_mm(x_q, x_scale, weight, bias, x.dtype)
+    _bf16_route(None, x)
     if not isinstance(weight, Fp8Weight):
         return torch.nn.functional.linear(x, weight, bias)
-    if fp8_matmul.takes(x, weight):
-        x_q, x_scale = quantize_rows_fp8(x)
-        return fp8_matmul.scaled_mm(x_q, x_scale, weight, bias, x.dtype)
     return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
 
 
@@ -154,33 +199,6 @@ def _triton_matmul(x, weight, bias, max_rows: int | None = None) -> str | None:
     return None
 
 
-# FP8 weights take the weight-only skinny GEMM (E4M3 widened to x's dtype in registers) up to this
-# many rows, FP8 tensor cores past them. One H200, 2026-12-02, llama3-8b's projections per step
-# (python3 -m tandem.bench.tune_fp8 --parts skinny; docs/kernels.md): at 16 rows weight-only 3.63 ms
-# at its best tiles (bf16 skinny 3.84), the tensor-core skinny GEMM with x quantized first 2.81,
-# torch's scaled matmul 4.44; at 64 rows 6.12, 3.11 and 4.28 (bf16 4.27). So from 2 rows on: the
-# tensor-core skinny GEMM. Engine, same day (tandem bench engine --models llama3-8b --batches 1,16,64
-# --quantization fp8): b16 6.873 -> 3.654 ms per step, b64 5.483 -> 4.259 (bf16 4.812, 5.211).
-FP8_SKINNY_MAX_ROWS = 1
-
-
-def fp8_skinny_max_rows() -> int:
-    rows = switches.current().fp8_skinny_max_rows
-    return FP8_SKINNY_MAX_ROWS if rows is None else rows
-
-
-# Past fp8_skinny_max_rows(), FP8 weights take the skinny GEMM on FP8 tensor cores (x quantized per
-# token) up to this many rows, torch's scaled matmul past them (0: the scaled matmul throughout).
-# At 128 rows (the skinny GEMM's most; same sweep, --batches 128): 3.76 ms per step, torch's scaled
-# matmul 4.03, bf16 cuBLAS 4.53. Past 128 rows: torch's scaled matmul, as for prefill.
-FP8_TENSOR_SKINNY_MAX_ROWS = 128
-
-
-def fp8_tensor_skinny_max_rows() -> int:
-    rows = switches.current().fp8_tensor_skinny_max_rows
-    return FP8_TENSOR_SKINNY_MAX_ROWS if rows is None else rows
-
-
 def _triton_layout(x, weight, bias) -> bool:
     """x [T > 0, K > 0] and weight [N, K] with contiguous rows, one dtype (or an Fp8Weight with
     contiguous rows and [N] contiguous fp32 scales), a matching contiguous bias or none, on CUDA,
@@ -211,9 +229,10 @@ def _triton_layout(x, weight, bias) -> bool:
 FUSED_NORM_MAX_ROWS = 64
 
 
-def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
-    """fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps) -> (normed, new residual).
-    On CUDA, for 2 .. FUSED_NORM_MAX_ROWS tokens, one skinny GEMM whose finishing kernel adds and norms."""
+def linear_add_rms_norm(x, weight, residual, norm_weight, eps, quantize_for=None):
+    """fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps, quantize_for) -> (normed,
+    new residual). On CUDA, for 2 .. FUSED_NORM_MAX_ROWS tokens, one skinny GEMM whose finishing
+    kernel adds and norms (its normed rows in the model's dtype)."""
     rows = x.shape[0] if x.dim() == 2 else 0
     fused = _triton_impl("skinny_linear_add_rms_norm")
     limit = min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT)
@@ -222,11 +241,12 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
             and residual.shape == (rows, weight.shape[0]) and residual.dtype == x.dtype):
         kind = _triton_matmul(x, weight, None, limit) if isinstance(weight, Fp8Weight) else "skinny"
         if kind == "skinny":
+            _bf16_route(kind, x)
             return fused(x, weight, residual, norm_weight, eps)
         if kind == "skinny_fp8":
-            x_q, x_scale = quantize_rows_fp8(x)
+            x_q, x_scale = _fp8_rows(x)
             return fused(x_q, weight, residual, norm_weight, eps, x_scale=x_scale)
-    return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps)
+    return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps, quantize_for)
 
 
 # The attention ops take an FP8 cache's per-head scales of the layer (k_scale, v_scale: [num_kv_heads]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.fp8_weight import Fp8Weight, dequantize, quantize_rows
+from tandem.kernels.fp8_weight import Fp8Rows, Fp8Weight, dequantize, quantize_rows
 
 KV_FP8_DTYPE = torch.float8_e4m3fn  # the FP8 KV cache's element type (E4M3, no infinities)
 KV_FP8_MAX = 448.0  # its largest finite value
@@ -97,6 +97,24 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * inter] (gate | up) -> silu(gate) * up: [num_tokens, inter]."""
     gate, up = x.chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+def _rows_fp8(x: torch.Tensor) -> Fp8Rows:
+    codes, scale = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+    return Fp8Rows(codes, scale, x.dtype)
+
+
+def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> tuple[Fp8Rows, torch.Tensor]:
+    """fused_add_rms_norm with its normed output (rounded to x.dtype) quantized per token:
+    (quantize_rows_fp8 of it as Fp8Rows [T, hidden], h)."""
+    normed, h = fused_add_rms_norm(x, residual, weight, eps)
+    return _rows_fp8(normed), h
+
+
+def silu_mul_fp8(x: torch.Tensor) -> Fp8Rows:
+    """silu_mul's output (rounded to x.dtype) quantized per token: Fp8Rows [T, inter]."""
+    return _rows_fp8(silu_mul(x))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ launcher as an argument, or sets these variables for the process it measures.
 | TANDEM_DECODE_TILE | (the rule), BLOCK_N,num_warps,num_stages | decode attention's tile |
 | TANDEM_FP8_SKINNY_MAX_ROWS | (the rule) | FP8 weights: the weight-only skinny GEMM up to this many rows |
 | TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS | (the rule) | FP8 weights: the tensor-core skinny GEMM up to this many rows |
+| TANDEM_FUSED_FP8_QUANT | 1, 0 | 0: FP8 projections quantize their input themselves instead of the norm or SiLU·mul before them |
 
 Torch-free (``tandem config`` prints them).
 """
@@ -38,8 +39,9 @@ class KernelSwitches:
     fused_rotary: str = "auto"
     pdl: bool = True
     decode_tile: tuple[int, int, int] | None = None  # None: the rule's (tandem.kernels.decode_config)
-    fp8_skinny_max_rows: int | None = None  # None: ops.FP8_SKINNY_MAX_ROWS
-    fp8_tensor_skinny_max_rows: int | None = None  # None: ops.FP8_TENSOR_SKINNY_MAX_ROWS
+    fp8_skinny_max_rows: int | None = None  # None: fp8_matmul.FP8_SKINNY_MAX_ROWS
+    fp8_tensor_skinny_max_rows: int | None = None  # None: fp8_matmul.FP8_TENSOR_SKINNY_MAX_ROWS
+    fused_fp8_quant: bool = True  # ops.quantizes_input
 
     @classmethod
     def from_env(cls) -> KernelSwitches:
@@ -62,7 +64,7 @@ def _parse(name: str, raw: str):
         if raw not in ("triton", "reference"):
             raise ValueError(f"{var} must be triton or reference, not {raw!r}")
         return raw
-    if name in ("gemv", "pdl"):
+    if name in ("gemv", "pdl", "fused_fp8_quant"):
         if raw not in ("0", "1"):
             raise ValueError(f"{var} must be 0 or 1, not {raw!r}")
         return raw == "1"

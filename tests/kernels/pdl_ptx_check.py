@@ -12,7 +12,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 
-from tandem.kernels.activation import _silu_mul_kernel
+from tandem.kernels.activation import _silu_mul_fp8_kernel, _silu_mul_kernel
 from tandem.kernels.decode_attention import _decode_partial_kernel, _decode_reduce_kernel
 from tandem.kernels.gemv import _gemv_kernel
 from tandem.kernels.lora import _lora_expand_kernel, _lora_shrink_kernel
@@ -159,6 +159,14 @@ _KERNELS += [
     (_lora_expand_kernel, dict(PARTS=3, BLOCK_M=64, BLOCK_N=64, BLOCK_R=16), (), (), {**_LORA, "s_ptr": "*fp32"}),
 ]
 
+
+# the norm and the SiLU·mul that write their output as E4M3 codes and fp32 row scales (Fp8Rows)
+_KERNELS += [
+    (_fused_add_rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096, "FP8_OUT": True}, (), (),
+     {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
+    (_silu_mul_fp8_kernel, {"BLOCK": 4096, "FP8_LIMIT": 448.0, "SOFT_ROUND": False}, (), (),
+     {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}),
+]
 
 def main() -> int:
     for fn, constexprs, constant_params, *divisible in _KERNELS:

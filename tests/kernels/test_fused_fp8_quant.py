@@ -1,0 +1,117 @@
+"""The RMSNorm and the SiLU·mul that write their output quantized per token (Fp8Rows) for the FP8
+projection after them: the same bits as the unfused kernels followed by the quantization kernel,
+and the dispatch rule that hands such rows only to routes that would have quantized them.
+
+Small shapes in the Triton interpreter on the CPU; the ``gpu`` test takes llama3-8b's widths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import DEVICE, gpu, requires_cuda
+from kernel_testing import shaped_like as _like
+
+from tandem.kernels import fp8_matmul, ops, reference, switches
+from tandem.kernels.activation import silu_mul, silu_mul_fp8
+from tandem.kernels.fp8_quant import quantize_rows_fp8
+from tandem.kernels.fp8_weight import FP8_DTYPE, Fp8Rows, Fp8Weight
+from tandem.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_fp8
+
+
+def _same_rows(fused: Fp8Rows, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    assert fused.dtype == dtype and fused.codes.dtype == FP8_DTYPE and fused.scale.shape == scale.shape
+    assert torch.equal(fused.scale, scale)
+    assert torch.equal(fused.codes.view(torch.uint8), codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden, with_residual", [(64, True), (96, False), (200, True)])
+def test_norm_fp8_is_the_norm_then_its_quantization(dtype, hidden, with_residual):
+    x = torch.randn(5, hidden, dtype=dtype, device=DEVICE) * 3
+    x[2] = 0  # a row of zeros: scale 1
+    residual = torch.randn_like(x) if with_residual else None
+    if with_residual:
+        residual[2] = 0
+    weight = torch.rand(hidden, dtype=dtype, device=DEVICE) + 0.5
+    normed, h = fused_add_rms_norm(x, residual, weight, 1e-5)
+    codes, scale = quantize_rows_fp8(normed)
+    rows, h_fused = fused_add_rms_norm_fp8(x, residual, weight, 1e-5)
+    _same_rows(rows, codes, scale, dtype)
+    assert torch.equal(h_fused, h)
+    assert scale[2].item() == 1.0
+    # against the torch reference: the same rows up to the norm's own rounding
+    ref_rows, ref_h = reference.fused_add_rms_norm_fp8(x, residual, weight, 1e-5)
+    torch.testing.assert_close(h_fused, ref_h)
+    torch.testing.assert_close(rows.codes.float() * rows.scale, ref_rows.codes.float() * ref_rows.scale,
+                               atol=0.05, rtol=0.13)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inter", [48, 160, 4100])  # 4100: two column blocks per pass
+def test_silu_mul_fp8_is_silu_mul_then_its_quantization(dtype, inter):
+    x = torch.randn(3, 2 * inter, dtype=dtype, device=DEVICE) * 4
+    x[1, :inter] = 0  # gate 0: a row of zeros
+    codes, scale = quantize_rows_fp8(silu_mul(x))
+    _same_rows(silu_mul_fp8(x), codes, scale, dtype)
+    ref = reference.silu_mul_fp8(x)
+    fused = silu_mul_fp8(x)
+    # against the torch reference: a value the two SiLUs round apart may land one E4M3 step apart
+    torch.testing.assert_close(fused.codes.float() * fused.scale, ref.codes.float() * ref.scale, atol=0.05, rtol=0.13)
+
+
+def test_fp8_rows_read_as_the_activations_they_stand_for():
+    rows = Fp8Rows(torch.zeros(4, 32, dtype=FP8_DTYPE), torch.ones(4, 1), torch.bfloat16)
+    assert rows.shape == (4, 32) and rows.dim() == 2 and rows.stride(1) == 1 and rows.stride() == (32, 1)
+    assert rows.dtype == torch.bfloat16 and not rows.is_cuda and rows.device.type == "cpu"
+
+
+@pytest.fixture
+def fp8_routes(monkeypatch):
+    """The dispatch rules as on a GPU with FP8 tensor cores (the rules read shapes only)."""
+    for name in ("TANDEM_GEMV", "TANDEM_FUSED_FP8_QUANT", "TANDEM_FP8_SKINNY_MAX_ROWS",
+                 "TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    switches.reload()
+    monkeypatch.setattr(fp8_matmul, "takes", lambda x, weight: True)
+    yield monkeypatch
+    switches.reload()
+
+
+def test_quantized_rows_only_where_every_route_quantizes(fp8_routes):
+    w = Fp8Weight(_like((64, 64), dtype=FP8_DTYPE), _like((64,), dtype=torch.float32))
+    assert not ops.quantizes_input(_like((1, 64)), w)  # one row: the GEMV reads the rows as they are
+    assert ops.quantizes_input(_like((2, 64)), w)  # the tensor-core skinny GEMM
+    assert ops.quantizes_input(_like((256, 64)), w)  # torch's scaled matmul
+    assert not ops.quantizes_input(_like((256, 64)), torch.empty(64, 64))  # not an FP8 weight
+    fp8_routes.setenv("TANDEM_FP8_SKINNY_MAX_ROWS", "48")  # the weight-only skinny GEMM up to 48 rows
+    switches.reload()
+    # 40 rows: linear's rule (32 rows for this shape) takes tensor cores, gate_up_silu_mul's (64) the
+    # weight-only GEMM, which reads the model's dtype: not quantized
+    assert ops._triton_matmul(_like((40, 64)), w, None) is None
+    assert ops._triton_matmul(_like((40, 64)), w, None, ops.SKINNY_SILU_MUL_MAX_ROWS) == "skinny"
+    assert not ops.quantizes_input(_like((40, 64)), w)
+    assert ops.quantizes_input(_like((49, 64)), w)
+    fp8_routes.setenv("TANDEM_FUSED_FP8_QUANT", "0")
+    switches.reload()
+    assert not ops.quantizes_input(_like((256, 64)), w)
+
+
+def test_quantized_rows_never_reach_a_route_that_reads_the_model_dtype():
+    rows = Fp8Rows(torch.zeros(4, 32, dtype=FP8_DTYPE), torch.ones(4, 1), torch.bfloat16)
+    with pytest.raises(ValueError, match="already quantized"):
+        ops.linear(rows, torch.randn(16, 32, dtype=torch.bfloat16))
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("rows", [256, 1024])
+def test_gpu_fused_quantization_at_llama3_8b_widths(rows):
+    x = torch.randn(rows, 4096, dtype=torch.bfloat16, device="cuda")
+    residual = torch.randn_like(x)
+    weight = torch.rand(4096, dtype=torch.bfloat16, device="cuda") + 0.5
+    normed, h = fused_add_rms_norm(x, residual, weight, 1e-5)
+    fused, h_fused = fused_add_rms_norm_fp8(x, residual, weight, 1e-5)
+    _same_rows(fused, *quantize_rows_fp8(normed), torch.bfloat16)
+    assert torch.equal(h, h_fused)
+    gate_up = torch.randn(rows, 2 * 14336, dtype=torch.bfloat16, device="cuda")
+    _same_rows(silu_mul_fp8(gate_up), *quantize_rows_fp8(silu_mul(gate_up)), torch.bfloat16)
