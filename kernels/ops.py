@@ -87,12 +87,9 @@ def quantizes_input(x, weight) -> bool:
     linear_add_rms_norm) quantizes them per token first: then they may come as ``Fp8Rows``."""
     if not isinstance(weight, Fp8Weight) or not switches.current().fused_fp8_quant:
         return False
-    limits = (None, SKINNY_SILU_MUL_MAX_ROWS, min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT))
-    return all(_quantizes(_triton_matmul(x, weight, None, limit), x, weight) for limit in limits)
-
-
-def _quantizes(kind: str | None, x, weight) -> bool:
-    return kind == "skinny_fp8" or (kind is None and fp8_matmul.takes(x, weight))
+    kinds = {_triton_matmul(x, weight, None, limit)
+             for limit in (None, SKINNY_SILU_MUL_MAX_ROWS, min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT))}
+    return all(kind == "skinny_fp8" or (kind is None and fp8_matmul.takes(x, weight)) for kind in kinds)
 
 
 def _fp8_rows(x):
@@ -232,7 +229,7 @@ FUSED_NORM_MAX_ROWS = 64
 def linear_add_rms_norm(x, weight, residual, norm_weight, eps, quantize_for=None):
     """fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps, quantize_for) -> (normed,
     new residual). On CUDA, for 2 .. FUSED_NORM_MAX_ROWS tokens, one skinny GEMM whose finishing
-    kernel adds and norms (its normed rows in the model's dtype)."""
+    kernel adds and norms (and quantizes, for ``quantize_for``)."""
     rows = x.shape[0] if x.dim() == 2 else 0
     fused = _triton_impl("skinny_linear_add_rms_norm")
     limit = min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT)
@@ -240,12 +237,14 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps, quantize_for=None
             and _triton_layout(x, weight, None) and residual is not None
             and residual.shape == (rows, weight.shape[0]) and residual.dtype == x.dtype):
         kind = _triton_matmul(x, weight, None, limit) if isinstance(weight, Fp8Weight) else "skinny"
+        # the normed rows have the residual's shape: quantized by the finishing kernel where wanted
+        fp8_out = quantize_for is not None and quantizes_input(residual, quantize_for)
         if kind == "skinny":
             _bf16_route(kind, x)
-            return fused(x, weight, residual, norm_weight, eps)
+            return fused(x, weight, residual, norm_weight, eps, fp8_out=fp8_out)
         if kind == "skinny_fp8":
             x_q, x_scale = _fp8_rows(x)
-            return fused(x_q, weight, residual, norm_weight, eps, x_scale=x_scale)
+            return fused(x_q, weight, residual, norm_weight, eps, x_scale=x_scale, fp8_out=fp8_out)
     return fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps, quantize_for)
 
 

@@ -39,7 +39,8 @@ import triton.language as tl
 from tandem.kernels.device_props import num_sms
 from tandem.kernels.dot import dot, upcast_bf16_dot
 from tandem.kernels.fp8_kv import soft_round
-from tandem.kernels.fp8_weight import Fp8Weight
+from tandem.kernels.fp8_quant import row_scale, to_codes
+from tandem.kernels.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Rows, Fp8Weight
 from tandem.kernels.gemv import _split_weight
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from tandem.kernels.rms_norm import rms_norm_row, row_num_warps
@@ -152,16 +153,19 @@ def _skinny_kernel(
 
 @triton.jit
 def _split_sum_kernel(
-    ws_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, new_res_ptr, num_out, stride_ws, stride_wm, stride_ym,
+    ws_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, new_res_ptr, ys_ptr, num_out, stride_ws, stride_wm, stride_ym,
     stride_rm, stride_nrm, eps,
     SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     ADD_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    FP8_OUT: tl.constexpr = False, FP8_LIMIT: tl.constexpr = 448.0, SOFT_ROUND: tl.constexpr = False,
 ):
     """y[m, n] = sum_s ws[s, m, n] (+ b[n]);  SILU_MUL: y[m, n] = silu(g) * u with
     g = sum_s ws[s, m, n], u = sum_s ws[s, m, num_out + n]; fp32 until the cast.
     ADD_NORM (one program per row, BLOCK >= num_out): with p = y[m] rounded to y's dtype (what
     linear returns), h = p + residual[m] rounded the same way, new_residual[m] = h and
-    y[m] = h * rsqrt(sum(h^2) / num_out + eps) * norm_weight, as kernels.rms_norm computes it."""
+    y[m] = h * rsqrt(sum(h^2) / num_out + eps) * norm_weight, as kernels.rms_norm computes it.
+    FP8_OUT (with ADD_NORM): y[m] rounded to the residual's dtype, then stored as E4M3 codes of
+    y[m] / ys[m], ys[m] = amax / FP8_LIMIT (kernels.fp8_quant's math: Fp8Rows)."""
     if USE_PDL:  # kernels.pdl: the partial sums are the previous kernel's output
         gdc_launch_dependents()
         gdc_wait()
@@ -184,6 +188,11 @@ def _split_sum_kernel(
         h = (y.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
         tl.store(new_res_ptr + m * stride_nrm + cols, h, mask=mask)
         y = rms_norm_row(h, norm_w_ptr, cols, mask, num_out, eps)
+        if FP8_OUT:
+            y = y.to(r.dtype)  # what the unfused finish stores and the quantization reads
+            scale = row_scale(tl.max(tl.abs(y.to(tl.float32)), axis=0), FP8_LIMIT)
+            tl.store(ys_ptr + m, scale)
+            y = to_codes(y, scale, FP8_LIMIT, SOFT_ROUND)
     tl.store(y_ptr + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -269,6 +278,7 @@ class AddNorm(NamedTuple):
     norm_weight: torch.Tensor  # [N]
     eps: float
     new_residual: torch.Tensor  # [M, N], written: the projection plus the residual
+    scale: torch.Tensor | None = None  # [M, 1] fp32: y holds E4M3 codes (Fp8Rows), their row scales here
 
 
 def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None, y: torch.Tensor,
@@ -300,6 +310,9 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torc
     assert bias is None or (not silu_mul and bias.shape == (rows_w,) and bias.stride(0) == 1)
     if add_norm is not None:
         assert not silu_mul, "the add-norm finish follows a plain projection"
+        if add_norm.scale is not None:  # E4M3 codes out: the rows' dtype is the residual's
+            assert y.dtype == FP8_DTYPE and add_norm.scale.shape == (M, 1) and add_norm.scale.is_contiguous()
+            out_dtype = add_norm.residual.dtype
         for t in (add_norm.residual, add_norm.new_residual):
             assert t.shape == (M, num_out) and t.stride(1) == 1 and t.dtype == out_dtype
         assert add_norm.norm_weight.shape == (num_out,) and add_norm.norm_weight.stride(0) == 1
@@ -331,19 +344,24 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torc
     )
     if not workspace:
         return
+    fp8_out = {}
     if add_norm is None:
         block, finish_warps = min(1024, triton.next_power_of_2(num_out)), 4
-        res = norm_w = new_res = y  # unused without ADD_NORM
+        res = norm_w = new_res = y_scale = y  # unused without ADD_NORM
         eps = 0.0
     else:
         block = triton.next_power_of_2(num_out)  # the whole row: its sum of squares
         finish_warps = max(4, row_num_warps(block))
-        res, norm_w, eps, new_res = add_norm
+        res, norm_w, eps, new_res, y_scale = add_norm
+        if y_scale is not None:
+            fp8_out = {"FP8_OUT": True, "FP8_LIMIT": FP8_MAX, "SOFT_ROUND": soft_round()}
+        else:
+            y_scale = y
     _split_sum_kernel[(M, triton.cdiv(num_out, block))](
-        out, dummy_bias, y, res, norm_w, new_res, num_out, out.stride(0), out.stride(1), y.stride(0),
+        out, dummy_bias, y, res, norm_w, new_res, y_scale, num_out, out.stride(0), out.stride(1), y.stride(0),
         res.stride(0), new_res.stride(0), float(eps),
         SPLIT_K=split_k, BLOCK=block, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
-        num_warps=finish_warps, **launch_options(x),
+        num_warps=finish_warps, **fp8_out, **launch_options(x),
     )
 
 
@@ -357,18 +375,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch
 
 
 def skinny_linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, residual: torch.Tensor,
-                               norm_weight: torch.Tensor, eps: float,
-                               x_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                               norm_weight: torch.Tensor, eps: float, x_scale: torch.Tensor | None = None,
+                               fp8_out: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """x: [M, K] (M <= 128); weight: [N, K]; residual: [M, N] -> (rms_norm(h) * norm_weight, h) with
     h = x @ weight.T + residual (each rounded to the residual's dtype): a projection, the residual add
-    and the next RMSNorm, in the GEMM and its finishing kernel. ``x_scale``: as skinny_linear's."""
+    and the next RMSNorm, in the GEMM and its finishing kernel. ``x_scale``: as skinny_linear's.
+    ``fp8_out``: the normed rows quantized per token by the finishing kernel (Fp8Rows,
+    ``reference.quantize_rows_fp8``'s math on what it would have stored)."""
     M, num_out = x.shape[0], weight.shape[0]
-    y = torch.empty((M, num_out), dtype=residual.dtype, device=x.device)
+    y = torch.empty((M, num_out), dtype=FP8_DTYPE if fp8_out else residual.dtype, device=x.device)
+    scale = torch.empty((M, 1), dtype=torch.float32, device=x.device) if fp8_out else None
     new_residual = torch.empty((M, num_out), dtype=residual.dtype, device=x.device)
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    _launch_skinny(x, weight, None, y, silu_mul=False,
-                   add_norm=AddNorm(residual, norm_weight.contiguous(), float(eps), new_residual), x_scale=x_scale)
-    return y, new_residual
+    _launch_skinny(x, weight, None, y, silu_mul=False, x_scale=x_scale,
+                   add_norm=AddNorm(residual, norm_weight.contiguous(), float(eps), new_residual, scale))
+    return (Fp8Rows(y, scale, residual.dtype) if fp8_out else y), new_residual
 
 
 def skinny_silu_mul(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, x_scale: torch.Tensor | None = None,

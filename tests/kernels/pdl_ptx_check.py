@@ -166,6 +166,8 @@ _KERNELS += [
      {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
     (_silu_mul_fp8_kernel, {"BLOCK": 4096, "FP8_LIMIT": 448.0, "SOFT_ROUND": False}, (), (),
      {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}),
+    (_split_sum_kernel, dict(SPLIT_K=2, BLOCK=4096, HAS_BIAS=False, SILU_MUL=False, ADD_NORM=True, FP8_OUT=True), (),
+     (), {"y_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "ys_ptr": "*fp32"}),
 ]
 
 def main() -> int:

@@ -115,3 +115,46 @@ def test_gpu_fused_quantization_at_llama3_8b_widths(rows):
     assert torch.equal(h, h_fused)
     gate_up = torch.randn(rows, 2 * 14336, dtype=torch.bfloat16, device="cuda")
     _same_rows(silu_mul_fp8(gate_up), *quantize_rows_fp8(silu_mul(gate_up)), torch.bfloat16)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("rows", [8, 64])
+def test_gpu_add_norm_finish_fp8_at_llama3_8b_widths(rows):
+    from tandem.kernels import skinny_gemm as sg
+    from tandem.kernels.fp8_weight import quantize_weight
+
+    x = torch.randn(rows, 14336, dtype=torch.bfloat16, device="cuda")
+    w = quantize_weight(torch.randn(4096, 14336, device="cuda") / 120)
+    residual = torch.randn(rows, 4096, dtype=torch.bfloat16, device="cuda")
+    norm_w = torch.rand(4096, dtype=torch.bfloat16, device="cuda") + 0.5
+    x_q, x_scale = quantize_rows_fp8(x)
+    normed, h = sg.skinny_linear_add_rms_norm(x_q, w, residual, norm_w, 1e-5, x_scale=x_scale)
+    rows_fp8, h8 = sg.skinny_linear_add_rms_norm(x_q, w, residual, norm_w, 1e-5, x_scale=x_scale, fp8_out=True)
+    _same_rows(rows_fp8, *quantize_rows_fp8(normed), torch.bfloat16)
+    assert torch.equal(h, h8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M, N, K, config", [(2, 37, 200, None), (17, 64, 96, (16, 32, 4, 3, 2))])
+def test_add_norm_finish_fp8_is_the_finish_then_its_quantization(dtype, M, N, K, config):
+    """The skinny GEMM's add-norm finish (2-64 rows) writing Fp8Rows: its own output, quantized."""
+    from tandem.kernels import skinny_gemm as sg
+
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    w = (torch.randn(N, K, device=DEVICE) / K**0.5).to(dtype)
+    residual = torch.randn(M, N, device=DEVICE).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(N, device=DEVICE)).to(dtype)
+    y, h = torch.empty(M, N, dtype=dtype, device=DEVICE), torch.empty(M, N, dtype=dtype, device=DEVICE)
+    sg._launch_skinny(x, w, None, y, silu_mul=False, config=config, add_norm=sg.AddNorm(residual, norm_w, 1e-5, h))
+    codes, scale = quantize_rows_fp8(y)
+    y8, h8 = torch.empty(M, N, dtype=FP8_DTYPE, device=DEVICE), torch.empty_like(h)
+    scale8 = torch.empty(M, 1, dtype=torch.float32, device=DEVICE)
+    sg._launch_skinny(x, w, None, y8, silu_mul=False, config=config,
+                      add_norm=sg.AddNorm(residual, norm_w, 1e-5, h8, scale8))
+    _same_rows(Fp8Rows(y8, scale8, dtype), codes, scale, dtype)
+    assert torch.equal(h8, h)
+    normed, h_rule = sg.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-5)  # the tile rule's splits
+    rows, h_out = sg.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-5, fp8_out=True)
+    assert isinstance(rows, Fp8Rows) and torch.equal(h_out, h_rule)
+    _same_rows(rows, *quantize_rows_fp8(normed), dtype)

@@ -76,7 +76,7 @@ def test_ops_sends_2_to_max_rows_to_the_fused_kernel(monkeypatch):
     """The dispatch's row range (CUDA layouts faked: the kernel is a recorder here)."""
     calls = []
 
-    def fused(x, weight, residual, norm_weight, eps):
+    def fused(x, weight, residual, norm_weight, eps, fp8_out=False):
         calls.append(x.shape[0])
         return "fused"
 
