@@ -11,7 +11,7 @@ import torch
 from kernel_testing import DEVICE, gpu, requires_cuda
 from kernel_testing import shaped_like as _like
 
-from tandem.kernels import fp8_matmul, ops, reference, switches
+from tandem.kernels import activation, fp8_matmul, ops, reference, rms_norm, skinny_gemm, switches
 from tandem.kernels.activation import silu_mul, silu_mul_fp8
 from tandem.kernels.fp8_quant import quantize_rows_fp8
 from tandem.kernels.fp8_weight import FP8_DTYPE, Fp8Rows, Fp8Weight
@@ -121,8 +121,9 @@ def test_gpu_fused_quantization_at_llama3_8b_widths(rows):
 @requires_cuda
 @pytest.mark.parametrize("rows", [8, 64])
 def test_gpu_add_norm_finish_fp8_at_llama3_8b_widths(rows):
-    from tandem.kernels import skinny_gemm as sg
     from tandem.kernels.fp8_weight import quantize_weight
+
+    sg = skinny_gemm
 
     x = torch.randn(rows, 14336, dtype=torch.bfloat16, device="cuda")
     w = quantize_weight(torch.randn(4096, 14336, device="cuda") / 120)
@@ -139,8 +140,7 @@ def test_gpu_add_norm_finish_fp8_at_llama3_8b_widths(rows):
 @pytest.mark.parametrize("M, N, K, config", [(2, 37, 200, None), (17, 64, 96, (16, 32, 4, 3, 2))])
 def test_add_norm_finish_fp8_is_the_finish_then_its_quantization(dtype, M, N, K, config):
     """The skinny GEMM's add-norm finish (2-64 rows) writing Fp8Rows: its own output, quantized."""
-    from tandem.kernels import skinny_gemm as sg
-
+    sg = skinny_gemm
     x = torch.randn(M, K, device=DEVICE).to(dtype)
     w = (torch.randn(N, K, device=DEVICE) / K**0.5).to(dtype)
     residual = torch.randn(M, N, device=DEVICE).to(dtype)
@@ -158,3 +158,67 @@ def test_add_norm_finish_fp8_is_the_finish_then_its_quantization(dtype, M, N, K,
     rows, h_out = sg.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-5, fp8_out=True)
     assert isinstance(rows, Fp8Rows) and torch.equal(h_out, h_rule)
     _same_rows(rows, *quantize_rows_fp8(normed), dtype)
+
+
+def test_a_forward_through_the_kernels_gives_the_same_logits_fused_or_not(monkeypatch):
+    """A tiny FP8 model's forward with every op on its Triton kernel (interpreted here, as the GPU
+    runs them: the tensor-core skinny GEMM and its add-norm finish from 2 to 64 rows, the norm and
+    SiLU·mul past them), the projections' inputs quantized by the kernels before them or by a pass
+    of their own: the same logits, bit for bit. torch's scaled matmul (cuBLASLt) is the one piece
+    stood in: the codes times their scales, in fp32."""
+    from tandem.engine.attention import SeqChunk
+    from tandem.engine.config import ModelConfig
+    from tandem.engine.loader import random_model
+    from tandem.engine.runner import ModelRunner
+    from tandem.kernels.fp8_weight import dequantize
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's interpreted kernels (the GPU runs the real ones in the gpu tests)")
+    monkeypatch.setattr(ops, "_pick", lambda name, tensor: ops._triton_impl(name) or getattr(reference, name))
+    monkeypatch.setattr(ops, "_triton_layout", lambda x, weight, bias: x.dim() == 2 and x.stride(1) == 1)
+    monkeypatch.setattr(fp8_matmul, "takes", lambda x, weight: x.dtype == torch.bfloat16 and weight.shape[1] % 16 == 0)
+    monkeypatch.setattr(fp8_matmul, "scaled_mm", lambda x_q, x_scale, weight, bias, out_dtype: (
+        (x_q.float() * x_scale) @ dequantize(weight).T).to(out_dtype))
+    calls = {"fused_add_rms_norm_fp8": 0, "silu_mul_fp8": 0, "skinny_fp8_out": 0}
+    for module, name in ((rms_norm, "fused_add_rms_norm_fp8"), (activation, "silu_mul_fp8")):
+        monkeypatch.setattr(module, name, _counting(getattr(module, name), calls, name))
+    finish = skinny_gemm.skinny_linear_add_rms_norm
+
+    def counted_finish(*args, fp8_out=False, **kwargs):
+        calls["skinny_fp8_out"] += fp8_out
+        return finish(*args, fp8_out=fp8_out, **kwargs)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_linear_add_rms_norm", counted_finish)
+    ops._triton_impl.cache_clear()  # it keeps the functions it found: these wrappers now
+    config = ModelConfig.from_dict(dict(
+        architectures=["LlamaForCausalLM"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5))
+    model = random_model(config, torch.bfloat16, "cpu", seed=3, quantization="fp8")
+    runner = ModelRunner.from_model(model, config, num_blocks=24, block_size=16)
+    steps = [
+        [SeqChunk(list(range(3, 133)), 0, list(range(9)))],  # 130 rows: the norm, SiLU·mul and scaled matmul
+        [SeqChunk(list(range(5, 25)), 0, [10, 11]), SeqChunk(list(range(40, 47)), 0, [12])],  # 27: the skinny GEMM
+    ]
+    try:
+        for chunks in steps:
+            logits = {}
+            for fused in (False, True):
+                monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "1" if fused else "0")
+                switches.reload()
+                logits[fused] = runner.forward(chunks)
+            assert torch.equal(logits[True], logits[False])
+        layers = len(model.layers)
+        # 130 rows: every layer's two norms (the last one's second excepted, the first norm counted);
+        # 27 rows: the skinny finish after o and down (the last down's excepted), the first norm
+        assert calls == {"fused_add_rms_norm_fp8": 2 * layers + 1, "silu_mul_fp8": layers,
+                         "skinny_fp8_out": 2 * layers - 1}
+    finally:
+        ops._triton_impl.cache_clear()
+        switches.reload()
+
+
+def _counting(op, calls, name):
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return op(*args, **kwargs)
+    return counted
