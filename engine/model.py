@@ -14,8 +14,10 @@ as one ``Fp8Weight``; embeddings, norms and lm_head stay in the model dtype.
 
 A step whose rows carry LoRA adapters (``meta.lora``, engine.lora_batch) adds each adapter
 row's LoRA to the projections' outputs before anything else reads them: the o and down
-projections then run unfused from their residual add + norm, gate/up from its SiLU·mul. A step
-without adapter rows runs exactly the base model's kernels.
+projections then run unfused from their residual add + norm, gate/up from its SiLU·mul; where a
+norm or the SiLU·mul hands an FP8 projection quantized rows, it keeps their values in the model's
+dtype for the adapters (``in_model_dtype``). A step without adapter rows runs exactly the base
+model's kernels.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.kv_cache import KVCachePool
 from tandem.engine.lora_batch import LoraBatch
 from tandem.kernels import ops
-from tandem.kernels.fp8_weight import Fp8Weight
+from tandem.kernels.fp8_weight import Fp8Weight, in_model_dtype
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a decoder layer's matmuls
 
@@ -91,7 +93,7 @@ class DecoderLayer(nn.Module):
         where it would quantize them (``quantize_for``: kernels.ops.quantizes_input); the last
         norm's, for ``next_qkv`` (None: the stream out stays in the model's dtype)."""
         if lora is not None:
-            return self._after_attention_with_lora(attn, residual, next_norm, lora)
+            return self._after_attention_with_lora(attn, residual, next_norm, lora, next_qkv)
         if self.tp is not None:
             return self._after_attention_split(attn, residual, next_norm)
         gate_up, down = projection_weight(self.gate_up_proj), projection_weight(self.down_proj)
@@ -111,24 +113,27 @@ class DecoderLayer(nn.Module):
         self.tp.all_reduce(out)
         return ops.fused_add_rms_norm(out, residual, next_norm, self.eps)
 
-    def _after_attention_with_lora(self, attn, residual, next_norm, lora: LoraBatch):
-        """The rest of ``forward`` with each projection's LoRA added to its output."""
+    def _after_attention_with_lora(self, attn, residual, next_norm, lora: LoraBatch, next_qkv=None):
+        """The rest of ``forward`` with each projection's LoRA added to its output. A projection's
+        input that comes quantized keeps its values in the model's dtype for the adapters."""
+        gate_up_w, down_w = projection_weight(self.gate_up_proj), projection_weight(self.down_proj)
         out = ops.linear(attn, projection_weight(self.o_proj))
         lora.add("o_proj", self.layer_idx, attn, out)
-        hidden, residual = ops.fused_add_rms_norm(out, residual, self.post_attention_layernorm, self.eps)
-        gate_up = ops.linear(hidden, projection_weight(self.gate_up_proj))  # [T, 2 * intermediate]
-        lora.add("gate_up_proj", self.layer_idx, hidden, gate_up)
-        act = ops.silu_mul(gate_up)
-        out = ops.linear(act, projection_weight(self.down_proj))
-        lora.add("down_proj", self.layer_idx, act, out)
-        return ops.fused_add_rms_norm(out, residual, next_norm, self.eps)
+        hidden, residual = ops.fused_add_rms_norm(out, residual, self.post_attention_layernorm, self.eps,
+                                                  quantize_for=gate_up_w, keep_values=True)
+        gate_up = ops.linear(hidden, gate_up_w)  # [T, 2 * intermediate]
+        lora.add("gate_up_proj", self.layer_idx, in_model_dtype(hidden), gate_up)
+        act = ops.silu_mul(gate_up, quantize_for=down_w, keep_values=True)
+        out = ops.linear(act, down_w)
+        lora.add("down_proj", self.layer_idx, in_model_dtype(act), out)
+        return ops.fused_add_rms_norm(out, residual, next_norm, self.eps, quantize_for=next_qkv, keep_values=True)
 
     def project_qkv(self, hidden, lora: LoraBatch | None = None):
         """-> q [T, Hq, D], k and v [T, Hkv, D] (views of one projection), unrotated."""
         num_tokens = hidden.shape[0]
         qkv = ops.linear(hidden, projection_weight(self.qkv_proj), self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
         if lora is not None:
-            lora.add("qkv_proj", self.layer_idx, hidden, qkv)
+            lora.add("qkv_proj", self.layer_idx, in_model_dtype(hidden), qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(num_tokens, self.num_q_heads, self.head_dim),
                 k.view(num_tokens, self.num_kv_heads, self.head_dim),
@@ -216,20 +221,20 @@ class LlamaFamilyModel(nn.Module):
         """-> [T, hidden], final-normed hidden states of every new token."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         first_norm = self.layers[0].input_layernorm if len(self.layers) else self.norm
-        qkv = self.qkv_weights(meta.lora is None)
+        qkv = self.qkv_weights()
         hidden, residual = ops.fused_add_rms_norm(hidden, None, first_norm, self.config.rms_norm_eps,
-                                                  quantize_for=qkv[0])
+                                                  quantize_for=qkv[0], keep_values=meta.lora is not None)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv_pool, meta, next_norm,
                                      qkv[i + 1])
         return hidden
 
-    def qkv_weights(self, quantized_input: bool = True) -> list:
+    def qkv_weights(self) -> list:
         """Each layer's qkv weight, then None (the final norm's output stays in the model's dtype):
-        what the norm before each takes as ``quantize_for``. All None where the hidden states must
-        stay in the model's dtype (steps with LoRA rows, whose adapters read them; a split model)."""
-        if not quantized_input or any(layer.tp is not None for layer in self.layers):
+        what the norm before each takes as ``quantize_for``. All None for a split model (its layers'
+        norms follow collectives, ``_after_attention_split``)."""
+        if any(layer.tp is not None for layer in self.layers):
             return [None] * (len(self.layers) + 1)
         return [layer.qkv_weight() for layer in self.layers] + [None]
 

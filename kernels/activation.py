@@ -47,11 +47,13 @@ def _silu_mul_row(x_row, cols, mask, inter):
 
 @triton.jit
 def _silu_mul_fp8_kernel(
-    x_ptr, q_ptr, s_ptr, stride_x, stride_q, inter,
+    x_ptr, q_ptr, s_ptr, values_ptr, stride_x, stride_q, inter,
     BLOCK: tl.constexpr, FP8_LIMIT: tl.constexpr, SOFT_ROUND: tl.constexpr, USE_PDL: tl.constexpr = False,
+    KEEP_VALUES: tl.constexpr = False,
 ):
     """Row r: a = silu(gate) * up rounded to x's dtype (as _silu_mul_kernel);
-    s[r] = amax(|a|) / FP8_LIMIT (1 for zeros), q[r] = E4M3(a / s[r])."""
+    s[r] = amax(|a|) / FP8_LIMIT (1 for zeros), q[r] = E4M3(a / s[r]); KEEP_VALUES: a stored to
+    values[r] too (row stride stride_q)."""
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -62,6 +64,8 @@ def _silu_mul_fp8_kernel(
     for c0 in range(0, inter, BLOCK):
         cols = c0 + offs
         a = _silu_mul_row(x_row, cols, cols < inter, inter)
+        if KEEP_VALUES:
+            tl.store(values_ptr + row * stride_q + cols, a, mask=cols < inter)
         amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
     scale = row_scale(tl.max(amax, axis=0), FP8_LIMIT)
     tl.store(s_ptr + row, scale)
@@ -99,8 +103,9 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_mul_fp8(x: torch.Tensor) -> Fp8Rows:
-    """As ``reference.silu_mul_fp8``: x [T, 2 * inter] -> Fp8Rows [T, inter]."""
+def silu_mul_fp8(x: torch.Tensor, keep_values: bool = False) -> Fp8Rows:
+    """As ``reference.silu_mul_fp8``: x [T, 2 * inter] -> Fp8Rows [T, inter] (with its values in
+    x's dtype if ``keep_values``)."""
     x2d = x.reshape(-1, x.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
@@ -109,13 +114,14 @@ def silu_mul_fp8(x: torch.Tensor) -> Fp8Rows:
     inter = width // 2
     codes = torch.empty((num_rows, inter), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    values = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device) if keep_values else None
     if num_rows and inter:
         block = min(4096, triton.next_power_of_2(inter))
         _silu_mul_fp8_kernel[(num_rows,)](
-            x2d, codes, scale, x2d.stride(0), codes.stride(0), inter,
-            BLOCK=block, FP8_LIMIT=FP8_MAX, SOFT_ROUND=soft_round(), num_warps=max(1, min(8, block // 512)),
-            **launch_options(x2d),
+            x2d, codes, scale, codes if values is None else values, x2d.stride(0), codes.stride(0), inter,
+            BLOCK=block, FP8_LIMIT=FP8_MAX, SOFT_ROUND=soft_round(), KEEP_VALUES=keep_values,
+            num_warps=max(1, min(8, block // 512)), **launch_options(x2d),
         )
     elif num_rows:
         scale.fill_(1.0)
-    return Fp8Rows(codes, scale, x.dtype)
+    return Fp8Rows(codes, scale, x.dtype, values)

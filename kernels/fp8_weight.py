@@ -47,6 +47,7 @@ class Fp8Rows(NamedTuple):
     codes: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    values: torch.Tensor | None = None  # the rows in ``dtype`` too, where another kernel reads them (LoRA)
 
     @property
     def shape(self) -> torch.Size:
@@ -65,6 +66,16 @@ class Fp8Rows(NamedTuple):
 
     def stride(self, dim: int | None = None):
         return self.codes.stride() if dim is None else self.codes.stride(dim)
+
+
+def in_model_dtype(x):
+    """Activations as a kernel that reads them in the model's dtype takes them: an ``Fp8Rows``'
+    ``values`` (kept for it), any other tensor as it is."""
+    if isinstance(x, Fp8Rows):
+        if x.values is None:
+            raise ValueError("these rows were quantized without their values")
+        return x.values
+    return x
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

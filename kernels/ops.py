@@ -62,19 +62,20 @@ def _pick(name: str, tensor: torch.Tensor):
     return getattr(reference, name)
 
 
-def fused_add_rms_norm(x, residual, weight, eps, quantize_for=None):
+def fused_add_rms_norm(x, residual, weight, eps, quantize_for=None, keep_values=False):
     """-> (x + residual normed, x + residual). ``quantize_for``: the weight the normed rows go into;
     where that projection would quantize them per token anyway (``quantizes_input``), they come
-    as ``Fp8Rows``, quantized by the norm's own kernel."""
+    as ``Fp8Rows``, quantized by the norm's own kernel (``keep_values``: with the rows in the
+    model's dtype too, for a kernel that reads those: ``fp8_weight.in_model_dtype``)."""
     if quantize_for is not None and quantizes_input(x, quantize_for):
-        return _pick("fused_add_rms_norm_fp8", x)(x, residual, weight, eps)
+        return _pick("fused_add_rms_norm_fp8", x)(x, residual, weight, eps, keep_values)
     return _pick("fused_add_rms_norm", x)(x, residual, weight, eps)
 
 
-def silu_mul(x, quantize_for=None):
-    """silu(gate) * up of x = [gate | up]; ``quantize_for`` as fused_add_rms_norm's."""
+def silu_mul(x, quantize_for=None, keep_values=False):
+    """silu(gate) * up of x = [gate | up]; ``quantize_for``, ``keep_values`` as fused_add_rms_norm's."""
     if quantize_for is not None and quantizes_input(x[..., : x.shape[-1] // 2], quantize_for):
-        return _pick("silu_mul_fp8", x)(x)
+        return _pick("silu_mul_fp8", x)(x, keep_values)
     return _pick("silu_mul", x)(x)
 
 

@@ -99,22 +99,24 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
 
 
-def _rows_fp8(x: torch.Tensor) -> Fp8Rows:
-    codes, scale = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
-    return Fp8Rows(codes, scale, x.dtype)
+def _rows_fp8(x: torch.Tensor, keep_values: bool) -> Fp8Rows:
+    rows = x.reshape(-1, x.shape[-1])
+    codes, scale = quantize_rows_fp8(rows)
+    return Fp8Rows(codes, scale, x.dtype, rows if keep_values else None)
 
 
 def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> tuple[Fp8Rows, torch.Tensor]:
+                           eps: float, keep_values: bool = False) -> tuple[Fp8Rows, torch.Tensor]:
     """fused_add_rms_norm with its normed output (rounded to x.dtype) quantized per token:
-    (quantize_rows_fp8 of it as Fp8Rows [T, hidden], h)."""
+    (quantize_rows_fp8 of it as Fp8Rows [T, hidden], its values kept if ``keep_values``, h)."""
     normed, h = fused_add_rms_norm(x, residual, weight, eps)
-    return _rows_fp8(normed), h
+    return _rows_fp8(normed, keep_values), h
 
 
-def silu_mul_fp8(x: torch.Tensor) -> Fp8Rows:
-    """silu_mul's output (rounded to x.dtype) quantized per token: Fp8Rows [T, inter]."""
-    return _rows_fp8(silu_mul(x))
+def silu_mul_fp8(x: torch.Tensor, keep_values: bool = False) -> Fp8Rows:
+    """silu_mul's output (rounded to x.dtype) quantized per token: Fp8Rows [T, inter] (its
+    values kept if ``keep_values``)."""
+    return _rows_fp8(silu_mul(x), keep_values)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -25,17 +25,19 @@ from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 @triton.jit
 def _fused_add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, scale_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, scale_ptr, values_ptr,
     stride_x, stride_residual, stride_out, stride_new_residual,
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
     FP8_OUT: tl.constexpr = False, FP8_LIMIT: tl.constexpr = 448.0, SOFT_ROUND: tl.constexpr = False,
+    KEEP_VALUES: tl.constexpr = False,
 ):
     """Row r:  h = x[r] + residual[r];  out[r] = h * rsqrt(sum(h^2) / hidden + eps) * weight.
 
     h is rounded to the input dtype before the norm (it is also the new
     residual); the statistic and the product are computed in fp32. FP8_OUT: out[r] rounded to
-    the input dtype, then stored as E4M3 codes of out[r] / scale[r], scale[r] = amax / FP8_LIMIT.
+    the input dtype, then stored as E4M3 codes of out[r] / scale[r], scale[r] = amax / FP8_LIMIT;
+    KEEP_VALUES: the rounded row stored to values[r] too (row stride stride_out).
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
@@ -53,6 +55,8 @@ def _fused_add_rms_norm_kernel(
     normed = rms_norm_row(h, weight_ptr, cols, mask, hidden, eps)
     if FP8_OUT:
         normed = normed.to(x.dtype)  # what the unfused norm stores and the quantization reads
+        if KEEP_VALUES:
+            tl.store(values_ptr + row * stride_out + cols, normed, mask=mask)
         scale = row_scale(tl.max(tl.abs(normed.to(tl.float32)), axis=0), FP8_LIMIT)
         tl.store(scale_ptr + row, scale)
         tl.store(out_ptr + row * stride_out + cols, to_codes(normed, scale, FP8_LIMIT, SOFT_ROUND), mask=mask)
@@ -74,8 +78,9 @@ def row_num_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def _launch_fused_add_rms_norm(x2d, residual2d, weight, out, new_residual, eps, scale=None):
-    """``scale`` [rows, 1] fp32: ``out`` holds E4M3 codes (FP8_OUT), the rows' scales go there."""
+def _launch_fused_add_rms_norm(x2d, residual2d, weight, out, new_residual, eps, scale=None, values=None):
+    """``scale`` [rows, 1] fp32: ``out`` holds E4M3 codes (FP8_OUT), the rows' scales go there;
+    ``values`` (with ``scale``; out's shape and strides, x's dtype): the normed rows as well."""
     num_rows, hidden = x2d.shape
     assert weight.shape == (hidden,) and weight.stride(0) == 1, "weight must be contiguous [hidden]"
     assert x2d.stride(1) == 1 and out.stride(1) == 1, "last dim must be contiguous"
@@ -86,10 +91,13 @@ def _launch_fused_add_rms_norm(x2d, residual2d, weight, out, new_residual, eps, 
         return
     block = triton.next_power_of_2(hidden)
     has_residual = residual2d is not None
-    fp8 = {} if scale is None else {"FP8_OUT": True, "FP8_LIMIT": FP8_MAX, "SOFT_ROUND": soft_round()}
+    fp8 = {} if scale is None else {"FP8_OUT": True, "FP8_LIMIT": FP8_MAX, "SOFT_ROUND": soft_round(),
+                                    "KEEP_VALUES": values is not None}
+    if values is not None:
+        assert scale is not None and values.shape == out.shape and values.stride() == out.stride()
     _fused_add_rms_norm_kernel[(num_rows,)](
         x2d, residual2d if has_residual else x2d, weight, out, new_residual if has_residual else out,
-        out if scale is None else scale,
+        out if scale is None else scale, out if values is None else values,
         x2d.stride(0),
         residual2d.stride(0) if has_residual else 0,
         out.stride(0),
@@ -121,17 +129,19 @@ def fused_add_rms_norm(
 
 
 def fused_add_rms_norm_fp8(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, keep_values: bool = False
 ) -> tuple[Fp8Rows, torch.Tensor]:
-    """As ``reference.fused_add_rms_norm_fp8``: (the normed rows as Fp8Rows [T, hidden], h)."""
+    """As ``reference.fused_add_rms_norm_fp8``: (the normed rows as Fp8Rows [T, hidden], with
+    their values in x's dtype if ``keep_values``, h)."""
     hidden = x.shape[-1]
     x2d = _as_rows(x)
     residual2d = None if residual is None else _as_rows(residual)
     codes = torch.empty(x2d.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((x2d.shape[0], 1), dtype=torch.float32, device=x.device)
+    values = torch.empty(x2d.shape, dtype=x.dtype, device=x.device) if keep_values else None
     new_residual = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_fused_add_rms_norm(
         x2d, residual2d, weight.contiguous(), codes,
-        None if residual is None else new_residual.view(-1, hidden), float(eps), scale,
+        None if residual is None else new_residual.view(-1, hidden), float(eps), scale, values,
     )
-    return Fp8Rows(codes, scale, x.dtype), new_residual
+    return Fp8Rows(codes, scale, x.dtype, values), new_residual

@@ -179,7 +179,7 @@ def test_a_forward_through_the_kernels_gives_the_same_logits_fused_or_not(monkey
     monkeypatch.setattr(fp8_matmul, "takes", lambda x, weight: x.dtype == torch.bfloat16 and weight.shape[1] % 16 == 0)
     monkeypatch.setattr(fp8_matmul, "scaled_mm", lambda x_q, x_scale, weight, bias, out_dtype: (
         (x_q.float() * x_scale) @ dequantize(weight).T).to(out_dtype))
-    calls = {"fused_add_rms_norm_fp8": 0, "silu_mul_fp8": 0, "skinny_fp8_out": 0}
+    calls = {"fused_add_rms_norm_fp8": 0, "silu_mul_fp8": 0, "skinny_fp8_out": 0, "kept": 0}
     for module, name in ((rms_norm, "fused_add_rms_norm_fp8"), (activation, "silu_mul_fp8")):
         monkeypatch.setattr(module, name, _counting(getattr(module, name), calls, name))
     finish = skinny_gemm.skinny_linear_add_rms_norm
@@ -211,7 +211,30 @@ def test_a_forward_through_the_kernels_gives_the_same_logits_fused_or_not(monkey
         # 130 rows: every layer's two norms (the last one's second excepted, the first norm counted);
         # 27 rows: the skinny finish after o and down (the last down's excepted), the first norm
         assert calls == {"fused_add_rms_norm_fp8": 2 * layers + 1, "silu_mul_fp8": layers,
-                         "skinny_fp8_out": 2 * layers - 1}
+                         "skinny_fp8_out": 2 * layers - 1, "kept": 0}
+        # a step with adapter rows: the norms and the SiLU·mul keep their values for the adapters
+        lora = runner.enable_lora(max_loras=2, max_rank=8)
+        with lora.weights.zero_adapter(1):
+            generator = torch.Generator().manual_seed(5)
+            for layer in lora.weights.layers:
+                for stack in layer.values():
+                    stack.a[1].normal_(0, 0.1, generator=generator)
+                    stack.b_all[1].normal_(0, 0.1, generator=generator)
+                    stack.scales[:, 1] = 0.5
+            chunks = [SeqChunk(list(range(5, 25)), 0, [10, 11], lora_slot=1), SeqChunk(list(range(40, 47)), 0, [12])]
+            logits = {}
+            for fused in (False, True):
+                monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "1" if fused else "0")
+                switches.reload()
+                calls.update({name: 0 for name in calls})
+                logits[fused] = runner.forward(chunks)
+            assert torch.equal(logits[True], logits[False])
+            # every norm (no skinny finish: the adapters add to o's and down's outputs before their
+            # norms) and every SiLU·mul, their values kept
+            assert calls["fused_add_rms_norm_fp8"] == 2 * layers and calls["silu_mul_fp8"] == layers
+            assert calls["kept"] == 3 * layers
+            base = runner.forward([SeqChunk(list(range(5, 25)), 0, [10, 11])])
+            assert not torch.equal(base[0], logits[True][0])  # the adapter moved its row
     finally:
         ops._triton_impl.cache_clear()
         switches.reload()
@@ -220,5 +243,7 @@ def test_a_forward_through_the_kernels_gives_the_same_logits_fused_or_not(monkey
 def _counting(op, calls, name):
     def counted(*args, **kwargs):
         calls[name] += 1
-        return op(*args, **kwargs)
+        rows = op(*args, **kwargs)
+        calls["kept"] += (rows if isinstance(rows, Fp8Rows) else rows[0]).values is not None
+        return rows
     return counted
