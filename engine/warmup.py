@@ -62,12 +62,27 @@ def warm_up_prefill(runner, allocator, max_num_tokens: int, force: bool = False)
         ops.scatter_blocks(kv, ids, ops.gather_blocks(kv, ids))  # in place: the blocks keep their data
 
     _token_count_forwards(runner, allocator, max_num_tokens, after=handoff_copies)
+    warm_up_logits(runner)
     warm_up_adapters(runner, allocator, max_num_tokens, force)
     if torch.cuda.is_available():
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - started
     log.info("prefill kernels warmed up", seconds=round(seconds, 2))
     return seconds
+
+
+def warm_up_logits(runner) -> int:
+    """The logits of 1 .. ``ops.SKINNY_GEMM_ROWS_LIMIT`` rows (the skinny GEMM's most; past it
+    cuBLAS, which compiles nothing): a step's logits are one row per sequence, so their count is
+    not its tokens', and the warm-up's forwards (one sequence each) never launch lm_head's row
+    tiles. With FP8 projections nothing else launches the model-dtype skinny GEMM either
+    (``tests/engine/test_warm_up_coverage.py``: a step of 17-32 sequences compiled one). -> the
+    row counts run."""
+    hidden = torch.zeros(ops.SKINNY_GEMM_ROWS_LIMIT, runner.config.hidden_size, dtype=runner.dtype,
+                         device=runner.device)
+    for rows in range(1, ops.SKINNY_GEMM_ROWS_LIMIT + 1):
+        runner.model.compute_logits(hidden[:rows])
+    return ops.SKINNY_GEMM_ROWS_LIMIT
 
 
 def _token_count_forwards(runner, allocator, max_num_tokens: int, lora_slot: int = -1, after=None) -> int:

@@ -28,7 +28,7 @@ from tandem.engine.kv_cache import KVCachePool
 from tandem.engine.model import DecoderLayer
 from tandem.engine.runner import ModelRunner
 from tandem.engine.warmup import QUERY_LENGTHS, warm_up_adapters, warm_up_mixed, warm_up_prefill
-from tandem.kernels import decode_attention, decode_config, lora, ops, prefill_attention
+from tandem.kernels import decode_attention, decode_config, fp8_matmul, lora, ops, prefill_attention
 from tests.kernels.launch_keys import recording, unlike
 
 BLOCK = 16
@@ -55,6 +55,11 @@ def gpu_dispatch(monkeypatch):
     monkeypatch.setattr(ops, "_triton_layout", lambda x, weight, bias: x.dim() == 2 and x.shape[0] > 0)
     monkeypatch.setattr(ops, "_pick", lambda name, tensor: ops._triton_impl(name) or getattr(ops.reference, name))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    # FP8 weights take the FP8 tensor-core routes (bf16 rows; torch's scaled matmul, cuBLAS, stood in)
+    monkeypatch.setattr(fp8_matmul, "takes", lambda x, weight: x.dtype == torch.bfloat16 and weight.shape[1] % 16 == 0
+                        and weight.shape[0] % 16 == 0)
+    monkeypatch.setattr(fp8_matmul, "scaled_mm", lambda x_q, x_scale, weight, bias, out_dtype: torch.zeros(
+        x_q.shape[0], weight.shape[0], dtype=out_dtype))
 
 
 class _EveryKernel:
@@ -198,8 +203,9 @@ def test_eager_prompt_steps_launch_only_what_the_prefill_warm_up_compiled(gpu_di
     assert traffic <= warmed, _missed("prompt steps", traffic, warmed)
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
 def test_eager_steps_with_adapter_rows_launch_only_what_the_warm_up_compiled(monkeypatch, gpu_dispatch,
-                                                                            tiny_checkpoints, tmp_path):
+                                                                            tiny_checkpoints, tmp_path, quantization):
     """A step whose rows carry adapters runs eagerly (decode rows and prompt chunks of any mix of
     adapters and the base model): the worker's warm-up compiles every binary such steps launch."""
     from lora_testing import make_peft_adapter
@@ -208,7 +214,7 @@ def test_eager_steps_with_adapter_rows_launch_only_what_the_warm_up_compiled(mon
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     monkeypatch.setattr(lora, "_num_sms", lambda device: SMS)
     monkeypatch.setattr(lora, "_split_k", lambda x, programs, k_blocks: max(1, min(k_blocks // 4, 2 * SMS // programs)))
-    runner = ModelRunner(base, num_blocks=128, block_size=BLOCK, dtype=torch.bfloat16)
+    runner = ModelRunner(base, num_blocks=128, block_size=BLOCK, dtype=torch.bfloat16, quantization=quantization)
     manager = runner.enable_lora(max_loras=4, max_rank=16)
     manager.add("wide", make_peft_adapter(base, tmp_path / "wide", 16, 32, every, seed=1))
     manager.add("narrow", make_peft_adapter(base, tmp_path / "narrow", 8, 8, ["q_proj", "down_proj"], seed=2))
