@@ -178,8 +178,9 @@ def test_steps_of_traffic_launch_only_what_the_warm_up_compiled(monkeypatch, gpu
 def test_eager_prompt_steps_launch_only_what_the_prefill_warm_up_compiled(gpu_dispatch, tiny_checkpoints,
                                                                          quantization):
     """A prefill worker's steps run every kernel eagerly, for any number of tokens: the warm-up's
-    forwards compile every binary that steps of 1 .. 600 tokens in 1 .. 8 prompts launch (a
-    prompt's chunk of one token at the head of a step attends as a decode row)."""
+    forwards compile every binary that steps of 1 .. 600 tokens in 1 .. 40 prompts launch (a
+    prompt's chunk of one token at the head of a step attends as a decode row; the logits are a
+    row a prompt)."""
     runner = ModelRunner(tiny_checkpoints["llama"], num_blocks=128, block_size=BLOCK, dtype=torch.bfloat16,
                          quantization=quantization)
     with every_kernel_recorded() as launches:
@@ -191,8 +192,9 @@ def test_eager_prompt_steps_launch_only_what_the_prefill_warm_up_compiled(gpu_di
         rng = random.Random(3)
         for _ in range(60):
             chunks, tokens = [], 0
-            for _ in range(rng.randint(1, 8)):
-                length = rng.randint(1, 75)
+            count = rng.choice([rng.randint(1, 8), rng.randint(9, 40)])
+            for _ in range(count):
+                length = rng.randint(1, 75 if count <= 8 else 12)
                 blocks = allocator.allocate(length)
                 chunks.append(SeqChunk([1] * length, 0, blocks))
                 tokens += length
