@@ -98,7 +98,7 @@ def _fp8_rows(x):
     return (x.codes, x.scale) if isinstance(x, Fp8Rows) else quantize_rows_fp8(x)
 
 
-def _bf16_route(kind: str | None, x) -> None:
+def _needs_model_dtype(kind: str | None, x) -> None:
     if isinstance(x, Fp8Rows):  # quantizes_input said every route quantizes: a broken promise
         raise ValueError(f"rows already quantized reached the {kind or 'unquantized'} route of an FP8 weight")
 
@@ -130,7 +130,7 @@ def linear(x, weight, bias=None):
         x_q, x_scale = _fp8_rows(x)
         return _pick("skinny_linear", x)(x_q, weight, bias, x_scale=x_scale, out_dtype=x.dtype)
     if kind is not None:
-        _bf16_route(kind, x)
+        _needs_model_dtype(kind, x)
     if kind == "gemv":
         return _pick("gemv", x)(x, weight, bias)
     if kind == "skinny":
@@ -147,7 +147,7 @@ def gate_up_silu_mul(x, weight, quantize_for=None):
         x_q, x_scale = _fp8_rows(x)
         return _pick("skinny_silu_mul", x)(x_q, weight, x_scale=x_scale, out_dtype=x.dtype)
     if kind is not None:
-        _bf16_route(kind, x)
+        _needs_model_dtype(kind, x)
     if kind == "gemv":
         return _pick("gemv_silu_mul", x)(x, weight)
     if kind == "skinny":
@@ -161,7 +161,7 @@ def _matmul(x, weight, bias):
     if isinstance(weight, Fp8Weight) and fp8_matmul.takes(x, weight):
         x_q, x_scale = _fp8_rows(x)
         return fp8_matmul.scaled_mm(x_q, x_scale, weight, bias, x.dtype)
-    _bf16_route(None, x)
+    _needs_model_dtype(None, x)
     if not isinstance(weight, Fp8Weight):
         return torch.nn.functional.linear(x, weight, bias)
     return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
@@ -241,7 +241,7 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps, quantize_for=None
         # the normed rows have the residual's shape: quantized by the finishing kernel where wanted
         fp8_out = quantize_for is not None and quantizes_input(residual, quantize_for)
         if kind == "skinny":
-            _bf16_route(kind, x)
+            _needs_model_dtype(kind, x)
             return fused(x, weight, residual, norm_weight, eps, fp8_out=fp8_out)
         if kind == "skinny_fp8":
             x_q, x_scale = _fp8_rows(x)
