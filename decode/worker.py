@@ -10,7 +10,6 @@ takes and the admissions it gives back: ``tandem.decode.intake``.
 
 from __future__ import annotations
 
-import functools
 import time
 
 import redis
@@ -41,7 +40,7 @@ from tandem.engine.allocator_counters import allocator_counters
 from tandem.engine.block_allocator import BlockAllocator
 from tandem.engine.guide import Guides
 from tandem.engine.caching_allocator import CachingAllocator
-from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
+from tandem.engine.host_kv_tier import HostKVTier, host_tier_counters, host_tier_info
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
@@ -143,8 +142,9 @@ class DecodeWorker:
         self.handoffs = PrefillHandoffs(settings=settings, worker_id=self.worker_id, redis=self.redis,
                                         scheduler=self.scheduler, transport=self.transport,
                                         kv_endpoint=self.kv_endpoint, mailer=self.mailer, publish=self._publish)
+        device, tier = self.runner.device, self.host_tier
         self.stats = StepStats(self.role, settings.stats_interval_s,
-                               counters=functools.partial(allocator_counters, self.runner.device))
+                               counters=lambda: allocator_counters(device) | host_tier_counters(tier))
         guides = Guides(settings.tokenizer or settings.model, self.runner.config.vocab_size,
                         self.runner.config.eos_token_ids)
         self.steps = DeviceSteps(self.runner, self.allocator, self.stats, self.runner.config.eos_token_ids, guides)

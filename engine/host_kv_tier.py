@@ -28,6 +28,7 @@ is not loaded: the prompt computes it and everything after it, as without the ti
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -48,6 +49,11 @@ class HostTierStats:
     bad_blocks: int = 0  # host blocks that failed their checksum when wanted (not loaded)
     bytes_out: int = 0  # device -> host
     bytes_in: int = 0  # host -> device
+    # host seconds on the worker's loop: checking a load's bytes, waiting for a store a load needs,
+    # checksumming stores that landed (host_tier_counters: the statistics lines' rise of each)
+    check_s: float = 0.0
+    wait_s: float = 0.0
+    land_s: float = 0.0
 
 
 class HostKVTier:
@@ -166,10 +172,12 @@ class HostKVTier:
             self._land(self._in_flight.pop(0)[1])
 
     def _land(self, pairs: list[tuple[int, bytes]]) -> None:
+        started = time.perf_counter()
         live = [slot for slot, block_hash in pairs if self._slot_of.get(block_hash) == slot]  # not dropped meanwhile
         for start, end in _runs(live):
             sums = _checksums(self.host[live[start] : live[start] + end - start])
             self._checksum.update(zip(live[start:end], sums))
+        self.stats.land_s += time.perf_counter() - started
 
     # ---- host -> device ---------------------------------------------------------------
     def load(self, hashes: list[bytes], block_ids: list[int]) -> int:
@@ -197,6 +205,7 @@ class HostKVTier:
         else:
             dest = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
         good = len(slots)  # slots[:good] passed their checks
+        checking = time.perf_counter()
         for start, end in runs:
             sums = _checksums(self.host[slots[start] : slots[start] + end - start])
             bad = next((i for i, value in enumerate(sums) if value != self._checksum.get(slots[start + i])), None)
@@ -205,6 +214,7 @@ class HostKVTier:
                 self._drop(self._hash_in[slots[good]])
                 self.stats.bad_blocks += 1
                 break
+        self.stats.check_s += time.perf_counter() - checking
         for slot in slots[:good]:
             self._slot_of.move_to_end(self._hash_in[slot])
         if good:
@@ -223,7 +233,9 @@ class HostKVTier:
     def _wait_for(self, slot: int) -> None:
         while slot not in self._checksum and self._in_flight:
             done, pairs = self._in_flight.pop(0)
+            waiting = time.perf_counter()
             done.synchronize()
+            self.stats.wait_s += time.perf_counter() - waiting
             self._land(pairs)
 
     def _drop(self, block_hash: bytes) -> None:
@@ -275,6 +287,18 @@ def _checksums(blocks: torch.Tensor) -> list[int]:
     if raw.shape[1] % 8 == 0:
         return raw.view(torch.int64).sum(dim=1).tolist()
     return raw.to(torch.int64).sum(dim=1).tolist()
+
+
+def host_tier_counters(tier: HostKVTier | None) -> dict[str, int]:
+    """Cumulative counts for a worker's statistics lines (``cluster.step_stats``: each line carries
+    their rise over its interval): blocks stored and loaded, and the milliseconds of host work
+    the tier took on the loop (``HostTierStats``' seconds). None without a tier."""
+    if tier is None:
+        return {}
+    stats = tier.stats
+    return {"tier_stored_blocks": stats.stored_blocks, "tier_loaded_blocks": stats.loaded_blocks,
+            "tier_check_ms": int(stats.check_s * 1e3), "tier_wait_ms": int(stats.wait_s * 1e3),
+            "tier_land_ms": int(stats.land_s * 1e3)}
 
 
 def host_tier_info(tier: HostKVTier | None) -> dict:

@@ -14,7 +14,6 @@ and what comes of it (prompt logprobs, first tokens, a max_tokens 0 job's one ev
 
 from __future__ import annotations
 
-import functools
 import time
 
 import redis
@@ -36,7 +35,7 @@ from tandem.engine.block_allocator import BlockAllocator
 from tandem.kernels import compile_watch
 from tandem.engine.warmup import warm_up_mixed, warm_up_penalties, warm_up_prefill
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
-from tandem.engine.host_kv_tier import HostKVTier, host_tier_info
+from tandem.engine.host_kv_tier import HostKVTier, host_tier_counters, host_tier_info
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.guide import Guides
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
@@ -117,8 +116,9 @@ class PrefillWorker:
         self._deferred: dict[str, PrefillJob] = {}
         self._started_at = time.time()
         self._device_identity = device_identity(self.runner.device)
+        device, tier = self.runner.device, self.host_tier
         self.stats = StepStats(self.role, settings.stats_interval_s,
-                               counters=functools.partial(allocator_counters, self.runner.device))
+                               counters=lambda: allocator_counters(device) | host_tier_counters(tier))
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> None:

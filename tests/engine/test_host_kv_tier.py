@@ -14,7 +14,7 @@ from tandem.cluster.request_state import RequestStatus
 from tandem.cluster.sampling import SamplingParams
 from tandem.engine.attention import SeqChunk
 from tandem.engine.block_allocator import BlockAllocator
-from tandem.engine.host_kv_tier import HostKVTier, _runs
+from tandem.engine.host_kv_tier import HostKVTier, _runs, host_tier_counters
 from tandem.engine.kv_cache import KVCachePool
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.runner import ModelRunner
@@ -181,6 +181,30 @@ def test_the_routing_index_sees_prefix_blocks_only_and_only_once_asked():
     assert tier.take_changes() == ([], [b"g" * 16])
     assert tier.num_cached == 0 and len(tier) == 4
 
+
+def test_the_statistics_lines_count_blocks_and_the_loops_milliseconds(monkeypatch):
+    """host_tier_counters: cumulative blocks stored and loaded and the host milliseconds of the
+    loads' checks and the stores' checksums (the worker's statistics lines carry their rise)."""
+    from tandem.engine import host_kv_tier
+
+    pool = KVCachePool(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    tier = HostKVTier(pool, 4 * pool.bytes_per_block)
+    assert host_tier_counters(None) == {}
+    assert host_tier_counters(tier) == {"tier_stored_blocks": 0, "tier_loaded_blocks": 0, "tier_check_ms": 0,
+                                        "tier_wait_ms": 0, "tier_land_ms": 0}
+    checksums = host_kv_tier._checksums
+
+    def slow(blocks):  # 5 ms a call: the counters see the host's time
+        import time
+        time.sleep(0.005)
+        return checksums(blocks)
+
+    monkeypatch.setattr(host_kv_tier, "_checksums", slow)
+    tier.store([(b"a" * 16, 1), (b"b" * 16, 2)])  # lands at once on the CPU: one checksum call
+    assert tier.load([b"a" * 16, b"b" * 16], [5, 6]) == 2  # one run: one check
+    counts = host_tier_counters(tier)
+    assert counts["tier_stored_blocks"] == counts["tier_loaded_blocks"] == 2
+    assert counts["tier_land_ms"] >= 5 and counts["tier_check_ms"] >= 5 and counts["tier_wait_ms"] == 0
 
 class _Stream:
     """A CUDA stream as the tier orders its work on it: what each stream waited for, in order."""
