@@ -205,6 +205,12 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model.compute_logits(hidden)
 
+    def warm_up_logits(self, max_rows: int) -> None:
+        """The logits of 1 .. ``max_rows`` rows of zeros (``engine.warmup.warm_up_logits``)."""
+        hidden = torch.zeros(max_rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for rows in range(1, max_rows + 1):
+            self.compute_logits(hidden[:rows])
+
     def _hidden(self, chunks: list[SeqChunk], feed: TokenFeed | None):
         """-> (final-normed hidden states [T, hidden], the step's metadata). The leader of a split
         model (every forward of which comes here: its steps run eagerly) sends the step to its

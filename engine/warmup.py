@@ -77,11 +77,8 @@ def warm_up_logits(runner) -> int:
     not its tokens', and the warm-up's forwards (one sequence each) never launch lm_head's row
     tiles. With FP8 projections nothing else launches the model-dtype skinny GEMM either
     (``tests/engine/test_warm_up_coverage.py``: a step of 17-32 sequences compiled one). -> the
-    row counts run."""
-    hidden = torch.zeros(ops.SKINNY_GEMM_ROWS_LIMIT, runner.config.hidden_size, dtype=runner.dtype,
-                         device=runner.device)
-    for rows in range(1, ops.SKINNY_GEMM_ROWS_LIMIT + 1):
-        runner.model.compute_logits(hidden[:rows])
+    most rows run."""
+    runner.warm_up_logits(ops.SKINNY_GEMM_ROWS_LIMIT)
     return ops.SKINNY_GEMM_ROWS_LIMIT
 
 

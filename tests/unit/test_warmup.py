@@ -23,6 +23,9 @@ class _Runner:
         (chunk,) = chunks
         self.forwards.append((len(chunk.token_ids), chunk.num_computed, len(chunk.block_ids)))
 
+    def warm_up_logits(self, max_rows):
+        self.logit_rows = max_rows
+
 
 def test_one_forward_per_tile_size_and_every_block_given_back(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -41,6 +44,7 @@ def test_one_forward_per_tile_size_and_every_block_given_back(monkeypatch):
     assert [name for name, _ in copies] == ["gather_blocks", "scatter_blocks"] * len(QUERY_LENGTHS)
     assert [len(ids) for name, ids in copies[::2]] == [-(-n // 16) for n in sorted(QUERY_LENGTHS)]
     assert torch.equal(runner.kv_pool.kv, before)
+    assert runner.logit_rows == ops.SKINNY_GEMM_ROWS_LIMIT  # lm_head's row tiles (warm_up_logits)
 
 
 def test_capped_by_the_token_budget_and_skipped_off_cuda(monkeypatch):
