@@ -8,8 +8,9 @@ one benchmark run shows the prefill phase, the decode batch growing and the tail
     python3 -m tandem.bench.cluster_timeline cluster.log
 
 and, last, where an average second of each worker's loop went (``seconds``): its parts'
-shares (scheduling, launching steps, reading them back, publishing, admissions), and how much
-of the reading was the host waiting for the device.
+shares (scheduling, launching steps, reading them back, publishing, admissions), how much
+of the reading was the host waiting for the device, and with a host KV tier how much of the
+second its checks, waits and checksums took.
 """
 
 from __future__ import annotations
@@ -56,7 +57,27 @@ def seconds(rows: list[dict], role: str = "decode") -> dict[str, float]:
     shares["other"] = round(max(0.0, 1.0 - sum(shares.values())), 3)
     if any("device_wait_frac" in r for r in busy):  # inside "read": the host waiting for the device
         shares["of which device_wait"] = round(sum(r.get("device_wait_frac", 0.0) for r in busy) / len(busy), 3)
+    # the host KV tier's milliseconds in each line's interval (engine.host_kv_tier.host_tier_counters),
+    # inside "intake" (a load's checks and waits) and "upkeep" (stores' checksums)
+    intervals = _intervals([r for r in rows if r.get("role") == role])
+    for key in TIER_MS:
+        if any(r.get(key) for r in busy):
+            share = sum(r.get(key, 0) / 1e3 / intervals[id(r)] for r in busy if intervals.get(id(r)))
+            shares[f"of which {key[: -len('_ms')]}"] = round(share / len(busy), 3)
     return shares
+
+
+TIER_MS = ("tier_check_ms", "tier_wait_ms", "tier_land_ms")
+
+
+def _intervals(lines: list[dict]) -> dict[int, float]:
+    """Each line's interval in seconds: the time since the line before it (of the same worker
+    kind; the first line's is unknown)."""
+    out = {}
+    for before, line in zip(lines, lines[1:]):
+        if "t_s" in line and "t_s" in before and line["t_s"] > before["t_s"]:
+            out[id(line)] = line["t_s"] - before["t_s"]
+    return out
 
 
 def format_table(rows: list[dict]) -> str:
