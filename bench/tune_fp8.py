@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from tandem.bench.shapes import SHAPES
 from tandem.bench.timing import ceilings, graph_ms
 from tandem.bench.tune_gemv import ROTATE_BYTES, projections, time_rotating
-from tandem.kernels import decode_attention, decode_config, fp8_matmul, ops, reference
+from tandem.kernels import decode_config, fp8_matmul, ops, reference
 from tandem.kernels.decode_attention import _launch_decode_attention
 from tandem.kernels.fp8_quant import quantize_rows_fp8
 from tandem.kernels.fp8_weight import dequantize, quantize_weight
@@ -60,6 +60,8 @@ ATTENTION_FORMS = ((False, None, False), (True, None, False))
 # --attention-ids: V_DEQUANT, ids per tile and in registers, products in bf16 and fp16, on fewer tiles
 ATTENTION_ID_FORMS = tuple((True, ids, f16) for f16 in (False, True) for ids in (False, True))
 ATTENTION_ID_TILES = list(itertools.product((32, 64, 128), (2, 4), (2, 3)))
+# --attention-prefetch: the register-prefetch form's tiles (its loads are not Triton's pipeline: 1 stage)
+ATTENTION_PREFETCH_TILES = list(itertools.product((16, 32, 64), (2, 4), (1,)))
 
 
 def _weights(rows: int, K: int) -> list[torch.Tensor]:
@@ -260,7 +262,10 @@ def prefill_part(model: str, M: int = 2048) -> dict:
 
 
 def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, forms: tuple = ATTENTION_FORMS,
-                   tiles: list = ATTENTION_TILES) -> list[dict]:
+                   tiles: list = ATTENTION_TILES, reg_prefetch: bool = False) -> list[dict]:
+    """``reg_prefetch``: also each tile of ATTENTION_PREFETCH_TILES in the rule's form (V widened,
+    fp16 products), block ids per tile and in registers, with the next tile loaded into registers
+    before a tile's math (decode_kernels' REG_PREFETCH)."""
     s = SHAPES[model]
     hq, hkv = s["num_attention_heads"], s["num_key_value_heads"]
     d, block_size = s["hidden_size"] // hq, 16
@@ -281,34 +286,39 @@ def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, for
                                          reference.dequantize_kv_fp8(v8, v_scale), tables, lens, scale)
         splits = decode_config.num_kv_splits(batch, hkv, tables.shape[1] * block_size, q.device)
 
-        def run(config, kc=k8, vc=v8, ks=k_scale, vs=v_scale, ids=None):
+        def run(config, kc=k8, vc=v8, ks=k_scale, vs=v_scale, ids=None, prefetch=False):
             def call():
                 _launch_decode_attention(q, kc, vc, tables, lens, out, scale, None, None, config,
-                                         k_scale=ks, v_scale=vs, ids_in_registers=ids)  # ids None: the rule's
+                                         k_scale=ks, v_scale=vs, ids_in_registers=ids,  # ids None: the rule's
+                                         reg_prefetch=prefetch)
             return call
 
         bf16 = graph_ms([run(None, k, v, None, None)] * 10)
         rows = []
-        settings = [(None, None)] + [(t + (splits, True, v_dequant, f16), ids) for v_dequant, ids, f16 in forms
-                                     for t in tiles]
-        for config, ids in settings:
+        settings = [(None, None, False)] + [(t + (splits, True, v_dequant, f16), ids, False)
+                                            for v_dequant, ids, f16 in forms for t in tiles]
+        if reg_prefetch:
+            settings += [(t + (splits, True, True, True), ids, True) for ids in (False, True)
+                         for t in ATTENTION_PREFETCH_TILES]
+        for config, ids, prefetch in settings:
             try:
                 out.fill_(float("nan"))
-                run(config, ids=ids)()
+                run(config, ids=ids, prefetch=prefetch)()
                 if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
-                    rows.append({"config": config, "error": "WRONG ANSWER"})
+                    rows.append({"config": config, "reg_prefetch": prefetch, "error": "WRONG ANSWER"})
                     continue
-                rows.append({"config": config, "ids_in_registers": ids,
-                             "ms": graph_ms([run(config, ids=ids)] * 10)})
+                rows.append({"config": config, "ids_in_registers": ids, "reg_prefetch": prefetch,
+                             "ms": graph_ms([run(config, ids=ids, prefetch=prefetch)] * 10)})
             except Exception as exc:
-                rows.append({"config": config, "ids_in_registers": ids, "error": repr(exc)[:160]})
+                rows.append({"config": config, "ids_in_registers": ids, "reg_prefetch": prefetch,
+                             "error": repr(exc)[:160]})
         best, rule = _best(rows), _rule(rows)
         by_products = {name: _best([r for r in rows if r["config"] is not None and bool(r["config"][6]) == f16])
                        for name, f16 in (("bf16", False), ("f16", True))}
         bf16_bytes = 2 * batch * context * hkv * d * 2
         r = {"batch": batch, "context": context, "splits": splits, "bf16_us": bf16 * 1e3, "fp8_rule_us": rule * 1e3,
              "fp8_best_us": best["ms"] * 1e3, "fp8_best_config": best["config"],
-             "fp8_best_ids_in_registers": best["ids_in_registers"],
+             "fp8_best_ids_in_registers": best["ids_in_registers"], "fp8_best_reg_prefetch": best["reg_prefetch"],
              **{f"fp8_best_{name}_products_us": b["ms"] * 1e3 for name, b in by_products.items() if b},
              "bf16_of_copy_bw": bf16_bytes / (bf16 / 1e3) / copy_bw,
              "fp8_rule_of_copy_bw": bf16_bytes / 2 / (rule / 1e3) / copy_bw,
@@ -316,7 +326,8 @@ def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, for
         results.append(r)
         print(f"attention b{batch} ctx{context}: bf16 {r['bf16_us']:.1f} us ({r['bf16_of_copy_bw']:.0%}), fp8 rule "
               f"{r['fp8_rule_us']:.1f} ({r['fp8_rule_of_copy_bw']:.0%}), best {r['fp8_best_us']:.1f} "
-              f"({r['fp8_best_of_copy_bw']:.0%}) {best['config']} ids in registers {best['ids_in_registers']}; best with "
+              f"({r['fp8_best_of_copy_bw']:.0%}) {best['config']} ids in registers {best['ids_in_registers']} register "
+              f"prefetch {best['reg_prefetch']}; best with "
               f"bf16 / f16 products {r.get('fp8_best_bf16_products_us', 0):.1f} / "
               f"{r.get('fp8_best_f16_products_us', 0):.1f}", flush=True)
         torch.cuda.empty_cache()
@@ -332,6 +343,8 @@ def main() -> int:
     parser.add_argument("--attention-ids", action="store_true",
                         help="the attention grid with V_DEQUANT, block ids per tile and in registers, "
                              "products in bf16 and in fp16 (F16_DOT)")
+    parser.add_argument("--attention-prefetch", action="store_true",
+                        help="also the attention's register-prefetch form (the next tile loaded before a tile's math)")
     parser.add_argument("--out", default="tune_fp8.json")
     args = parser.parse_args()
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
@@ -349,7 +362,8 @@ def main() -> int:
         if "attention" in parts:
             forms, tiles = ((ATTENTION_ID_FORMS, ATTENTION_ID_TILES) if args.attention_ids
                             else (ATTENTION_FORMS, ATTENTION_TILES))
-            report["attention"] = attention_part(args.model, copy_bw, args.attention_cases, forms, tiles)
+            report["attention"] = attention_part(args.model, copy_bw, args.attention_cases, forms, tiles,
+                                                 args.attention_prefetch)
             save()
         if "prefill" in parts:
             report["prefill"] = prefill_part(args.model)

@@ -131,13 +131,15 @@ def decode_attention_variants(max_rows: int, max_width: int, q_dtype: torch.dtyp
 def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, workspace,
                              config: tuple | None = None, new_token: NewToken | None = None,
                              k_scale=None, v_scale=None, ids_in_registers: bool | None = None,
-                             max_registers: int | None = None):
+                             max_registers: int | None = None, reg_prefetch: bool = False):
     """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, v_dequant[, f16_dot]]])
     instead of the shape rules (tuning only; v_dequant: an FP8 cache's V widened with its scale,
     V_DEQUANT; f16_dot: an FP8 cache's products in fp16, F16_DOT, for a 16-bit q).
     ``new_token``: rotary and the KV write fused in.
     ``k_scale``, ``v_scale``: an FP8 cache's [num_kv_heads] fp32 scales of this layer.
-    ``ids_in_registers``, ``max_registers``: an A/B's choices instead of the rule (above)."""
+    ``ids_in_registers``, ``max_registers``: an A/B's choices instead of the rule (above);
+    ``reg_prefetch``: the loop's next tile loaded into registers before a tile's math
+    (``decode_kernels``' REG_PREFETCH; not the rule's, not with the fused form's PREFETCH)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     k_scale, v_scale = check_paged_attention(q, k_cache, v_cache, block_tables, out, sliding_window, k_scale, v_scale)
@@ -172,6 +174,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         po_strides = partial_out.stride()[:3]
         pl_strides = partial_lse.stride()[:2]
     grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
+    prefetch = PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH
     _decode_partial_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, out,
         k_new, v_new, positions, cos_sin, slots, k_scale, v_scale,
@@ -184,7 +187,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         BLOCK_N=block_n, HEAD_DIM=head_dim, HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
-        PREFETCH=PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH, IDS_REG=ids_reg,
+        PREFETCH=prefetch, REG_PREFETCH=reg_prefetch and not prefetch, IDS_REG=ids_reg,
         KV_FP8=is_fp8(k_cache), SOFT_ROUND=soft_round(), V_DEQUANT=v_dequant and is_fp8(k_cache),
         F16_DOT=f16_dot and is_fp8(k_cache) and q.dtype in (torch.bfloat16, torch.float16),
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),

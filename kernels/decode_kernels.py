@@ -46,7 +46,7 @@ def _decode_partial_kernel(
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, IDS_REG: tl.constexpr = 0,
     KV_FP8: tl.constexpr = False, SOFT_ROUND: tl.constexpr = False, V_DEQUANT: tl.constexpr = False,
-    F16_DOT: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False, REG_PREFETCH: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -69,6 +69,9 @@ def _decode_partial_kernel(
     scores are q . code * scale * log2(e) * k_scale, the output is multiplied by v_scale, and
     the new token (NEW_TOKEN) is written and attended as its codes. F16_DOT (with KV_FP8, a 16-bit
     q): both products in fp16 (decode_tiles._attend_kv_tile), the score scale folded into q.
+    REG_PREFETCH (not with PREFETCH; a tuning form): each tile's loads are issued before the
+    previous tile's math, into registers the loop carries, so a program's loads overlap its math
+    (Triton's 2-stage pipeline waits for a tile's copies and issues the next tile's after the math).
     """
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
@@ -177,13 +180,27 @@ def _decode_partial_kernel(
             acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k_last, v_last, valid_last, qk_scale,
                                             DOT_PRECISION, DOT_UPCAST, KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
         loop_end = last_tile
-    for start_n in range(start, loop_end, BLOCK_N):
+    if REG_PREFETCH:  # the tile after loop_end is fully masked: it moves no bytes
         k, v, offs_n, kv_valid = _load_kv_tile(
-            k_base, v_base, block_table_row, start_n, end,
+            k_base, v_base, block_table_row, start, loop_end,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
             ids, ids_first, IDS_REG)
-        acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST,
-                                        KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
+        for start_n in range(start, loop_end, BLOCK_N):
+            k_next, v_next, offs_next, valid_next = _load_kv_tile(
+                k_base, v_base, block_table_row, start_n + BLOCK_N, loop_end,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
+                ids, ids_first, IDS_REG)
+            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST,
+                                            KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
+            k, v, offs_n, kv_valid = k_next, v_next, offs_next, valid_next
+    else:
+        for start_n in range(start, loop_end, BLOCK_N):
+            k, v, offs_n, kv_valid = _load_kv_tile(
+                k_base, v_base, block_table_row, start_n, end,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
+                ids, ids_first, IDS_REG)
+            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST,
+                                            KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0

@@ -149,6 +149,9 @@ _KERNELS += [
      ("k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr"), (), _FP8_CACHE),
     (_decode_partial_kernel, {**_DECODE, "GROUP": 1, "BLOCK_N": 32, "DIRECT_OUT": True, "IDS_REG": 512}, (), (),
      _FP8_CACHE),
+    # the register-prefetch tuning form: its first tile's loads come after the wait too
+    (_decode_partial_kernel, {**_DECODE, "DIRECT_OUT": True, "IDS_REG": 32, "REG_PREFETCH": True, "V_DEQUANT": True,
+                              "F16_DOT": True}, (), (), _FP8_CACHE),
 ]
 
 # LoRA (a step's adapter rows): the shrink's fp32 partials, the expand's scales; rows by segment

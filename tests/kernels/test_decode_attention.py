@@ -62,6 +62,25 @@ def test_tile_edges(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, blo
     assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
 
 
+@pairwise({
+    "dtype": [torch.float32, torch.bfloat16],
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "window": [None, 100],
+    "num_splits": [1, 3],
+    "ids_in_registers": [False, True],
+})
+def test_the_register_prefetch_form_gives_the_same_answer(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim,
+                                                           block_size, window, num_splits, ids_in_registers):
+    """REG_PREFETCH (a tuning form: the next tile loaded before a tile's math) over the tile edges'
+    contexts, empty and one-token ones included: the reference's answer."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    force_ids_in_registers(monkeypatch, ids_in_registers)
+    seq_lens = [64, 65, 63, 128, 129, 31, 1, 0, 257, 97]
+    inputs = _inputs(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    out = torch.full_like(inputs[0], float("nan"))
+    decode_module._launch_decode_attention(*inputs, out, head_dim**-0.5, window, None, reg_prefetch=True)
+    assert_close(out, _expected(*inputs, head_dim**-0.5, window), dtype, ATTN_SCALE[dtype])
+
 def test_launch_settings_reach_the_kernels(monkeypatch):
     """The grid order is passed on (both orders give the same answer, so the answer tests
     cannot see it); the fused form prefetches at batches of up to PREFETCH_MAX_BATCH only,

@@ -51,6 +51,23 @@ def test_decode_attention_with_block_ids_in_registers(monkeypatch, num_splits):
     assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("ids_in_registers", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_attention_with_the_register_prefetch_form(monkeypatch, num_splits, ids_in_registers):
+    """REG_PREFETCH over an FP8 cache, with the rule's forms of it (V widened by its scale, products
+    in fp16): the reference's answer."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    force_ids_in_registers(monkeypatch, ids_in_registers)
+    seq_lens = [64, 65, 1, 129, 31, 0, 150]
+    k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_kv(seq_lens, 16, 2, 64)
+    q = torch.randn(len(seq_lens), 8, 64, device=DEVICE).to(torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = poisoned(q.shape, torch.bfloat16)
+    _launch_decode_attention(q, k_cache, v_cache, tables, lens, out, 64**-0.5, None, None, k_scale=k_scale,
+                             v_scale=v_scale, reg_prefetch=True)
+    expected = _expected_decode(q, k_cache, v_cache, tables, lens, k_scale, v_scale, None)
+    assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_attention_with_v_widened_by_its_scale(dtype, num_splits):
