@@ -85,12 +85,12 @@ def silu_mul(x, quantize_for=None, keep_values=False):
 # turns it off (tandem.kernels.switches). The results are the same bits either way.
 def quantizes_input(x, weight) -> bool:
     """Whether every FP8 route that takes rows like ``x`` into ``weight`` (linear, gate_up_silu_mul,
-    linear_add_rms_norm) quantizes them per token first: then they may come as ``Fp8Rows``."""
-    if not isinstance(weight, Fp8Weight) or not switches.current().fused_fp8_quant:
-        return False
-    kinds = {_triton_matmul(x, weight, None, limit)
-             for limit in (None, SKINNY_SILU_MUL_MAX_ROWS, min(FUSED_NORM_MAX_ROWS, SKINNY_GEMM_ROWS_LIMIT))}
-    return all(kind == "skinny_fp8" or (kind is None and fp8_matmul.takes(x, weight)) for kind in kinds)
+    linear_add_rms_norm) quantizes them per token first: then they may come as ``Fp8Rows``. Past
+    one row and past fp8_skinny_max_rows(), ``_triton_matmul`` sends an FP8 weight to the
+    tensor-core skinny GEMM or to ``_matmul``, whatever its row limit; both quantize where
+    ``fp8_matmul.takes`` (the skinny one only takes those). Called a few times a layer: no more."""
+    return (isinstance(weight, Fp8Weight) and switches.current().fused_fp8_quant
+            and x.shape[0] > max(1, fp8_skinny_max_rows()) and fp8_matmul.takes(x, weight))
 
 
 def _fp8_rows(x):

@@ -344,21 +344,17 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torc
     )
     if not workspace:
         return
-    fp8_out = {}
     if add_norm is None:
         block, finish_warps = min(1024, triton.next_power_of_2(num_out)), 4
-        res = norm_w = new_res = y_scale = y  # unused without ADD_NORM
-        eps = 0.0
+        res = norm_w = new_res = y  # unused without ADD_NORM
+        eps, y_scale = 0.0, None
     else:
         block = triton.next_power_of_2(num_out)  # the whole row: its sum of squares
         finish_warps = max(4, row_num_warps(block))
         res, norm_w, eps, new_res, y_scale = add_norm
-        if y_scale is not None:
-            fp8_out = {"FP8_OUT": True, "FP8_LIMIT": FP8_MAX, "SOFT_ROUND": soft_round()}
-        else:
-            y_scale = y
+    fp8_out = {} if y_scale is None else {"FP8_OUT": True, "FP8_LIMIT": FP8_MAX, "SOFT_ROUND": soft_round()}
     _split_sum_kernel[(M, triton.cdiv(num_out, block))](
-        out, dummy_bias, y, res, norm_w, new_res, y_scale, num_out, out.stride(0), out.stride(1), y.stride(0),
+        out, dummy_bias, y, res, norm_w, new_res, y if y_scale is None else y_scale, num_out, out.stride(0), out.stride(1), y.stride(0),
         res.stride(0), new_res.stride(0), float(eps),
         SPLIT_K=split_k, BLOCK=block, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=add_norm is not None,
         num_warps=finish_warps, **fp8_out, **launch_options(x),
