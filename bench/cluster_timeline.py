@@ -10,7 +10,7 @@ one benchmark run shows the prefill phase, the decode batch growing and the tail
 and, last, where an average second of each worker's loop went (``seconds``): its parts'
 shares (scheduling, launching steps, reading them back, publishing, admissions), how much
 of the reading was the host waiting for the device, and with a host KV tier how much of the
-second its checks, waits and checksums took.
+second issuing its copies and waiting for its loads took.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def seconds(rows: list[dict], role: str = "decode") -> dict[str, float]:
     if any("device_wait_frac" in r for r in busy):  # inside "read": the host waiting for the device
         shares["of which device_wait"] = round(sum(r.get("device_wait_frac", 0.0) for r in busy) / len(busy), 3)
     # the host KV tier's milliseconds in each line's interval (engine.host_kv_tier.host_tier_counters),
-    # inside "intake" (a load's checks and waits) and "upkeep" (stores' checksums)
+    # inside "intake" and "launch" (issuing stores and loads; a restore waiting for its load)
     intervals = _intervals([r for r in rows if r.get("role") == role])
     for key in TIER_MS:
         if any(r.get(key) for r in busy):
@@ -67,7 +67,7 @@ def seconds(rows: list[dict], role: str = "decode") -> dict[str, float]:
     return shares
 
 
-TIER_MS = ("tier_check_ms", "tier_wait_ms", "tier_land_ms")
+TIER_MS = ("tier_issue_ms", "tier_wait_ms")
 
 
 def _intervals(lines: list[dict]) -> dict[int, float]:

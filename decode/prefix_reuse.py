@@ -57,14 +57,18 @@ class PrefixReuse:
             self.num_device_hit_blocks += len(cached)
         return cached
 
-    def load_host(self, request: DecodeRequest, num_cached: int, fresh: list[int]) -> int:
-        """The blocks after its device prefix that the host tier holds: copied into its first
-        ``fresh`` blocks (and cached); -> how many."""
+    def load_host(self, request: DecodeRequest, num_cached: int, fresh: list[int]):
+        """Start copying the blocks after its device prefix that the host tier holds into its first
+        ``fresh`` blocks -> the ``HostLoad`` in flight (``landed`` caches them), or None."""
         if not self._applies(request) or self.cache.host_tier is None:
-            return 0
+            return None
         end = num_reusable_blocks(len(request.prefill_token_ids), self.block_size)
         after = request.block_hashes[num_cached:end]
         return self.cache.load_host(after[: self.cache.match_host(after)], fresh)
+
+    def landed(self, load) -> int:
+        """A host load's blocks are in (waiting if not): cache them -> how many."""
+        return self.cache.landed(load)
 
     def cache_output(self, request: DecodeRequest) -> None:
         """A request stops decoding: cache the full blocks whose KV it wrote (every position but its

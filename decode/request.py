@@ -36,6 +36,7 @@ class DecodeRequest:
     # prefill_token_ids, and how many of its tokens' KV came from the cache at its last admission
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
+    host_load: object | None = None  # engine.host_kv_tier.HostLoad of its prefix, while in flight (LOADING)
 
     @property
     def request_id(self) -> str:

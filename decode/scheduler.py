@@ -2,9 +2,9 @@
 
 Moves requests::
 
-    QUEUED -(reserve blocks)-> PREFILLING -(KV complete)-> DECODING -> FINISHED
-               ^                                              |
-               +------ PAUSED <-(no block for the next step)--+
+    QUEUED -(reserve blocks)-> [LOADING ->] PREFILLING -(KV complete)-> DECODING -> FINISHED
+               ^                                                         |
+               +------ PAUSED <-(no block for the next step)-------------+
 
 and to ABORTED or FAILED from any status. Blocks are freed on every exit path;
 a PREFILLING request's blocks are freed only once the prefill worker no longer
@@ -32,7 +32,10 @@ allocator is then an ``engine.caching_allocator.CachingAllocator`` over the cach
 blocks include the cached ones no request holds. At admission a request takes the cached blocks of
 its longest cached prefix (``engine.prefix_cache``; never the block of its last token, which is
 computed for its logits), and with a host tier under the cache the prefix goes on with blocks
-copied in from host memory; ``num_cached_tokens`` tells its prefill where to start. The prefill
+copied in from host memory; ``num_cached_tokens`` tells its prefill where to start. That copy runs
+beside the steps (``engine.host_kv_tier.HostLoad``): the request waits in ``loading`` (its status
+PREFILLING, its blocks reserved) and goes to its prefill once they are in, so the other requests'
+steps never wait for it (``land_loads``; with nothing else admitted it waits for the oldest). The prefill
 caches each prompt block as it fills; a request that stops decoding (it ends, or is paused) caches
 the full blocks of its output too, so the next turn of a conversation finds its answer's KV.
 
@@ -84,6 +87,7 @@ class DecodeScheduler:
         self.requests: dict[str, DecodeRequest] = {}
         self.waiting: list[DecodeRequest] = []  # QUEUED and PAUSED, in queue_key order
         self.prefilling: dict[str, DecodeRequest] = {}  # PREFILLING
+        self.loading: dict[str, DecodeRequest] = {}  # PREFILLING, its prefix still coming from the host tier
         self.running: list[DecodeRequest] = []  # DECODING
         self.num_preemptions = 0
         self._num_admitted = 0
@@ -128,21 +132,35 @@ class DecodeScheduler:
         cached = self.prefix.take(request)  # held from now: not evicted for the fresh blocks
         fresh = self.allocator.allocate_blocks(num_blocks - len(cached))
         request.block_ids = cached + fresh
-        num_loaded = self.prefix.load_host(request, len(cached), fresh)
-        request.num_cached_tokens = (len(cached) + num_loaded) * self.allocator.block_size
+        request.num_cached_tokens = len(cached) * self.allocator.block_size
         request.reserved_to_end = self.policy.reserves_to_end
         request.status = RequestStatus.PREFILLING
         if request.admitted_seq is None:
             self._num_admitted += 1
             request.admitted_seq = self._num_admitted
-        self.prefilling[request.request_id] = request
+        request.host_load = self.prefix.load_host(request, len(cached), fresh)  # never a swapped-out one's
+        (self.prefilling if request.host_load is None else self.loading)[request.request_id] = request
+
+    def land_loads(self) -> list[DecodeRequest]:
+        """LOADING requests whose host-tier blocks are in -> PREFILLING (their prefix counts as cached),
+        in admission order. When nothing else is admitted the oldest is waited for: the device has
+        nothing to do meanwhile."""
+        landed = []
+        for request in list(self.loading.values()):
+            if ((not self.running and not self.prefilling and not landed) or request.host_load.done()):
+                del self.loading[request.request_id]
+                request.num_cached_tokens += self.prefix.landed(request.host_load) * self.allocator.block_size
+                request.host_load = None
+                self.prefilling[request.request_id] = request
+                landed.append(request)
+        return landed
 
     def schedule_prefills(self) -> list[DecodeRequest]:
         """Reserve blocks for waiting requests the policy admits now; they go to a prefill worker next."""
-        started = []
+        started = self.land_loads()
         if not self.policy.may_admit(self):
             return started
-        adapters = AdapterSlots(self.max_loras, self.prefilling.values(), self.running)
+        adapters = AdapterSlots(self.max_loras, [*self.prefilling.values(), *self.loading.values()], self.running)
         i = 0
         while i < len(self.waiting) and self.num_active < self.max_batch_size:
             request = self.waiting[i]
@@ -154,6 +172,8 @@ class DecodeScheduler:
             self.waiting.pop(i)
             self.reserve(request)
             adapters.add(request.lora_key)
+            if request.host_load is not None:
+                continue  # its prefill starts once its blocks are in (land_loads)
             if request.is_resuming and self.swap is not None and self.swap.restore(request):
                 self.on_prefill_done(request, None, None)  # its KV is back: it decodes on, no prefill
                 continue
@@ -256,7 +276,7 @@ class DecodeScheduler:
         them up): ``request`` sits this step out rather than see an older request paused for it."""
         while not self.can_grow(request):
             victim = max(self.running, key=lambda r: r.keep_key)
-            if any(r.keep_key > victim.keep_key for r in self.prefilling.values()):
+            if any(r.keep_key > victim.keep_key for r in (*self.prefilling.values(), *self.loading.values())):
                 return None
             self.pause(victim)
             if victim is request:
@@ -269,7 +289,8 @@ class DecodeScheduler:
         policy; those it admitted itself hold all theirs, and are not even looked at)."""
         block_size = self.allocator.block_size
         return sum(max(blocks_for(self.reserved_tokens(r), block_size) - len(held_block_ids(r)), 0)
-                   for r in (*self.prefilling.values(), *self.running) if not r.reserved_to_end)
+                   for r in (*self.prefilling.values(), *self.loading.values(), *self.running)
+                   if not r.reserved_to_end)
 
     def num_growth_blocks(self) -> int:
         """Blocks the running requests still need for their next step."""
@@ -377,7 +398,7 @@ class DecodeScheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.prefilling)
+        return len(self.waiting) + len(self.loading) + len(self.prefilling)
 
     @property
     def num_running(self) -> int:
@@ -385,5 +406,5 @@ class DecodeScheduler:
 
     @property
     def num_active(self) -> int:
-        """Requests holding blocks for their own use: PREFILLING and DECODING."""
-        return len(self.prefilling) + len(self.running)
+        """Requests holding blocks for their own use: PREFILLING (LOADING too) and DECODING."""
+        return len(self.prefilling) + len(self.loading) + len(self.running)

@@ -52,7 +52,7 @@ class SwapSpace:
             self._drop(request.request_id, n)
             return False
         keys = self._keys(request.request_id, n)
-        loaded = self.tier.load(keys, request.block_ids[:n])
+        loaded = self.tier.load(keys, request.block_ids[:n]).wait()  # it decodes on at once: its KV must be in
         self._drop(request.request_id, n)
         if loaded < n:
             return False

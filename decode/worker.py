@@ -203,10 +203,11 @@ class DecodeWorker:
         with part("upkeep"):
             self.steps.penalties.release(self.scheduler.pop_left_batch())  # their slots of token counts
             if self.host_tier is not None:
-                self.host_tier.poll()  # checksums of landed stores, so a load only checks them
+                self.host_tier.poll()  # stores that have landed: a load of their slots waits for nothing
             if self.prefix_index is not None:
                 self.prefix_index.sync()  # what the gateway routes by (tandem.colocated)
         self.stats.maybe_log(running=self.scheduler.num_running, prefilling=len(self.scheduler.prefilling),
+                             loading=len(self.scheduler.loading),
                              waiting=self.scheduler.num_waiting, free_blocks=self.allocator.num_free,
                              holds=self.batch_wait.num_holds)
 
@@ -269,8 +270,8 @@ class DecodeWorker:
 
     # ---- helpers --------------------------------------------------------------------
     def _busy(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.prefilling or self.scheduler.waiting
-                    or self.lora_loads.num_waiting)
+        return bool(self.scheduler.running or self.scheduler.prefilling or self.scheduler.loading
+                    or self.scheduler.waiting or self.lora_loads.num_waiting)
 
     def _handle_messages(self, messages: list) -> None:
         """Handle what was read (NOACK: nobody delivers it again), after what a Redis error left

@@ -10,26 +10,35 @@ one block each: storing into a full tier drops its least recently used block.
 On a GPU the tier is one pinned buffer. A store gathers the evicted blocks into one contiguous
 block-major device buffer on the compute stream, in one kernel (``ops.gather_blocks`` into the
 buffer's [layers, 2, n, ...] view; the blocks may be reallocated by the next step, which then
-runs after the gather), and the store stream moves it to the host asynchronously, one transfer per
-run of consecutive slots; the compute stream never waits for it. A load starts the transfers of
-its runs of slots first, on a stream of their own (into a staging buffer of that stream, so they
-need not wait for the steps in flight), checks the host bytes' checksums while they cross the
-link, and has the compute stream wait for the transfers and scatter the blocks that passed into
-the pool (``ops.scatter_blocks``, one kernel), so no step reads a block before its K/V arrived.
-Stores and loads have a stream each (the link carries both directions at once); a store waits
-for the loads before it, since a slot it rewrites may be one they read. The
-bytes move as the widest integer words a row of the pool divides into. On the CPU the same
-code runs with ordinary memory and plain copies.
+runs after the gather), sums each block's words there (its checksum, kept on the device per
+slot), and the store stream moves the buffer to the host asynchronously, one transfer per run
+of consecutive slots; the compute stream never waits for it. A load (``HostLoad``) runs wholly on
+a stream of its own: its transfers into a staging buffer of that stream start at once (after
+the stores of its slots, should those still be in flight), then, behind the steps already
+queued when it was issued (the last readers of its fresh blocks), it sums the blocks that
+arrived, compares them with their stored checksums and scatters them into the pool
+(``ops.scatter_blocks``, one kernel), and copies how many leading blocks passed to pinned host
+memory. The host never waits for any of it: the worker polls ``HostLoad.done()`` and the request
+joins the steps once its blocks are in (``decode.scheduler``'s LOADING requests), so the steps
+of other requests go on meanwhile. Stores and loads have a stream each (the link carries both
+directions at once); a store waits for the loads before it, since a slot it rewrites may be one
+they read. The bytes move as the widest integer words a row of the pool divides into.
 
-Each stored block gets a checksum (the wrapping sum of its 64-bit words) once its copy has landed
-on the host; a load checks it first, and a block that fails (or that the tier dropped meanwhile)
-is not loaded: the prompt computes it and everything after it, as without the tier.
+On the CPU the same code runs with ordinary memory: stores copy at once, and loads run on one
+thread of the tier's (torch's copies and sums release the interpreter), so a load is in flight
+there too while the worker's loop goes on.
+
+A checksum is the wrapping sum of a block's 64-bit words, taken on the device from the bytes
+stored and again from the bytes that came back; a block whose sums differ (or that the tier
+dropped before the load was issued) ends the load there: the prompt computes it and everything
+after it, as without the tier, and the tier drops it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,11 +58,53 @@ class HostTierStats:
     bad_blocks: int = 0  # host blocks that failed their checksum when wanted (not loaded)
     bytes_out: int = 0  # device -> host
     bytes_in: int = 0  # host -> device
-    # host seconds on the worker's loop: checking a load's bytes, waiting for a store a load needs,
-    # checksumming stores that landed (host_tier_counters: the statistics lines' rise of each)
-    check_s: float = 0.0
+    # host seconds on the worker's loop: issuing stores and loads, and waiting for a load
+    # (HostLoad.wait: a swapped-out request's restore) (host_tier_counters)
+    issue_s: float = 0.0
     wait_s: float = 0.0
-    land_s: float = 0.0
+
+
+class HostLoad:
+    """Host blocks on their way into device blocks (``HostKVTier.load``). ``done()`` polls and
+    ``wait()`` blocks; once done, ``count`` is how many of the leading ``hashes`` arrived intact
+    in the leading ``block_ids`` (the rest of those blocks hold bytes the prompt recomputes)."""
+
+    def __init__(self, tier: "HostKVTier | None", hashes: list[bytes], block_ids: list[int], slots: list[int],
+                 pending=None, result=None):
+        self.tier = tier
+        self.hashes, self.block_ids, self.slots = hashes, block_ids, slots
+        self._pending = pending  # a CUDA event or a Future (None: settled)
+        self._result = result  # the pinned count tensor (CUDA) or None
+        self._keep = ()  # buffers the load's stream uses until it is done
+        self.count: int | None = None if pending is not None else 0
+
+    def done(self) -> bool:
+        if self.count is None and (self._pending.done() if isinstance(self._pending, Future)
+                                   else self._pending.query()):
+            self._settle()
+        return self.count is not None
+
+    def wait(self) -> int:
+        """Block until the load is done -> ``count``."""
+        if self.count is None:
+            started = time.perf_counter()
+            if isinstance(self._pending, Future):
+                self._pending.exception()
+            else:
+                self._pending.synchronize()
+            self.tier.stats.wait_s += time.perf_counter() - started
+            self._settle()
+        return self.count
+
+    def _settle(self) -> None:
+        if isinstance(self._pending, Future):
+            count = self._pending.result()  # a load that raised raises here
+        else:
+            torch.cuda.current_stream(self.tier.device).wait_event(self._pending)  # steps read the blocks after it
+            count = int(self._result[0])
+        self._pending, self._result, self._keep = None, None, ()
+        self.count = count
+        self.tier._landed(self)
 
 
 class HostKVTier:
@@ -69,15 +120,16 @@ class HostKVTier:
         self.device = self.kv.device
         self.cuda = self.device.type == "cuda"
         self.host = torch.empty((self.capacity,) + shape, dtype=self.kv.dtype, pin_memory=self.cuda)
+        self._expected = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)  # slot -> checksum
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
         self._hash_in: dict[int, bytes] = {}  # slot -> hash
         self._free = list(range(self.capacity - 1, -1, -1))  # popped from the end: lowest slot first
-        self._checksum: dict[int, int] = {}  # slot -> checksum of its bytes, once they landed
-        self._in_flight: list[tuple[object, list[tuple[int, bytes]]]] = []  # (copy done, its (slot, hash)s)
+        self._storing: dict[int, object] = {}  # slot -> the event after its store's transfer (until it ran)
         # stores and loads cross the link on streams of their own (it carries both directions at once)
         self._out_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._in_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self._last_load = None  # the event after the latest load's transfers
+        self._loader = None if self.cuda else ThreadPoolExecutor(1, thread_name_prefix="host-kv-load")
+        self._last_load = None  # the latest load's event (CUDA) or Future (CPU)
         # hash -> held now? since take_changes() (the routing index); kept only once an index asked
         # (take_changes), and never for the blocks stored unindexed (a swapped-out request's)
         self._changes: dict[bytes, bool] = {}
@@ -131,6 +183,7 @@ class HostKVTier:
         todo = todo[-self.capacity:]  # more than the tier holds: the last evicted (most recent) win
         if not todo:
             return 0
+        started = time.perf_counter()
         slots = []
         for block_hash, _ in todo:
             if not self._free:
@@ -147,7 +200,8 @@ class HostKVTier:
         ids = tensor_on([block_id for _, block_id in todo], self.device)  # not waiting for the queued steps
         gathered = torch.empty((len(todo),) + tuple(self.host.shape[1:]), dtype=self.kv.dtype, device=self.device)
         ops.gather_blocks(self.kv, ids, out=gathered.movedim(0, 2))  # block-major: [n, layers, 2, block, ...]
-        pairs = [(slot, block_hash) for slot, (block_hash, _) in zip(slots, todo)]
+        # the checksums, on the compute stream: loads compare what arrives with them
+        self._expected.index_copy_(0, tensor_on(slots, self.device), _checksums(gathered))
         if self.cuda:  # the gather ran on the compute stream; the copy to the host runs beside it
             self._out_stream.wait_stream(torch.cuda.current_stream(self.device))
             if self._last_load is not None:  # a slot dropped since is rewritten only once loads read it
@@ -158,85 +212,90 @@ class HostKVTier:
                 done = torch.cuda.Event()
                 done.record(self._out_stream)
             gathered.record_stream(self._out_stream)
-            self._in_flight.append((done, pairs))
+            self._storing.update((slot, done) for slot in slots)
         else:
+            if self._last_load is not None:  # the loader thread may still read a slot dropped since
+                self._last_load.exception()
             self.host[torch.tensor(slots)] = gathered
-            self._land(pairs)
         self.stats.stored_blocks += len(todo)
         self.stats.bytes_out += len(todo) * self.block_bytes
+        self.stats.issue_s += time.perf_counter() - started
         return len(todo)
 
     def poll(self) -> None:
-        """Seal the stores whose copies have landed (their slots get checksums)."""
-        while self._in_flight and self._in_flight[0][0].query():
-            self._land(self._in_flight.pop(0)[1])
-
-    def _land(self, pairs: list[tuple[int, bytes]]) -> None:
-        started = time.perf_counter()
-        live = [slot for slot, block_hash in pairs if self._slot_of.get(block_hash) == slot]  # not dropped meanwhile
-        for start, end in _runs(live):
-            sums = _checksums(self.host[live[start] : live[start] + end - start])
-            self._checksum.update(zip(live[start:end], sums))
-        self.stats.land_s += time.perf_counter() - started
+        """Forget the store events that have run (a load of their slots then waits for nothing)."""
+        ran = {event for event in set(self._storing.values()) if event.query()}
+        if ran:
+            self._storing = {slot: event for slot, event in self._storing.items() if event not in ran}
 
     # ---- host -> device ---------------------------------------------------------------
-    def load(self, hashes: list[bytes], block_ids: list[int]) -> int:
-        """Copy the host blocks of the leading ``hashes`` into device ``block_ids`` (one each), up to
-        the first the tier no longer holds or whose bytes fail their checksum (that one is dropped).
-        -> how many were loaded; the device blocks hold their K/V for every step launched after."""
+    def load(self, hashes: list[bytes], block_ids: list[int]) -> HostLoad:
+        """Start copying the host blocks of the leading ``hashes`` the tier holds into device
+        ``block_ids`` (one each). -> the ``HostLoad``: once done, its ``count`` leading blocks hold
+        their K/V for every step launched after (up to the first whose bytes failed their checksum,
+        which is dropped)."""
         slots = []
         for block_hash in hashes[: len(block_ids)]:
             slot = self._slot_of.get(block_hash)
             if slot is None:
                 break
-            if slot not in self._checksum:  # its store is still in flight: wait for it
-                self._wait_for(slot)
             slots.append(slot)
-        shape = (len(slots),) + tuple(self.host.shape[1:])
+            self._slot_of.move_to_end(block_hash)
+        n = len(slots)
+        if n == 0:
+            return HostLoad(None, [], [], [])
+        started = time.perf_counter()
+        hashes, block_ids = list(hashes[:n]), list(block_ids[:n])
+        slot_ids = tensor_on(slots, self.device)
+        want = self._expected.index_select(0, slot_ids)  # after the stores that summed them
+        ids = tensor_on(block_ids, self.device)
         runs = _runs(slots)
-        if self.cuda:  # every transfer starts at once, beside the steps in flight; the checks run meanwhile
-            with torch.cuda.stream(self._in_stream):  # the staging buffer is the load stream's: no wait for them
-                dest = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            queued = torch.cuda.Event()
+            queued.record(compute)  # the steps queued now: the last readers of the fresh blocks
+            result = torch.empty(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            stream = self._in_stream
+            for event in {self._storing[slot] for slot in slots if slot in self._storing}:
+                stream.wait_event(event)  # those host bytes are still on their way
+            with torch.cuda.stream(stream):  # the staging buffer is the load stream's
+                dest = torch.empty((n,) + tuple(self.host.shape[1:]), dtype=self.kv.dtype, device=self.device)
                 for start, end in runs:
                     dest[start:end].copy_(self.host[slots[start] : slots[start] + end - start], non_blocking=True)
+                stream.wait_event(queued)
+                count = _intact(dest, want)
+                ops.scatter_blocks(self.kv, ids, dest.movedim(0, 2))  # those past count: recomputed over
+                result.copy_(count, non_blocking=True)
                 loaded = torch.cuda.Event()
-                loaded.record(self._in_stream)
+                loaded.record(stream)
+            for tensor in (want, ids):
+                tensor.record_stream(stream)
             self._last_load = loaded
+            load = HostLoad(self, hashes, block_ids, slots, pending=loaded, result=result)
+            load._keep = (dest,)
         else:
-            dest = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
-        good = len(slots)  # slots[:good] passed their checks
-        checking = time.perf_counter()
-        for start, end in runs:
-            sums = _checksums(self.host[slots[start] : slots[start] + end - start])
-            bad = next((i for i, value in enumerate(sums) if value != self._checksum.get(slots[start + i])), None)
-            if bad is not None:
-                good = start + bad
-                self._drop(self._hash_in[slots[good]])
-                self.stats.bad_blocks += 1
-                break
-        self.stats.check_s += time.perf_counter() - checking
-        for slot in slots[:good]:
-            self._slot_of.move_to_end(self._hash_in[slot])
-        if good:
-            ids = tensor_on(block_ids[:good], self.device)
-            if self.cuda:  # the scatter, on the compute stream, after the transfers
-                torch.cuda.current_stream(self.device).wait_event(loaded)
-                dest.record_stream(torch.cuda.current_stream(self.device))
-            else:
-                for start, end in runs:
-                    dest[start:end] = self.host[slots[start] : slots[start] + end - start]
-            ops.scatter_blocks(self.kv, ids, dest[:good].movedim(0, 2))
-        self.stats.loaded_blocks += good
-        self.stats.bytes_in += good * self.block_bytes
-        return good
+            def copy_in() -> int:
+                dest = torch.cat([self.host[slots[start] : slots[start] + end - start] for start, end in runs])
+                count = int(_intact(dest, want))
+                ops.scatter_blocks(self.kv, ids, dest.movedim(0, 2))
+                return count
 
-    def _wait_for(self, slot: int) -> None:
-        while slot not in self._checksum and self._in_flight:
-            done, pairs = self._in_flight.pop(0)
-            waiting = time.perf_counter()
-            done.synchronize()
-            self.stats.wait_s += time.perf_counter() - waiting
-            self._land(pairs)
+            self._last_load = self._loader.submit(copy_in)
+            load = HostLoad(self, hashes, block_ids, slots, pending=self._last_load)
+        self.stats.issue_s += time.perf_counter() - started
+        return load
+
+    def _landed(self, load: HostLoad) -> None:
+        """A load is done: count its blocks; the first that failed its checksum (if it is still the
+        block the tier holds under its hash) is dropped."""
+        count = load.count
+        if count < len(load.slots):
+            bad_hash, bad_slot = load.hashes[count], load.slots[count]
+            if self._slot_of.get(bad_hash) == bad_slot:
+                self._drop(bad_hash)
+            self.stats.bad_blocks += 1
+        self.stats.loaded_blocks += count
+        self.stats.bytes_in += count * self.block_bytes
 
     def _drop(self, block_hash: bytes) -> None:
         slot = self._slot_of.pop(block_hash)
@@ -245,7 +304,6 @@ class HostKVTier:
             self._unindexed.discard(block_hash)
         elif self._indexed:
             self._changes[block_hash] = False
-        self._checksum.pop(slot, None)
         self._free.append(slot)
 
     def drop(self, block_hash: bytes) -> bool:
@@ -280,25 +338,31 @@ def _words(kv: torch.Tensor) -> torch.Tensor:
     return raw
 
 
-def _checksums(blocks: torch.Tensor) -> list[int]:
-    """A checksum of each host block's bytes: the wrapping sum of its 64-bit words (torch's CPU
-    reduction, on the worker's threads); any single changed byte changes it."""
+def _checksums(blocks: torch.Tensor) -> torch.Tensor:
+    """A checksum of each block of ``blocks`` [n, ...] (contiguous), on their device: the wrapping
+    sum of its 64-bit words (int64 [n]); any single changed byte changes it."""
     raw = blocks.reshape(blocks.shape[0], -1).view(torch.uint8)
     if raw.shape[1] % 8 == 0:
-        return raw.view(torch.int64).sum(dim=1).tolist()
-    return raw.to(torch.int64).sum(dim=1).tolist()
+        return raw.view(torch.int64).sum(dim=1)
+    return raw.to(torch.int64).sum(dim=1)
+
+
+def _intact(blocks: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many leading blocks of ``blocks`` have the checksums ``want`` (a 0-d int64 tensor on
+    their device: no host sync)."""
+    return torch.cumprod((_checksums(blocks) == want).to(torch.int64), dim=0).sum()
 
 
 def host_tier_counters(tier: HostKVTier | None) -> dict[str, int]:
     """Cumulative counts for a worker's statistics lines (``cluster.step_stats``: each line carries
     their rise over its interval): blocks stored and loaded, and the milliseconds of host work
-    the tier took on the loop (``HostTierStats``' seconds). None without a tier."""
+    the tier took on the loop, issuing copies and waiting for loads (``HostTierStats``' seconds).
+    None without a tier."""
     if tier is None:
         return {}
     stats = tier.stats
     return {"tier_stored_blocks": stats.stored_blocks, "tier_loaded_blocks": stats.loaded_blocks,
-            "tier_check_ms": int(stats.check_s * 1e3), "tier_wait_ms": int(stats.wait_s * 1e3),
-            "tier_land_ms": int(stats.land_s * 1e3)}
+            "tier_issue_ms": int(stats.issue_s * 1e3), "tier_wait_ms": int(stats.wait_s * 1e3)}
 
 
 def host_tier_info(tier: HostKVTier | None) -> dict:

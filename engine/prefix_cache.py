@@ -19,8 +19,9 @@ inserts), so the prefill scheduler has one code path either way.
 
 A host tier (``host_tier``: ``engine.host_kv_tier.HostKVTier``, duck-typed here) keeps what the
 device evicts: ``evict`` hands the evicted blocks' hashes and ids to the tier before their ids go
-free, ``match_host`` counts how far a prefix continues there, and ``load_host`` copies such
-blocks into fresh device blocks and caches them as if they had been computed here.
+free, ``match_host`` counts how far a prefix continues there, ``load_host`` starts copying such
+blocks into fresh device blocks, and ``landed`` caches them, once there, as if they had been
+computed here.
 """
 
 from __future__ import annotations
@@ -78,15 +79,22 @@ class PrefixCache:
         """How many leading ``hashes`` the host tier holds (0 without one)."""
         return 0 if self.host_tier is None else self.host_tier.match(hashes)
 
-    def load_host(self, hashes: list[bytes], block_ids: list[int]) -> int:
-        """Copy the host tier's blocks of the leading ``hashes`` into the held fresh ``block_ids`` and
-        cache them; -> how many (fewer when the tier dropped one or one failed its checksum)."""
+    def load_host(self, hashes: list[bytes], block_ids: list[int]):
+        """Start copying the host tier's blocks of the leading ``hashes`` into the held fresh
+        ``block_ids`` -> the ``HostLoad`` in flight (``landed`` caches what it brought), or None
+        when the tier holds none of them."""
         if self.host_tier is None or not hashes:
-            return 0
-        loaded = self.host_tier.load(hashes, block_ids)
-        for block_hash, block_id in zip(hashes[:loaded], block_ids):
+            return None
+        load = self.host_tier.load(hashes, block_ids)
+        return load if load.slots else None
+
+    def landed(self, load) -> int:
+        """Cache the blocks a host load brought (waiting for it if it is still in flight) -> how many
+        (fewer than it asked for when the tier dropped one or one failed its checksum)."""
+        count = load.wait()
+        for block_hash, block_id in zip(load.hashes[:count], load.block_ids):
             self.insert(block_hash, block_id)
-        return loaded
+        return count
 
     def acquire(self, block_ids: list[int]) -> None:
         """Hold cached blocks for a job (from ``match``): they are no longer evictable."""

@@ -20,6 +20,7 @@ class PrefillState:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the prompt's full blocks
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_host_cached_tokens: int = 0  # of those, the ones copied in from the host KV tier
+    host_load: object | None = None  # engine.host_kv_tier.HostLoad of its prefix, while in flight
     num_released_blocks: int = 0  # leading blocks out of the attention window, given back already
     sender: object | None = None  # kvtransfer.KVSender
     first_token: int | None = None

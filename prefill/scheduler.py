@@ -10,7 +10,10 @@ blocks of its longest cached prefix (never the block of its last token, whose
 logits are needed) and starts computing after them (a job computing its prompt
 logprobs takes none: it needs every position's logits); every block that becomes
 full is cached. With a host tier under the cache, the prefix may go on in host memory: those
-blocks are copied into the job's fresh blocks and count as cached too. Sliding window: between
+blocks are copied into the job's fresh blocks and count as cached too. The copy runs beside the
+forwards (``engine.host_kv_tier.HostLoad``): the job waits in ``loading`` until its blocks are in,
+then joins the prefilling jobs (a forward with nothing else to compute waits for the oldest such
+copy instead of running empty). Sliding window: between
 chunks, blocks no later query of the prompt attends to are given back (``release_out_of_window``).
 
 LoRA: the jobs in prefill name at most ``max_loras`` adapters together, so that every forward's
@@ -56,6 +59,7 @@ class PrefillScheduler:
         self.jobs: dict[str, PrefillState] = {}
         self.waiting: list[PrefillState] = []  # QUEUED
         self.prefilling: list[PrefillState] = []  # PREFILLING, in admission order
+        self.loading: list[PrefillState] = []  # PREFILLING, their prefix still coming from the host tier
         self.transferring: list[PrefillState] = []  # TRANSFERRING
         self.num_device_hit_blocks = 0  # prompt blocks taken from the device prefix cache (running total)
 
@@ -78,6 +82,7 @@ class PrefillScheduler:
     def schedule(self) -> list[tuple[PrefillState, int]]:
         """(job, number of prompt tokens to compute now) for the next forward."""
         self._admit()
+        self._land(wait=not self.prefilling)
         if not self.prefilling:
             return []
         remaining = [state.num_remaining for state in self.prefilling]
@@ -86,9 +91,9 @@ class PrefillScheduler:
 
     def _admit(self) -> None:
         block_size = self.allocator.block_size
-        adapters = AdapterSlots(self.max_loras, self.prefilling)
+        adapters = AdapterSlots(self.max_loras, self.prefilling + self.loading)
         i = 0
-        while i < len(self.waiting) and len(self.prefilling) < self.max_batch_size:
+        while i < len(self.waiting) and len(self.prefilling) + len(self.loading) < self.max_batch_size:
             state = self.waiting[i]
             if state.borrowed:  # its blocks came with it (and its adapter was admitted with them)
                 self.waiting.pop(i)
@@ -112,12 +117,27 @@ class PrefillScheduler:
             # the prefix may go on in the host tier: those blocks are copied in instead of computed
             after = state.block_hashes[len(cached) : num_reusable_blocks(state.num_prompt_tokens, block_size)]
             num_host = 0 if state.scores_prompt else self.cache.match_host(after)
-            loaded = self.cache.load_host(after[:num_host], fresh)
+            state.host_load = self.cache.load_host(after[:num_host], fresh)
             self.num_device_hit_blocks += len(cached)
             state.block_ids = cached + fresh
-            state.num_host_cached_tokens = loaded * block_size
-            state.num_cached_tokens = state.num_computed = (len(cached) + loaded) * block_size
+            state.num_cached_tokens = state.num_computed = len(cached) * block_size
             state.status = RequestStatus.PREFILLING
+            (self.prefilling if state.host_load is None else self.loading).append(state)
+
+    def _land(self, wait: bool) -> None:
+        """Jobs whose host-tier blocks are in join the prefilling ones, in admission order; with
+        ``wait``, the oldest is waited for."""
+        for state in list(self.loading):
+            if (wait and state is self.loading[0]) or state.host_load.done():
+                self._take_load(state)
+
+    def _take_load(self, state: PrefillState) -> None:
+        loaded = self.cache.landed(state.host_load)
+        state.host_load = None
+        state.num_host_cached_tokens = loaded * self.allocator.block_size
+        state.num_cached_tokens = state.num_computed = state.num_cached_tokens + state.num_host_cached_tokens
+        self.loading.remove(state)
+        if state.status is RequestStatus.PREFILLING:
             self.prefilling.append(state)
 
     def on_chunk_done(self, state: PrefillState, num_tokens: int) -> bool:
@@ -159,7 +179,11 @@ class PrefillScheduler:
             self.transferring.append(state)
 
     def finish(self, state: PrefillState, status: RequestStatus) -> None:
-        """End a job: its local blocks go back and the worker forgets it."""
+        """End a job: its local blocks go back (once a copy from the host tier into them is done)
+        and the worker forgets it."""
+        if state.host_load is not None:
+            state.status = status
+            self._take_load(state)
         for queue in (self.waiting, self.prefilling, self.transferring):
             if state in queue:
                 queue.remove(state)
@@ -175,4 +199,4 @@ class PrefillScheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.prefilling) + len(self.transferring)
+        return len(self.prefilling) + len(self.loading) + len(self.transferring)

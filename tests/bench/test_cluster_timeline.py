@@ -64,10 +64,10 @@ def test_the_host_tiers_milliseconds_are_shares_of_their_lines_intervals():
     from tandem.bench.cluster_timeline import seconds
 
     rows = [
-        {"role": "decode", "t_s": 0.0, "steps_per_s": 10.0, "intake_frac": 0.5, "tier_check_ms": 0},
-        {"role": "decode", "t_s": 0.25, "steps_per_s": 10.0, "intake_frac": 0.5, "tier_check_ms": 50,
-         "tier_land_ms": 25},
-        {"role": "decode", "t_s": 0.75, "steps_per_s": 10.0, "intake_frac": 0.5, "tier_check_ms": 50},
+        {"role": "decode", "t_s": 0.0, "steps_per_s": 10.0, "intake_frac": 0.5, "tier_issue_ms": 0},
+        {"role": "decode", "t_s": 0.25, "steps_per_s": 10.0, "intake_frac": 0.5, "tier_issue_ms": 50,
+         "tier_wait_ms": 25},
+        {"role": "decode", "t_s": 0.75, "steps_per_s": 10.0, "intake_frac": 0.5, "tier_issue_ms": 50},
     ]
     # 50 ms of 0.25 s and 50 ms of 0.5 s, and 0 in the first line: (0.2 + 0.1 + 0) / 3; 25 ms of 0.25 s / 3
-    assert seconds(rows) == {"intake": 0.5, "other": 0.5, "of which tier_check": 0.1, "of which tier_land": 0.033}
+    assert seconds(rows) == {"intake": 0.5, "other": 0.5, "of which tier_issue": 0.1, "of which tier_wait": 0.033}

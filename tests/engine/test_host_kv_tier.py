@@ -116,7 +116,7 @@ def test_a_full_tier_drops_its_least_recently_used_blocks(tiny_checkpoints):
     assert b"h1" not in tier and all(h in tier for h in (b"h0", b"h2", b"h3"))
     assert tier.stats.stored_blocks == 4 and tier.stats.evicted_blocks == 1
     blocks = runner.kv_pool.kv.clone()
-    assert tier.load([b"h0", b"h2", b"h1"], [6, 7, 4]) == 2  # up to the first it does not hold
+    assert tier.load([b"h0", b"h2", b"h1"], [6, 7, 4]).wait() == 2  # up to the first it does not hold
     torch.testing.assert_close(runner.kv_pool.kv[:, :, 6], blocks[:, :, 0], rtol=0, atol=0)
     torch.testing.assert_close(runner.kv_pool.kv[:, :, 7], blocks[:, :, 2], rtol=0, atol=0)
     torch.testing.assert_close(runner.kv_pool.kv[:, :, 4], blocks[:, :, 4], rtol=0, atol=0)  # untouched
@@ -158,7 +158,7 @@ def test_on_the_gpu_blocks_come_back_byte_for_byte_and_prefixes_give_the_same_lo
     raw[:, :, :4].random_(0, 256)
     before = raw[:, :, :4].clone()
     tier.store([(b"r0", 0), (b"r1", 1), (b"r2", 2), (b"r3", 3)])
-    assert tier.load([b"r0", b"r1", b"r2", b"r3"], [20, 21, 22, 23]) == 4  # straight after the store
+    assert tier.load([b"r0", b"r1", b"r2", b"r3"], [20, 21, 22, 23]).wait() == 4  # straight after the store
     torch.cuda.synchronize()
     assert torch.equal(raw[:, :, 20:24], before)
 
@@ -183,28 +183,31 @@ def test_the_routing_index_sees_prefix_blocks_only_and_only_once_asked():
 
 
 def test_the_statistics_lines_count_blocks_and_the_loops_milliseconds(monkeypatch):
-    """host_tier_counters: cumulative blocks stored and loaded and the host milliseconds of the
-    loads' checks and the stores' checksums (the worker's statistics lines carry their rise)."""
+    """host_tier_counters: cumulative blocks stored and loaded and the host milliseconds the loop
+    spent issuing copies and waiting for loads (the worker's statistics lines carry their rise);
+    a load's checks run off the loop (on the CPU, on the tier's thread)."""
     from tandem.engine import host_kv_tier
 
     pool = KVCachePool(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     tier = HostKVTier(pool, 4 * pool.bytes_per_block)
     assert host_tier_counters(None) == {}
-    assert host_tier_counters(tier) == {"tier_stored_blocks": 0, "tier_loaded_blocks": 0, "tier_check_ms": 0,
-                                        "tier_wait_ms": 0, "tier_land_ms": 0}
+    assert host_tier_counters(tier) == {"tier_stored_blocks": 0, "tier_loaded_blocks": 0, "tier_issue_ms": 0,
+                                        "tier_wait_ms": 0}
     checksums = host_kv_tier._checksums
 
-    def slow(blocks):  # 5 ms a call: the counters see the host's time
+    def slow(blocks):  # 50 ms a call: the counters see where it ran
         import time
-        time.sleep(0.005)
+        time.sleep(0.05)
         return checksums(blocks)
 
     monkeypatch.setattr(host_kv_tier, "_checksums", slow)
-    tier.store([(b"a" * 16, 1), (b"b" * 16, 2)])  # lands at once on the CPU: one checksum call
-    assert tier.load([b"a" * 16, b"b" * 16], [5, 6]) == 2  # one run: one check
+    tier.store([(b"a" * 16, 1), (b"b" * 16, 2)])  # the store's checksums: on the loop
+    load = tier.load([b"a" * 16, b"b" * 16], [5, 6])  # the load's: on the tier's thread
+    assert host_tier_counters(tier)["tier_issue_ms"] < 100
+    assert load.wait() == 2
     counts = host_tier_counters(tier)
     assert counts["tier_stored_blocks"] == counts["tier_loaded_blocks"] == 2
-    assert counts["tier_land_ms"] >= 5 and counts["tier_check_ms"] >= 5 and counts["tier_wait_ms"] == 0
+    assert counts["tier_issue_ms"] >= 50 and counts["tier_wait_ms"] >= 20
 
 class _Stream:
     """A CUDA stream as the tier orders its work on it: what each stream waited for, in order."""
@@ -257,14 +260,20 @@ def test_the_streams_order_stores_after_loads_and_the_scatter_after_its_load(mon
     tier._out_stream, tier._in_stream = _Stream("out", log), _Stream("in", log)
     stored = pool.kv[:, :, :2].clone()
     tier.store([(b"a", 0), (b"b", 1)])
-    tier.poll()
     assert log[:3] == [("out", "waits for stream", "compute"), ("out", "records", "event1"), ("out", "uses a buffer", "")]
     log.clear()
-    assert tier.load([b"a", b"b"], [5, 6]) == 2
-    assert ("in", "waits for stream", "compute") not in log
-    assert log.index(("in", "records", "event2")) < log.index(("compute", "waits for", "event2"))
+    load = tier.load([b"a", b"b"], [5, 6])  # its slots' store is still in flight: the load stream waits for it
+    assert ("in", "waits for stream", "compute") not in log  # its transfers start at once
+    assert log[:3] == [("compute", "records", "event2"), ("in", "waits for", "event1"), ("in", "waits for", "event2")]
+    assert ("in", "records", "event3") in log
+    assert load.wait() == 2
+    assert log[-1] == ("compute", "waits for", "event3")  # steps after it read the blocks
     assert torch.equal(pool.kv[:, :, 5:7], stored)  # the blocks came back
+    tier.poll()
+    log.clear()
+    assert tier.load([b"a"], [7]).wait() == 1  # a landed store: nothing to wait for
+    assert ("in", "waits for", "event1") not in log
     log.clear()
     tier.drop(b"a")
-    tier.store([(b"c", 2)])  # into slot 0, which the load read
-    assert log[:2] == [("out", "waits for stream", "compute"), ("out", "waits for", "event2")]
+    tier.store([(b"c", 2)])  # into slot 0, which the loads read
+    assert log[:2] == [("out", "waits for stream", "compute"), ("out", "waits for", "event5")]
