@@ -11,8 +11,9 @@ graphs share one memory pool, captured largest first.
 
 LoRA (a runner with adapter slots): each bucket has a second graph whose forward adds every
 projection's LoRA (engine.lora_batch) through static segment buffers: ``lora_order`` lists
-the adapter rows slot by slot, ``lora_starts`` [max_loras + 1] where each slot's run begins
-and ``lora_slots`` [max_loras] its slot, unused segments empty with slot -1. The LoRA kernels'
+the adapter rows slot by slot, ``lora_starts`` [max_loras + 1] where each slot's run begins,
+``lora_slots`` [max_loras] its slot, unused segments empty with slot -1, and ``row_slots``
+[rows] every row's slot (-1: none, padded rows too). The LoRA kernels'
 grids depend on the bucket and ``max_loras`` only (programs past their segment's end
 return), so one capture serves any split of the rows among adapters. A projection no row's
 adapter targets is zero in every slot (engine.lora_weights) and adds nothing. A step without
@@ -61,8 +62,9 @@ class DecodeGraphs:
         self.feed_src = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.lora_weights = None if runner.lora is None else runner.lora.weights
         num_loras = 0 if self.lora_weights is None else self.lora_weights.max_loras
-        # static LoRA segments (module docstring): [order (n) | starts (num_loras + 1) | slots (num_loras)]
-        self.lora_segments = torch.zeros(n + 2 * num_loras + 1, dtype=torch.int64, device=device)
+        # static LoRA segments (module docstring): [order (n) | starts (num_loras + 1) | slots (num_loras) |
+        # row slots (n)]
+        self.lora_segments = torch.zeros(2 * n + 2 * num_loras + 1, dtype=torch.int64, device=device)
         self._staging = [_Staging(n, self.max_blocks, num_loras, device) for _ in range(2)]
         self._turn = 0
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -124,11 +126,14 @@ class DecodeGraphs:
         segments = list(rows_by_slot([(c.lora_slot, 1) for c in chunks], self.lora_weights).items())
         n, num_loras = self.buckets[-1], self.lora_weights.max_loras
         segs = stage.lora_np
-        order, starts, slots = segs[:n], segs[n:n + num_loras + 1], segs[n + num_loras + 1:]
+        order, starts = segs[:n], segs[n:n + num_loras + 1]
+        slots, row_slots = segs[n + num_loras + 1:n + 2 * num_loras + 1], segs[n + 2 * num_loras + 1:]
         starts[0] = at = 0
+        row_slots[:] = -1
         for k in range(num_loras):  # the segments the step has, then empty ones of slot -1
             slot, rows = segments[k] if k < len(segments) else (-1, [])
             order[at:at + len(rows)] = rows
+            row_slots[rows] = slot
             at += len(rows)
             slots[k], starts[k + 1] = slot, at
         self.lora_segments.copy_(stage.lora, non_blocking=True)
@@ -153,7 +158,9 @@ class DecodeGraphs:
             n, num_loras = self.buckets[-1], self.lora_weights.max_loras
             segs = self.lora_segments
             meta.lora = LoraBatch(token_order=segs[:bucket], seg_starts=segs[n:n + num_loras + 1].to(torch.int32),
-                                  seg_slots=segs[n + num_loras + 1:].to(torch.int32), weights=self.lora_weights,
+                                  seg_slots=segs[n + num_loras + 1:n + 2 * num_loras + 1].to(torch.int32),
+                                  row_slots=segs[n + 2 * num_loras + 1:n + 2 * num_loras + 1 + bucket],
+                                  weights=self.lora_weights,
                                   projections=frozenset(PROJECTION_TARGETS))
         return meta
 
@@ -191,7 +198,7 @@ class _Staging:
 
     def __init__(self, n: int, max_blocks: int, num_loras: int, device: torch.device):
         self.device = device
-        self.lora = torch.zeros(n + 2 * num_loras + 1, dtype=torch.int64, pin_memory=True)
+        self.lora = torch.zeros(2 * n + 2 * num_loras + 1, dtype=torch.int64, pin_memory=True)
         self.lora_np = self.lora.numpy()
         self.vec = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
         self.seq_lens = torch.ones(n, dtype=torch.int32, pin_memory=True)

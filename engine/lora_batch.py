@@ -3,7 +3,9 @@
 A step's rows (decode rows and prompt chunks' tokens alike) may carry different adapters and
 none. ``build_lora_batch`` groups the rows that carry one into a segment per slot, the form
 the LoRA op takes (``kernels.ops.lora_add``): ``token_order`` lists those rows slot by
-slot, ``seg_starts`` where each slot's run begins, ``seg_slots`` its slot. A step without
+slot, ``seg_starts`` where each slot's run begins, ``seg_slots`` its slot; ``row_slots`` gives
+every row's slot (-1: none) for the kernels that add a projection's LoRA row by row
+(``kernels.lora_rows``: the o and down projections', in the add-norm after them). A step without
 adapter rows has no ``LoraBatch`` (``AttentionMetadata.lora`` is None) and its forward is the
 base model's, unchanged.
 """
@@ -17,6 +19,7 @@ import torch
 from tandem.engine.device_copy import tensor_on
 from tandem.engine.lora_weights import LoraWeights
 from tandem.kernels import ops
+from tandem.kernels.lora_rows import LoraRows
 
 
 @dataclass
@@ -26,6 +29,7 @@ class LoraBatch:
     seg_slots: torch.Tensor  # [S] int32
     weights: LoraWeights  # the device slots the segments name
     projections: frozenset[str]  # the projections some row's adapter targets; the others are skipped
+    row_slots: torch.Tensor  # [T] int64: each row's slot, -1 for the base model's rows
 
     def add(self, projection: str, layer_idx: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each adapter row's LoRA of ``projection`` in layer ``layer_idx`` for input x
@@ -35,6 +39,18 @@ class LoraBatch:
         stack = self.weights.layers[layer_idx][projection]
         ops.lora_add(out, x, stack.a, stack.b_all, stack.offsets, stack.scales, self.token_order, self.seg_starts,
                      self.seg_slots)
+
+    def rows(self, projection: str, layer_idx: int, x: torch.Tensor) -> LoraRows | None:
+        """The shrink of a single-part ``projection`` for input x, as the kernel after the projection
+        takes it to add the LoRA row by row (ops.fused_add_rms_norm's ``lora``); None when no row's
+        adapter targets it."""
+        if projection not in self.projections:
+            return None
+        stack = self.weights.layers[layer_idx][projection]
+        assert len(stack.offsets) == 1, f"{projection} is a fused projection"
+        partials = ops.lora_partials(x, stack.a, self.token_order, self.seg_starts, self.seg_slots)
+        return LoraRows(partials, stack.b_all, stack.scales[0], self.row_slots[: x.shape[0]])
+
 
 def rows_by_slot(chunk_slots: list[tuple[int, int]], weights: LoraWeights) -> dict[int, list[int]]:
     """``chunk_slots`` as ``build_lora_batch`` takes them -> each slot a row names: its rows, slots
@@ -61,9 +77,12 @@ def build_lora_batch(chunk_slots: list[tuple[int, int]], weights: LoraWeights | 
         raise ValueError("a chunk carries a LoRA slot but the runner has no LoRA slots (enable_lora)")
     rows_of = rows_by_slot(chunk_slots, weights)
     order, starts = [], [0]
-    for rows in rows_of.values():
+    row_slots = [-1] * sum(num_tokens for _, num_tokens in chunk_slots)
+    for slot, rows in rows_of.items():
         order.extend(rows)
         starts.append(len(order))
+        for row in rows:
+            row_slots[row] = slot
     projections = frozenset().union(*(weights.projections(slot) for slot in rows_of))
     return LoraBatch(
         token_order=tensor_on(order, device),
@@ -71,4 +90,5 @@ def build_lora_batch(chunk_slots: list[tuple[int, int]], weights: LoraWeights | 
         seg_slots=tensor_on(list(rows_of), device, torch.int32),
         weights=weights,
         projections=projections,
+        row_slots=tensor_on(row_slots, device),
     )

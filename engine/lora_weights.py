@@ -85,13 +85,13 @@ class LoraWeights:
         return bool(self._projections[slot])
 
     @contextmanager
-    def zero_adapter(self, slot: int):
-        """Within: the empty slot ``slot`` holds an adapter of every projection whose weights and
-        scales are all zero, so a step of its rows launches every LoRA kernel and adds nothing (the
-        warm-up's, ``engine.warmup.warm_up_adapters``)."""
+    def zero_adapter(self, slot: int, targets=PROJECTION_TARGETS):
+        """Within: the empty slot ``slot`` holds an adapter of ``targets`` (every projection) whose
+        weights and scales are all zero, so a step of its rows launches those projections' LoRA
+        kernels and adds nothing (the warm-up's, ``engine.warmup.warm_up_adapters``)."""
         if self.occupied(slot):
             raise ValueError(f"LoRA slot {slot} holds an adapter")
-        self._projections[slot] = frozenset(PROJECTION_TARGETS)
+        self._projections[slot] = frozenset(targets)
         try:
             yield
         finally:

@@ -114,19 +114,20 @@ class DecoderLayer(nn.Module):
         return ops.fused_add_rms_norm(out, residual, next_norm, self.eps)
 
     def _after_attention_with_lora(self, attn, residual, next_norm, lora: LoraBatch, next_qkv=None):
-        """The rest of ``forward`` with each projection's LoRA added to its output. A projection's
-        input that comes quantized keeps its values in the model's dtype for the adapters."""
+        """The rest of ``forward`` with each projection's LoRA added to its output; the o and down
+        projections' in the add-norm after them (kernels.lora_rows). A projection's input that comes
+        quantized keeps its values in the model's dtype for the adapters."""
         gate_up_w, down_w = projection_weight(self.gate_up_proj), projection_weight(self.down_proj)
         out = ops.linear(attn, projection_weight(self.o_proj))
-        lora.add("o_proj", self.layer_idx, attn, out)
         hidden, residual = ops.fused_add_rms_norm(out, residual, self.post_attention_layernorm, self.eps,
-                                                  quantize_for=gate_up_w, keep_values=True)
+                                                  quantize_for=gate_up_w, keep_values=True,
+                                                  lora=lora.rows("o_proj", self.layer_idx, attn))
         gate_up = ops.linear(hidden, gate_up_w)  # [T, 2 * intermediate]
         lora.add("gate_up_proj", self.layer_idx, in_model_dtype(hidden), gate_up)
         act = ops.silu_mul(gate_up, quantize_for=down_w, keep_values=True)
         out = ops.linear(act, down_w)
-        lora.add("down_proj", self.layer_idx, in_model_dtype(act), out)
-        return ops.fused_add_rms_norm(out, residual, next_norm, self.eps, quantize_for=next_qkv, keep_values=True)
+        return ops.fused_add_rms_norm(out, residual, next_norm, self.eps, quantize_for=next_qkv, keep_values=True,
+                                      lora=lora.rows("down_proj", self.layer_idx, in_model_dtype(act)))
 
     def project_qkv(self, hidden, lora: LoraBatch | None = None):
         """-> q [T, Hq, D], k and v [T, Hkv, D] (views of one projection), unrotated."""

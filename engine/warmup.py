@@ -37,6 +37,7 @@ from tandem.cluster.sampling import SamplingParams
 from tandem.engine import logits_process
 from tandem.engine.attention import SeqChunk
 from tandem.engine.device_copy import tensor_on
+from tandem.engine.lora_weights import PROJECTION_TARGETS
 from tandem.kernels import ops
 
 log = structlog.get_logger(__name__)
@@ -117,8 +118,10 @@ def warm_up_adapters(runner, allocator, max_num_tokens: int, force: bool = False
     """With LoRA slots (``warm_up_prefill`` runs it): its forwards again, every token an adapter row (an
     empty slot holding a zero adapter of every projection, ``LoraWeights.zero_adapter``), since a
     step with adapter rows runs eagerly, its projections apart from their fused norms, and the
-    LoRA kernels pick their row tile from the adapter rows; -> the forwards run (0 off CUDA unless
-    ``force``, without LoRA slots, or with every slot holding an adapter)."""
+    LoRA kernels pick their row tile from the adapter rows; then once more with an adapter of
+    neither o nor down, whose norms then add no LoRA (kernels.lora_rows) but keep their values;
+    -> the forwards run (0 off CUDA unless ``force``, without LoRA slots, or with every slot
+    holding an adapter)."""
     if (runner.device.type != "cuda" and not force) or runner.lora is None:
         return 0
     weights = runner.lora.weights
@@ -126,8 +129,10 @@ def warm_up_adapters(runner, allocator, max_num_tokens: int, force: bool = False
     if slot is None:
         log.warning("no empty LoRA slot: adapter steps' kernels compile on first use")
         return 0
-    with weights.zero_adapter(slot):
-        forwards = _token_count_forwards(runner, allocator, max_num_tokens, lora_slot=slot)
+    forwards = 0
+    for targets in (PROJECTION_TARGETS, set(PROJECTION_TARGETS) - {"o_proj", "down_proj"}):
+        with weights.zero_adapter(slot, targets):
+            forwards += _token_count_forwards(runner, allocator, max_num_tokens, lora_slot=slot)
     log.info("adapter steps warmed up", forwards=forwards)
     return forwards
 

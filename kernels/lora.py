@@ -254,3 +254,9 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a_stacked: torch.Tensor, b_stacke
     segments = (token_order, seg_starts, seg_slots)
     partials = _shrink(x, a_stacked, segments, split_k, torch.empty, most_splits=ADD_MOST_SPLITS)
     _expand(y, partials, b_stacked, scales, offsets, segments)
+
+
+def lora_partials(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
+                  seg_slots: torch.Tensor) -> torch.Tensor:
+    """lora_add's shrink alone (ops.lora_partials): [split, T, R] partials, split as lora_add's."""
+    return _shrink(x, a_stacked, (token_order, seg_starts, seg_slots), None, torch.empty, most_splits=ADD_MOST_SPLITS)

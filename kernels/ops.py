@@ -41,6 +41,7 @@ _TRITON_MODULES = {
     "apply_penalties": "tandem.kernels.penalties",
     "quantize_rows_fp8": "tandem.kernels.fp8_quant",
     "lora_add": "tandem.kernels.lora",
+    "lora_partials": "tandem.kernels.lora",
 }
 
 
@@ -62,14 +63,15 @@ def _pick(name: str, tensor: torch.Tensor):
     return getattr(reference, name)
 
 
-def fused_add_rms_norm(x, residual, weight, eps, quantize_for=None, keep_values=False):
+def fused_add_rms_norm(x, residual, weight, eps, quantize_for=None, keep_values=False, lora=None):
     """-> (x + residual normed, x + residual). ``quantize_for``: the weight the normed rows go into;
     where that projection would quantize them per token anyway (``quantizes_input``), they come
     as ``Fp8Rows``, quantized by the norm's own kernel (``keep_values``: with the rows in the
-    model's dtype too, for a kernel that reads those: ``fp8_weight.in_model_dtype``)."""
+    model's dtype too, for a kernel that reads those: ``fp8_weight.in_model_dtype``). ``lora``
+    (``lora_rows.LoraRows``): x's adapter rows get their LoRA first, in the same kernel."""
     if quantize_for is not None and quantizes_input(x, quantize_for):
-        return _pick("fused_add_rms_norm_fp8", x)(x, residual, weight, eps, keep_values)
-    return _pick("fused_add_rms_norm", x)(x, residual, weight, eps)
+        return _pick("fused_add_rms_norm_fp8", x)(x, residual, weight, eps, keep_values, lora=lora)
+    return _pick("fused_add_rms_norm", x)(x, residual, weight, eps, lora=lora)
 
 
 def silu_mul(x, quantize_for=None, keep_values=False):
@@ -398,3 +400,9 @@ def lora_add(
     offsets P ints (offsets[0] = 0, ascending; P <= 3); scales [P, L] fp32.
     """
     return _pick("lora_add", y)(y, x, a_stacked, b_stacked, offsets, scales, token_order, seg_starts, seg_slots)
+
+
+def lora_partials(x, a_stacked, token_order, seg_starts, seg_slots):
+    """lora_add's shrink alone, [S, T, R] fp32 split-K partial sums (rows of no segment unwritten):
+    for the kernel after a projection to expand (``lora_rows.LoraRows``)."""
+    return _pick("lora_partials", x)(x, a_stacked, token_order, seg_starts, seg_slots)

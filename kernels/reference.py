@@ -51,9 +51,12 @@ def _is_fp8(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Te
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, lora=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = x + residual (or x); return (h / rms(h) * weight, h). Math in fp32."""
+    """h = x + residual (or x); return (h / rms(h) * weight, h). Math in fp32. ``lora``
+    (kernels.lora_rows.LoraRows): x gets each adapter row's LoRA first (lora_rows_add)."""
+    if lora is not None:
+        x = lora_rows_add(x, lora)
     h = x if residual is None else x + residual
     hf = h.float()
     normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
@@ -106,10 +109,10 @@ def _rows_fp8(x: torch.Tensor, keep_values: bool) -> Fp8Rows:
 
 
 def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float, keep_values: bool = False) -> tuple[Fp8Rows, torch.Tensor]:
+                           eps: float, keep_values: bool = False, lora=None) -> tuple[Fp8Rows, torch.Tensor]:
     """fused_add_rms_norm with its normed output (rounded to x.dtype) quantized per token:
     (quantize_rows_fp8 of it as Fp8Rows [T, hidden], its values kept if ``keep_values``, h)."""
-    normed, h = fused_add_rms_norm(x, residual, weight, eps)
+    normed, h = fused_add_rms_norm(x, residual, weight, eps, lora)
     return _rows_fp8(normed, keep_values), h
 
 
@@ -280,3 +283,23 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a_stacked: torch.Tensor, b_stacke
         lo, hi = bounds[part], bounds[part + 1]
         lora_expand(y[:, lo:hi], shrunk[:, part * rank:(part + 1) * rank], b_stacked[:, lo:hi],
                     token_order, seg_starts, seg_slots, scales[part])
+
+
+def lora_partials(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
+                  seg_slots: torch.Tensor) -> torch.Tensor:
+    """ops.lora_partials in torch: lora_shrink as one split, [1, T, R]."""
+    return lora_shrink(x, a_stacked, token_order, seg_starts, seg_slots)[None]
+
+
+def lora_rows_add(y: torch.Tensor, rows) -> torch.Tensor:
+    """y + each adapter row's LoRA (kernels.lora_rows.LoraRows): row t of slot s >= 0 gets
+    (sum over splits of partials[:, t]) @ b[s].T * scales[s], in fp32, rounded to y's dtype once:
+    lora_expand's math. -> a new tensor."""
+    out = y.clone()
+    slots = rows.row_slots.tolist()
+    shrunk = rows.partials.sum(0)
+    for slot in sorted({s for s in slots if s >= 0}):
+        index = torch.tensor([t for t, s in enumerate(slots) if s == slot], device=y.device)
+        delta = (shrunk[index] @ rows.b[slot].float().T) * rows.scales[slot].float()
+        out[index] = (y[index].float() + delta).to(y.dtype)
+    return out

@@ -45,9 +45,9 @@ def counted(monkeypatch):
     for name in calls:
         op = getattr(reference, name)
 
-        def wrapped(*args, _op=op, _name=name):
+        def wrapped(*args, _op=op, _name=name, **kwargs):
             calls[_name] += 1
-            return _op(*args)
+            return _op(*args, **kwargs)
 
         monkeypatch.setattr(reference, name, wrapped)
     yield calls

@@ -227,7 +227,7 @@ def test_eager_steps_with_adapter_rows_launch_only_what_the_warm_up_compiled(mon
     with every_kernel_recorded() as launches:
         allocator = BlockAllocator(128, BLOCK)
         warm_up_prefill(runner, allocator, 2048, force=True)  # as the worker of both pools does
-        assert warm_up_adapters(runner, allocator, 2048, force=True) == 6
+        assert warm_up_adapters(runner, allocator, 2048, force=True) == 12
         warm_up_mixed(runner, allocator, 64, 512, 2048, force=True)
         warmed = launches.distinct()
         launches.clear()

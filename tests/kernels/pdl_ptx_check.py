@@ -160,6 +160,9 @@ _KERNELS += [
     (_lora_shrink_kernel, dict(BLOCK_M=64, BLOCK_R=64, BLOCK_K=64, DOT_PRECISION="tf32", DOT_UPCAST=False), (), (),
      {**_LORA, "out_ptr": "*fp32"}),
     (_lora_expand_kernel, dict(PARTS=3, BLOCK_M=64, BLOCK_N=64, BLOCK_R=16), (), (), {**_LORA, "s_ptr": "*fp32"}),
+    # o's and down's expand inside the add-norm after them (kernels.lora_rows)
+    (_fused_add_rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096, "LORA": True}, (), (),
+     {"lp_ptr": "*fp32", "lb_ptr": "*bf16", "ls_ptr": "*fp32", "lslot_ptr": "*i64"}),
 ]
 
 

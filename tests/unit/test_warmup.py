@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from tandem.engine.block_allocator import BlockAllocator
+from tandem.engine.lora_weights import PROJECTION_TARGETS
 from tandem.engine.warmup import QUERY_LENGTHS, warm_up_adapters, warm_up_mixed, warm_up_prefill
 from tandem.kernels import ops
 
@@ -105,9 +106,9 @@ class _AdapterWeights:
         return self.held[slot] or self.zero == slot
 
     @contextlib.contextmanager
-    def zero_adapter(self, slot):
+    def zero_adapter(self, slot, targets):
         assert not self.held[slot]
-        self.zero = slot
+        self.zero = (slot, frozenset(targets))
         try:
             yield
         finally:
@@ -116,7 +117,8 @@ class _AdapterWeights:
 
 def test_adapter_steps_run_the_token_counts_again_in_an_empty_slot(monkeypatch):
     """Every row of each forward carries the first empty slot, holding a zero adapter only while
-    the warm-up runs; without LoRA slots, or with every slot taken, nothing runs."""
+    the warm-up runs: of every projection, then of neither o nor down (their norms add no LoRA
+    then); without LoRA slots, or with every slot taken, nothing runs."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     weights = _AdapterWeights([True, False, False])
     seen = []
@@ -124,8 +126,10 @@ def test_adapter_steps_run_the_token_counts_again_in_an_empty_slot(monkeypatch):
     runner.lora = SimpleNamespace(weights=weights)
     runner.forward = lambda chunks: seen.append([(len(c.token_ids), c.lora_slot, weights.zero) for c in chunks])
     allocator = BlockAllocator(64, 16)
-    assert warm_up_adapters(runner, allocator, max_num_tokens=2048) == len(QUERY_LENGTHS)
-    assert seen == [[(n, 1, 1)] for n in sorted(QUERY_LENGTHS)]
+    assert warm_up_adapters(runner, allocator, max_num_tokens=2048) == 2 * len(QUERY_LENGTHS)
+    every = frozenset(PROJECTION_TARGETS)
+    assert seen == ([[(n, 1, (1, every))] for n in sorted(QUERY_LENGTHS)]
+                    + [[(n, 1, (1, every - {"o_proj", "down_proj"}))] for n in sorted(QUERY_LENGTHS)])
     assert weights.zero is None and allocator.num_free == 64
     runner.lora = SimpleNamespace(weights=_AdapterWeights([True, True]))
     assert warm_up_adapters(runner, allocator, 2048) == 0

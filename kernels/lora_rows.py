@@ -1,0 +1,33 @@
+"""A projection's LoRA expand folded into the kernel that reads its output next.
+
+The o and down projections of a decoder layer are followed by the residual add and the next
+RMSNorm (one program per row, the whole row in registers). With adapter rows, that kernel adds
+each row's LoRA to the projection's output before the add (``LoraRows``; kernels.rms_norm), so a
+projection's LoRA costs one launch (the shrink, ``ops.lora_partials``) instead of two, and the
+norm stays fused. Each row reads its slot's B ([N, R]: a few hundred KB, from L2) once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LoraRows(NamedTuple):
+    """What the kernel after a single-part projection needs to add its LoRA (reference.lora_rows_add)."""
+
+    partials: torch.Tensor  # [S, T, R] fp32: the shrink's split-K sums (rows of no adapter are not read)
+    b: torch.Tensor  # [L, N, R]: the projection's B in every slot
+    scales: torch.Tensor  # [L] fp32: each slot's scaling
+    row_slots: torch.Tensor  # [T] int64: each row's slot, -1 for the base model's rows
+
+
+def check(y: torch.Tensor, rows: LoraRows) -> None:
+    num_tokens, n = y.shape
+    splits, t, rank = rows.partials.shape
+    assert t == num_tokens and rows.row_slots.shape == (num_tokens,), "one partial row and one slot per row"
+    assert rows.b.shape[1:] == (n, rank) and rows.b.stride(2) == 1 and rows.b.stride(1) == rank
+    assert rows.partials.dtype == torch.float32 and rows.partials.stride(2) == 1
+    assert rows.scales.dtype == torch.float32 and rows.scales.shape == rows.b.shape[:1] and rows.scales.stride(0) == 1
+    assert rows.row_slots.dtype == torch.int64 and rows.row_slots.is_contiguous()

@@ -1,0 +1,69 @@
+"""A single-part projection's LoRA expand folded into the add-norm after it (kernels.lora_rows,
+kernels.rms_norm with ``lora``): the same as the expand kernel's output normed, for rows of
+several adapters and of none, shrink partials over several splits, in the model's dtype and in
+the FP8 form the next projection takes; the torch reference equals reference.lora_expand's."""
+
+import pytest
+import torch
+from kernel_testing import DEVICE, DTYPES, assert_close
+from test_lora import RANK, RANKS, SLOTS, _segments, _stack
+
+from tandem.kernels import reference
+from tandem.kernels.lora import _shrink, lora_expand
+from tandem.kernels.lora_rows import LoraRows
+from tandem.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_fp8
+
+HIDDEN, K = 96, 200
+
+
+def _rows(dtype, split: int):
+    """x (a projection's output), its input, the LoRA of 3 slots and the LoraRows of its shrink."""
+    inputs = torch.randn(len(SLOTS), K, device=DEVICE).to(dtype)
+    a = _stack(3, RANK, K, RANKS, 1, dtype)
+    b = _stack(3, HIDDEN, RANK, RANKS, 2, dtype)
+    scales = torch.tensor([0.5, 2.0, 1.25], device=DEVICE)
+    segments = _segments(SLOTS)
+    partials = _shrink(inputs, a, segments, split, torch.zeros)
+    assert partials.shape[0] == split
+    row_slots = torch.tensor(SLOTS, dtype=torch.int64, device=DEVICE)
+    return segments, LoraRows(partials, b, scales, row_slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [1, 3])
+def test_the_norm_adds_each_rows_lora_as_the_expand_kernel_does(dtype, split):
+    segments, rows = _rows(dtype, split)
+    x = torch.randn(len(SLOTS), HIDDEN, device=DEVICE).to(dtype)
+    residual = torch.randn_like(x)
+    weight = torch.rand(HIDDEN, device=DEVICE).to(dtype) + 0.5
+    expanded = x.clone()
+    lora_expand(expanded, rows.partials.sum(0), rows.b, *segments, rows.scales)
+    want_normed, want_h = fused_add_rms_norm(expanded, residual, weight, 1e-5)
+    normed, h = fused_add_rms_norm(x, residual, weight, 1e-5, lora=rows)
+    # the rows' LoRA sums run in another order than the expand kernel's dot: a value may round one ulp apart
+    assert_close(h, want_h, dtype)
+    assert_close(normed, want_normed, dtype)
+    base = [t for t, s in enumerate(SLOTS) if s < 0]
+    plain_normed, plain_h = fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(h[base], plain_h[base]) and torch.equal(normed[base], plain_normed[base])  # no adapter
+    ref_normed, ref_h = reference.fused_add_rms_norm(x, residual, weight, 1e-5, lora=rows)
+    assert_close(h, ref_h, dtype)
+    assert_close(normed, ref_normed, dtype)
+
+
+def test_the_fp8_form_keeps_the_lora_rows_values():
+    segments, rows = _rows(torch.bfloat16, 2)
+    x = torch.randn(len(SLOTS), HIDDEN, device=DEVICE).to(torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.rand(HIDDEN, device=DEVICE).to(torch.bfloat16) + 0.5
+    normed, h = fused_add_rms_norm(x, residual, weight, 1e-5, lora=rows)
+    fp8, h_fp8 = fused_add_rms_norm_fp8(x, residual, weight, 1e-5, keep_values=True, lora=rows)
+    assert torch.equal(h_fp8, h) and torch.equal(fp8.values, normed)  # the same kernel math, quantized after
+
+
+def test_the_reference_is_lora_expand_then_the_norm():
+    segments, rows = _rows(torch.float32, 1)
+    y = torch.randn(len(SLOTS), HIDDEN, device=DEVICE)
+    want = y.clone()
+    reference.lora_expand(want, rows.partials.sum(0), rows.b, *segments, rows.scales)
+    assert torch.equal(reference.lora_rows_add(y, rows), want)
