@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.dot import dot, upcast_bf16_dot
+from tandem.kernels.lora_rows import LORA_MOST_SPLITS
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 
@@ -258,5 +259,7 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a_stacked: torch.Tensor, b_stacke
 
 def lora_partials(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
                   seg_slots: torch.Tensor) -> torch.Tensor:
-    """lora_add's shrink alone (ops.lora_partials): [split, T, R] partials, split as lora_add's."""
-    return _shrink(x, a_stacked, (token_order, seg_starts, seg_slots), None, torch.empty, most_splits=ADD_MOST_SPLITS)
+    """lora_add's shrink alone (ops.lora_partials): [split, T, R] partials. The kernel after the
+    projection reads each row's own partials in one load, so K splits as far as the SMs fill
+    (down_proj's 14,336 inputs: about 33 ranges of 7 tiles, where lora_add's 8 take 28 tiles each)."""
+    return _shrink(x, a_stacked, (token_order, seg_starts, seg_slots), None, torch.empty, most_splits=LORA_MOST_SPLITS)

@@ -14,6 +14,11 @@ from typing import NamedTuple
 import torch
 
 
+# The shrink of such a projection splits K up to this many ways (filling the device: no expand
+# program reads every split's partials here, only each row its own, in one load of this width)
+LORA_MOST_SPLITS = 64
+
+
 class LoraRows(NamedTuple):
     """What the kernel after a single-part projection needs to add its LoRA (reference.lora_rows_add)."""
 
@@ -27,6 +32,7 @@ def check(y: torch.Tensor, rows: LoraRows) -> None:
     num_tokens, n = y.shape
     splits, t, rank = rows.partials.shape
     assert t == num_tokens and rows.row_slots.shape == (num_tokens,), "one partial row and one slot per row"
+    assert splits <= LORA_MOST_SPLITS
     assert rows.b.shape[1:] == (n, rank) and rows.b.stride(2) == 1 and rows.b.stride(1) == rank
     assert rows.partials.dtype == torch.float32 and rows.partials.stride(2) == 1
     assert rows.scales.dtype == torch.float32 and rows.scales.shape == rows.b.shape[:1] and rows.scales.stride(0) == 1

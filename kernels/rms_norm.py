@@ -24,7 +24,7 @@ import triton.language as tl
 from tandem.kernels.fp8_kv import soft_round
 from tandem.kernels.fp8_quant import row_scale, to_codes
 from tandem.kernels.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Rows
-from tandem.kernels.lora_rows import LoraRows, check
+from tandem.kernels.lora_rows import LORA_MOST_SPLITS, LoraRows, check
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 
@@ -38,7 +38,8 @@ def _fused_add_rms_norm_kernel(
     FP8_OUT: tl.constexpr = False, FP8_LIMIT: tl.constexpr = 448.0, SOFT_ROUND: tl.constexpr = False,
     KEEP_VALUES: tl.constexpr = False,
     lp_ptr=None, lb_ptr=None, ls_ptr=None, lslot_ptr=None, stride_lp_split=0, stride_lp_row=0, stride_lb_slot=0,
-    lora_rank=0, lora_splits=0, LORA: tl.constexpr = False,
+    lora_rank=0, lora_splits=0, LORA: tl.constexpr = False, RANK_PAD: tl.constexpr = 16,
+    SPLITS_PAD: tl.constexpr = 64,
 ):
     """Row r:  h = x[r] + residual[r];  out[r] = h * rsqrt(sum(h^2) / hidden + eps) * weight.
     LORA: first, for a row of slot s = lslot[r] >= 0, x[r] = round(x[r] + (sum_i lp[i, r]) @ lb[s]^T
@@ -60,7 +61,7 @@ def _fused_add_rms_norm_kernel(
         slot = tl.load(lslot_ptr + row)
         if slot >= 0:
             x = _lora_row_add(x, row, cols, mask, slot, lp_ptr, lb_ptr, ls_ptr, stride_lp_split, stride_lp_row,
-                              stride_lb_slot, lora_rank, lora_splits)
+                              stride_lb_slot, lora_rank, lora_splits, RANK_PAD, SPLITS_PAD)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -81,17 +82,21 @@ def _fused_add_rms_norm_kernel(
 
 @triton.jit
 def _lora_row_add(x, row, cols, mask, slot, lp_ptr, lb_ptr, ls_ptr, stride_lp_split, stride_lp_row,
-                  stride_lb_slot, rank, splits):
-    """x (a row, x's dtype) + its LoRA, rounded once: the shrink's partial sums added in split order,
-    then one rank column of B at a time (the row's B is [hidden, rank], rank contiguous)."""
+                  stride_lb_slot, rank, splits, RANK_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """x (a row, x's dtype) + its LoRA, rounded once: the shrink's partial sums of the row in one
+    load, then the rank columns of its slot's B ([hidden, rank], rank contiguous), unrolled so their
+    loads are in flight together."""
+    offs_r = tl.arange(0, RANK_PAD)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    partials = tl.load(lp_ptr + row * stride_lp_row + offs_s[:, None] * stride_lp_split + offs_r[None, :],
+                       mask=(offs_s[:, None] < splits) & (offs_r[None, :] < rank), other=0.0)
+    shrunk = tl.sum(partials, axis=0)  # [RANK_PAD]
     b_row = lb_ptr + slot * stride_lb_slot + cols * rank
-    p_row = lp_ptr + row * stride_lp_row
     delta = tl.zeros(cols.shape, dtype=tl.float32)
-    for r in range(rank):
-        s = tl.load(p_row + r)
-        for i in range(1, splits):
-            s += tl.load(p_row + i * stride_lp_split + r)
-        delta += tl.load(b_row + r, mask=mask, other=0.0).to(tl.float32) * s
+    for r in tl.static_range(RANK_PAD):
+        s_r = tl.sum(tl.where(offs_r == r, shrunk, 0.0), axis=0)
+        in_rank = mask & (cols * 0 + r < rank)  # RANK_PAD may exceed the rank
+        delta += tl.load(b_row + r, mask=in_rank, other=0.0).to(tl.float32) * s_r
     return (x.to(tl.float32) + delta * tl.load(ls_ptr + slot)).to(x.dtype)
 
 
@@ -132,7 +137,8 @@ def _launch_fused_add_rms_norm(x2d, residual2d, weight, out, new_residual, eps, 
         check(x2d, lora)
         fp8.update(LORA=True, lp_ptr=lora.partials, lb_ptr=lora.b, ls_ptr=lora.scales, lslot_ptr=lora.row_slots,
                    stride_lp_split=lora.partials.stride(0), stride_lp_row=lora.partials.stride(1),
-                   stride_lb_slot=lora.b.stride(0), lora_rank=lora.b.shape[2], lora_splits=lora.partials.shape[0])
+                   stride_lb_slot=lora.b.stride(0), lora_rank=lora.b.shape[2], lora_splits=lora.partials.shape[0],
+                   RANK_PAD=triton.next_power_of_2(lora.b.shape[2]), SPLITS_PAD=LORA_MOST_SPLITS)
     _fused_add_rms_norm_kernel[(num_rows,)](
         x2d, residual2d if has_residual else x2d, weight, out, new_residual if has_residual else out,
         out if scale is None else scale, out if values is None else values,

@@ -16,10 +16,10 @@ from tandem.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_fp8
 HIDDEN, K = 96, 200
 
 
-def _rows(dtype, split: int):
+def _rows(dtype, split: int, k: int = K):
     """x (a projection's output), its input, the LoRA of 3 slots and the LoraRows of its shrink."""
-    inputs = torch.randn(len(SLOTS), K, device=DEVICE).to(dtype)
-    a = _stack(3, RANK, K, RANKS, 1, dtype)
+    inputs = torch.randn(len(SLOTS), k, device=DEVICE).to(dtype)
+    a = _stack(3, RANK, k, RANKS, 1, dtype)
     b = _stack(3, HIDDEN, RANK, RANKS, 2, dtype)
     scales = torch.tensor([0.5, 2.0, 1.25], device=DEVICE)
     segments = _segments(SLOTS)
@@ -30,9 +30,9 @@ def _rows(dtype, split: int):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split", [1, 3])
-def test_the_norm_adds_each_rows_lora_as_the_expand_kernel_does(dtype, split):
-    segments, rows = _rows(dtype, split)
+@pytest.mark.parametrize("split, k", [(1, K), (3, K), (64, 64 * 64)])  # 64: LORA_MOST_SPLITS
+def test_the_norm_adds_each_rows_lora_as_the_expand_kernel_does(dtype, split, k):
+    segments, rows = _rows(dtype, split, k)
     x = torch.randn(len(SLOTS), HIDDEN, device=DEVICE).to(dtype)
     residual = torch.randn_like(x)
     weight = torch.rand(HIDDEN, device=DEVICE).to(dtype) + 0.5
