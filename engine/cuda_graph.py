@@ -65,6 +65,7 @@ class DecodeGraphs:
         # static LoRA segments (module docstring): [order (n) | starts (num_loras + 1) | slots (num_loras) |
         # row slots (n)]
         self.lora_segments = torch.zeros(2 * n + 2 * num_loras + 1, dtype=torch.int64, device=device)
+        self.lora_segments[n + 2 * num_loras + 1:] = -1  # the captures' rows carry no adapter
         self._staging = [_Staging(n, self.max_blocks, num_loras, device) for _ in range(2)]
         self._turn = 0
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
