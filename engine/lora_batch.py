@@ -12,7 +12,7 @@ base model's, unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,20 @@ class LoraBatch:
     weights: LoraWeights  # the device slots the segments name
     projections: frozenset[str]  # the projections some row's adapter targets; the others are skipped
     row_slots: torch.Tensor  # [T] int64: each row's slot, -1 for the base model's rows
+    # projection -> every slot's shrink [T, L * P * R], from ``project``'s fused matmul, until used
+    _shrunk: dict = field(default_factory=dict, repr=False)
+
+    def project(self, projection: str, layer_idx: int, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+        """``projection``'s output for x (ops.linear with its ``weight``). Where its A stacks live under
+        its weight (``LoraWeights.fuse_into``) one matmul gives the output and every slot's shrink,
+        kept for ``add`` / ``rows``: the output is a view of the first columns."""
+        stack = self.weights.layers[layer_idx][projection]
+        if stack.weight is None or projection not in self.projections:
+            return ops.linear(x, weight, bias)
+        out = ops.linear(x, stack.weight, None if bias is None else stack.bias)
+        num_out = weight.shape[0]
+        self._shrunk[projection] = out[:, num_out:]
+        return out[:, :num_out]
 
     def add(self, projection: str, layer_idx: int, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each adapter row's LoRA of ``projection`` in layer ``layer_idx`` for input x
@@ -37,8 +51,12 @@ class LoraBatch:
         if projection not in self.projections:
             return
         stack = self.weights.layers[layer_idx][projection]
-        ops.lora_add(out, x, stack.a, stack.b_all, stack.offsets, stack.scales, self.token_order, self.seg_starts,
-                     self.seg_slots)
+        segments = (self.token_order, self.seg_starts, self.seg_slots)
+        shrunk = self._shrunk.pop(projection, None)
+        if shrunk is not None:
+            ops.lora_expand_slots(out, shrunk, stack.b_all, stack.offsets, stack.scales, *segments)
+        else:
+            ops.lora_add(out, x, stack.a, stack.b_all, stack.offsets, stack.scales, *segments)
 
     def rows(self, projection: str, layer_idx: int, x: torch.Tensor) -> LoraRows | None:
         """The shrink of a single-part ``projection`` for input x, as the kernel after the projection
@@ -48,8 +66,12 @@ class LoraBatch:
             return None
         stack = self.weights.layers[layer_idx][projection]
         assert len(stack.offsets) == 1, f"{projection} is a fused projection"
+        row_slots = self.row_slots[: x.shape[0]]
+        shrunk = self._shrunk.pop(projection, None)
+        if shrunk is not None:  # every slot's, from project's matmul
+            return LoraRows(shrunk.unsqueeze(0), stack.b_all, stack.scales[0], row_slots, slot_stride=stack.rank)
         partials = ops.lora_partials(x, stack.a, self.token_order, self.seg_starts, self.seg_slots)
-        return LoraRows(partials, stack.b_all, stack.scales[0], self.row_slots[: x.shape[0]])
+        return LoraRows(partials, stack.b_all, stack.scales[0], row_slots)
 
 
 def rows_by_slot(chunk_slots: list[tuple[int, int]], weights: LoraWeights) -> dict[int, list[int]]:

@@ -10,6 +10,13 @@ one projection has one to three LoRA targets (its parts). Per layer and projecti
     b[p]    [max_loras, out_p, max_rank]                part p's rows of b_all (a view)
     scales  [parts, max_loras] fp32                     part p's scaling in each slot
 
+Fused (``fuse_into``, a whole model in its own dtype): a projection's ``a`` lives under the
+model's weight rows, in one tensor ``weight`` [out_features + max_loras * parts * max_rank,
+in_features] whose first rows are the projection's own (the module's weight is their view), so a
+step with adapter rows computes the projection and every slot's shrink in one matmul
+(``engine.lora_batch``), where the shrink is a launch of its own otherwise. It is done where the
+extra rows are at most ``FUSE_MOST_EXTRA`` of the weight's: they are read by every such step.
+
 Part p's rows of ``lora_shrink``'s output are columns p * max_rank .. (p + 1) * max_rank, and its
 ``lora_expand`` adds into the projection output's columns ``offsets[p]`` .. + out_p (q, k, v's
 slices of the fused output). A part the adapter does not target is zero (A, B and scale): it
@@ -26,6 +33,9 @@ import torch
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.lora_adapter import LoraAdapter, target_shapes
+
+# fuse_into puts a projection's A stacks under its weight where they add at most this share of its rows
+FUSE_MOST_EXTRA = 1 / 16
 
 # the model's projection -> its LoRA targets, in the order the loader fuses them
 PROJECTION_TARGETS = {
@@ -47,6 +57,8 @@ class ProjectionLora:
     scales: torch.Tensor
     offsets: list[int]  # each part's first column in the projection's output
     rank: int  # the stacks' (maximum) rank
+    weight: torch.Tensor | None = None  # fused: the model's weight rows, then ``a``'s (a view of its rows)
+    bias: torch.Tensor | None = None  # fused with a bias: the model's, then zeros for ``a``'s rows
 
 
 class LoraWeights:
@@ -96,6 +108,33 @@ class LoraWeights:
             yield
         finally:
             self._projections[slot] = frozenset()
+
+    def fuse_into(self, model, force: bool | None = None) -> int:
+        """Put each projection's A stacks under ``model``'s weight of it (module docstring), where
+        its weight is in the model's dtype (not FP8) and whole, and the stacks add at most
+        ``FUSE_MOST_EXTRA`` of its rows (``force``: True everywhere it can, False nowhere) ->
+        the projections fused. Before CUDA graphs capture the model."""
+        fused_count = 0
+        for layer, stacks in zip(model.layers, self.layers):
+            for proj, stack in stacks.items():
+                module = getattr(layer, proj)
+                weight, (slots, rows, in_features) = module.weight, stack.a.shape
+                extra = slots * rows
+                if (stack.weight is not None or getattr(module, "weight_scale", None) is not None
+                        or weight.dtype != stack.a.dtype or weight.shape[1] != in_features or force is False
+                        or (force is None and extra > weight.shape[0] * FUSE_MOST_EXTRA)):
+                    continue
+                n = weight.shape[0]
+                fused = torch.empty(n + extra, in_features, dtype=weight.dtype, device=weight.device)
+                fused[:n].copy_(weight)
+                fused[n:].copy_(stack.a.reshape(extra, in_features))
+                module.weight = torch.nn.Parameter(fused[:n], requires_grad=False)
+                if module.bias is not None:
+                    stack.bias = torch.cat([module.bias.detach(), module.bias.new_zeros(extra)])
+                    module.bias = torch.nn.Parameter(stack.bias[:n], requires_grad=False)
+                stack.a, stack.weight = fused[n:].view(slots, rows, in_features), fused
+                fused_count += 1
+        return fused_count
 
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.layers for p in layer.values() for t in (p.a, p.b_all, p.scales))

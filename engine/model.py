@@ -118,22 +118,25 @@ class DecoderLayer(nn.Module):
         projections' in the add-norm after them (kernels.lora_rows). A projection's input that comes
         quantized keeps its values in the model's dtype for the adapters."""
         gate_up_w, down_w = projection_weight(self.gate_up_proj), projection_weight(self.down_proj)
-        out = ops.linear(attn, projection_weight(self.o_proj))
+        out = lora.project("o_proj", self.layer_idx, attn, projection_weight(self.o_proj))
         hidden, residual = ops.fused_add_rms_norm(out, residual, self.post_attention_layernorm, self.eps,
                                                   quantize_for=gate_up_w, keep_values=True,
                                                   lora=lora.rows("o_proj", self.layer_idx, attn))
-        gate_up = ops.linear(hidden, gate_up_w)  # [T, 2 * intermediate]
+        gate_up = lora.project("gate_up_proj", self.layer_idx, hidden, gate_up_w)  # [T, 2 * intermediate]
         lora.add("gate_up_proj", self.layer_idx, in_model_dtype(hidden), gate_up)
         act = ops.silu_mul(gate_up, quantize_for=down_w, keep_values=True)
-        out = ops.linear(act, down_w)
+        out = lora.project("down_proj", self.layer_idx, act, down_w)
         return ops.fused_add_rms_norm(out, residual, next_norm, self.eps, quantize_for=next_qkv, keep_values=True,
                                       lora=lora.rows("down_proj", self.layer_idx, in_model_dtype(act)))
 
     def project_qkv(self, hidden, lora: LoraBatch | None = None):
         """-> q [T, Hq, D], k and v [T, Hkv, D] (views of one projection), unrotated."""
         num_tokens = hidden.shape[0]
-        qkv = ops.linear(hidden, projection_weight(self.qkv_proj), self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
-        if lora is not None:
+        weight = projection_weight(self.qkv_proj)
+        if lora is None:
+            qkv = ops.linear(hidden, weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
+        else:
+            qkv = lora.project("qkv_proj", self.layer_idx, hidden, weight, self.qkv_proj.bias)
             lora.add("qkv_proj", self.layer_idx, in_model_dtype(hidden), qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(num_tokens, self.num_q_heads, self.head_dim),

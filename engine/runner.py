@@ -95,17 +95,20 @@ class ModelRunner:
         self.rank_pools: list[KVCachePool] = []  # a split model's leader: its followers' pools, mapped
 
     def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
-                    weights: LoraWeights | None = None) -> LoraManager:
+                    weights: LoraWeights | None = None, fuse: bool | None = None) -> LoraManager:
         """Device slots for ``max_loras`` adapters of rank up to ``max_rank`` (their memory is taken
         now, or was: ``weights``, allocated before the KV pool was sized) and a host cache of
         ``max_cpu_loras`` (default: ``max_loras``) -> the manager that loads adapters and hands
-        out their slots."""
+        out their slots. The A stacks go under the model's weights where ``LoraWeights.fuse_into``
+        puts them (``fuse`` as its ``force``; a split model's stay apart)."""
         if self.lora is not None:
             raise ValueError("LoRA is already enabled on this runner")
         if self.graphs is not None or self.mixed_graphs is not None:
             raise ValueError("enable LoRA before CUDA graphs: the decode graphs capture the adapter slots")
         if weights is None:
             weights = LoraWeights(self.config, max_loras, max_rank, self.dtype, self.device)
+        if self.tp is None:
+            weights.fuse_into(self.model, fuse)
         self.lora = LoraManager(weights, self.config, max_cpu_loras or max_loras)
         return self.lora
 

@@ -137,6 +137,8 @@ def build_runner(settings: Settings, shm_path: str | None = None, gpu_cap_tokens
         from tandem.engine.lora_weights import LoraWeights
 
         lora_weights = LoraWeights(config, settings.max_loras, settings.max_lora_rank, dtype, device)
+        if tp is None:  # the A stacks under the weights now: the pool is sized after (LoraWeights.fuse_into)
+            lora_weights.fuse_into(model)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # return the loader's temporaries before measuring free memory
     num_blocks = kv_pool_blocks(settings, config.kv_bytes_per_token(kv_dtype), device, gpu_cap_tokens,

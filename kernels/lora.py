@@ -102,10 +102,10 @@ def _part_bound(i: tl.constexpr, N, OFF1, OFF2, PARTS: tl.constexpr):
         return OFF2
 
 
-@triton.jit(do_not_specialize=["SPLIT", "stride_split"])
+@triton.jit(do_not_specialize=["SPLIT", "stride_split", "stride_s_slot"])
 def _lora_expand_kernel(
     y_ptr, s_ptr, b_ptr, scales_ptr, order_ptr, starts_ptr, slots_ptr,
-    N, R, SPLIT, OFF1, OFF2, stride_ym, stride_sm, stride_split, stride_bs, stride_bn, stride_sp,
+    N, R, SPLIT, OFF1, OFF2, stride_ym, stride_sm, stride_split, stride_bs, stride_bn, stride_sp, stride_s_slot,
     PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
@@ -128,11 +128,11 @@ def _lora_expand_kernel(
                 for r0 in range(0, R, BLOCK_R):
                     rs = r0 + tl.arange(0, BLOCK_R)
                     r_mask = rs < R
-                    s_ptrs = s_ptr + tokens[:, None] * stride_sm + (p * R + rs)[None, :]
+                    s_ptrs = s_ptr + slot * stride_s_slot + tokens[:, None] * stride_sm + (p * R + rs)[None, :]
                     s_mask = row_mask[:, None] & r_mask[None, :]
                     s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                     for i in range(SPLIT):  # the shrink's K ranges, summed in order
-                        s += tl.load(s_ptrs + i * stride_split, mask=s_mask, other=0.0)
+                        s += tl.load(s_ptrs + i * stride_split, mask=s_mask, other=0.0).to(tl.float32)
                     b = tl.load(b_base + ns[None, :] * stride_bn + rs[:, None],  # [BLOCK_R, BLOCK_N]: B^T's tile
                                 mask=cols[None, :] & r_mask[:, None], other=0.0).to(tl.float32)
                     part += tl.dot(s, b, input_precision="ieee")
@@ -199,18 +199,22 @@ def _shrink(x: torch.Tensor, a_stacked: torch.Tensor, segments: tuple, split_k: 
 
 
 def _expand(y: torch.Tensor, partials: torch.Tensor, b_stacked: torch.Tensor, scales: torch.Tensor,
-            offsets: list[int], segments: tuple) -> None:
+            offsets: list[int], segments: tuple, slot_stride: int = 0) -> None:
     """y += the expand of every part (``offsets``: each part's first column of y; its rank's columns
-    of ``partials`` [split, T, parts * R], summed over the split) in one launch."""
+    of ``partials`` [split, T, parts * R], summed over the split) in one launch. ``slot_stride``:
+    partials is [1, T, slots * parts * R] (any float dtype), a row of slot s reading its columns
+    from s * slot_stride (the shrink of every slot, from a fused weight: engine.lora_weights)."""
     token_order, seg_starts, seg_slots = segments
     _check_segments(token_order, seg_starts, seg_slots)
     num_tokens, N = y.shape
     _, N_b, R = b_stacked.shape
     parts = len(offsets)
     assert 1 <= parts <= 3 and offsets[0] == 0 and list(offsets) == sorted(offsets) and offsets[-1] < max(N, 1)
-    assert N_b == N and partials.shape[1:] == (num_tokens, parts * R), "y [T, N], partials [S, T, P*R], b [L, N, R]"
+    width = parts * R * (b_stacked.shape[0] if slot_stride else 1)
+    assert N_b == N and partials.shape[1:] == (num_tokens, width), "y [T, N], partials [S, T, P*R], b [L, N, R]"
+    assert not slot_stride or (slot_stride == parts * R and partials.shape[0] == 1)
     assert y.stride(1) == 1 and partials.stride(2) == 1 and b_stacked.stride(2) == 1, "columns contiguous"
-    assert partials.dtype == torch.float32 and scales.dtype == torch.float32 and scales.stride(-1) == 1
+    assert (slot_stride or partials.dtype == torch.float32) and scales.dtype == torch.float32 and scales.stride(-1) == 1
     num_rows, num_segs = token_order.shape[0], seg_slots.shape[0]
     if num_rows == 0 or num_segs == 0 or N == 0 or R == 0:
         return
@@ -220,7 +224,7 @@ def _expand(y: torch.Tensor, partials: torch.Tensor, b_stacked: torch.Tensor, sc
     _lora_expand_kernel[grid](
         y, partials, b_stacked, scales, token_order, seg_starts, seg_slots,
         N, R, partials.shape[0], bounds[0], bounds[1], y.stride(0), partials.stride(1), partials.stride(0),
-        b_stacked.stride(0), b_stacked.stride(1), scales.stride(0) if scales.dim() == 2 else 0,
+        b_stacked.stride(0), b_stacked.stride(1), scales.stride(0) if scales.dim() == 2 else 0, slot_stride,
         PARTS=parts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block(R, 64),
         num_warps=4, **launch_options(y),
     )
@@ -263,3 +267,12 @@ def lora_partials(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.T
     projection reads each row's own partials in one load, so K splits as far as the SMs fill
     (down_proj's 14,336 inputs: about 33 ranges of 7 tiles, where lora_add's 8 take 28 tiles each)."""
     return _shrink(x, a_stacked, (token_order, seg_starts, seg_slots), None, torch.empty, most_splits=LORA_MOST_SPLITS)
+
+
+def lora_expand_slots(y: torch.Tensor, shrunk: torch.Tensor, b_stacked: torch.Tensor, offsets: list[int],
+                      scales: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
+                      seg_slots: torch.Tensor) -> None:
+    """As ``reference.lora_expand_slots``: lora_add's expand from every slot's shrink [T, L * P * R]."""
+    rank = b_stacked.shape[2]
+    _expand(y, shrunk.unsqueeze(0), b_stacked, scales, offsets, (token_order, seg_starts, seg_slots),
+            slot_stride=len(offsets) * rank)

@@ -26,6 +26,9 @@ class LoraRows(NamedTuple):
     b: torch.Tensor  # [L, N, R]: the projection's B in every slot
     scales: torch.Tensor  # [L] fp32: each slot's scaling
     row_slots: torch.Tensor  # [T] int64: each row's slot, -1 for the base model's rows
+    # 0: partials are each row's own; R: partials is [1, T, L * R], every slot's shrink (a fused
+    # weight's extra columns, any float dtype), a row of slot s reading columns s * R ..
+    slot_stride: int = 0
 
 
 def check(y: torch.Tensor, rows: LoraRows) -> None:
@@ -33,7 +36,11 @@ def check(y: torch.Tensor, rows: LoraRows) -> None:
     splits, t, rank = rows.partials.shape
     assert t == num_tokens and rows.row_slots.shape == (num_tokens,), "one partial row and one slot per row"
     assert splits <= LORA_MOST_SPLITS
-    assert rows.b.shape[1:] == (n, rank) and rows.b.stride(2) == 1 and rows.b.stride(1) == rank
-    assert rows.partials.dtype == torch.float32 and rows.partials.stride(2) == 1
+    assert rows.b.shape[1:] == (n, rows.b.shape[2]) and rows.b.stride(2) == 1 and rows.b.stride(1) == rows.b.shape[2]
+    if rows.slot_stride:
+        assert splits == 1 and rows.slot_stride == rows.b.shape[2] and rank == rows.b.shape[0] * rows.b.shape[2]
+    else:
+        assert rank == rows.b.shape[2] and rows.partials.dtype == torch.float32
+    assert rows.partials.stride(2) == 1
     assert rows.scales.dtype == torch.float32 and rows.scales.shape == rows.b.shape[:1] and rows.scales.stride(0) == 1
     assert rows.row_slots.dtype == torch.int64 and rows.row_slots.is_contiguous()

@@ -42,6 +42,7 @@ _TRITON_MODULES = {
     "quantize_rows_fp8": "tandem.kernels.fp8_quant",
     "lora_add": "tandem.kernels.lora",
     "lora_partials": "tandem.kernels.lora",
+    "lora_expand_slots": "tandem.kernels.lora",
 }
 
 
@@ -400,6 +401,11 @@ def lora_add(
     offsets P ints (offsets[0] = 0, ascending; P <= 3); scales [P, L] fp32.
     """
     return _pick("lora_add", y)(y, x, a_stacked, b_stacked, offsets, scales, token_order, seg_starts, seg_slots)
+
+
+def lora_expand_slots(y, shrunk, b_stacked, offsets, scales, token_order, seg_starts, seg_slots):
+    """lora_add's expand alone, from every slot's shrink [T, L * P * R] (a fused weight's extra columns)."""
+    return _pick("lora_expand_slots", y)(y, shrunk, b_stacked, offsets, scales, token_order, seg_starts, seg_slots)
 
 
 def lora_partials(x, a_stacked, token_order, seg_starts, seg_slots):

@@ -277,6 +277,22 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a_stacked: torch.Tensor, b_stacke
              scales: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> None:
     """ops.lora_add in torch (in place on ``y``)."""
     shrunk = lora_shrink(x, a_stacked, token_order, seg_starts, seg_slots)
+    _expand_parts(y, shrunk, b_stacked, offsets, scales, token_order, seg_starts, seg_slots)
+
+
+def lora_expand_slots(y: torch.Tensor, shrunk: torch.Tensor, b_stacked: torch.Tensor, offsets: list[int],
+                      scales: torch.Tensor, token_order: torch.Tensor, seg_starts: torch.Tensor,
+                      seg_slots: torch.Tensor) -> None:
+    """ops.lora_expand_slots in torch (in place on ``y``): lora_add's expand, a row of slot s taking
+    its shrink from columns s * P * R .. (s + 1) * P * R of ``shrunk`` [T, L * P * R]."""
+    width = len(offsets) * b_stacked.shape[2]
+    rows_shrunk = torch.zeros(shrunk.shape[0], width, dtype=torch.float32, device=shrunk.device)
+    for slot, rows in _lora_segments(token_order, seg_starts, seg_slots):
+        rows_shrunk[rows] = shrunk[rows, slot * width:(slot + 1) * width].float()
+    _expand_parts(y, rows_shrunk, b_stacked, offsets, scales, token_order, seg_starts, seg_slots)
+
+
+def _expand_parts(y, shrunk, b_stacked, offsets, scales, token_order, seg_starts, seg_slots) -> None:
     rank = b_stacked.shape[2]
     bounds = list(offsets) + [y.shape[1]]
     for part in range(len(offsets)):
@@ -293,13 +309,15 @@ def lora_partials(x: torch.Tensor, a_stacked: torch.Tensor, token_order: torch.T
 
 def lora_rows_add(y: torch.Tensor, rows) -> torch.Tensor:
     """y + each adapter row's LoRA (kernels.lora_rows.LoraRows): row t of slot s >= 0 gets
-    (sum over splits of partials[:, t]) @ b[s].T * scales[s], in fp32, rounded to y's dtype once:
-    lora_expand's math. -> a new tensor."""
+    (sum over splits of partials[:, t, s * slot_stride:][:R]) @ b[s].T * scales[s], in fp32, rounded
+    to y's dtype once: lora_expand's math. -> a new tensor."""
     out = y.clone()
     slots = rows.row_slots.tolist()
-    shrunk = rows.partials.sum(0)
+    shrunk = rows.partials.float().sum(0)
+    rank = rows.b.shape[2]
     for slot in sorted({s for s in slots if s >= 0}):
         index = torch.tensor([t for t, s in enumerate(slots) if s == slot], device=y.device)
-        delta = (shrunk[index] @ rows.b[slot].float().T) * rows.scales[slot].float()
+        first = slot * rows.slot_stride
+        delta = (shrunk[index, first:first + rank] @ rows.b[slot].float().T) * rows.scales[slot].float()
         out[index] = (y[index].float() + delta).to(y.dtype)
     return out

@@ -29,7 +29,8 @@ from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 
 # the LoRA rank and split are values of a step: one binary for any (tests/engine/test_warm_up_coverage.py)
-@triton.jit(do_not_specialize=["stride_lp_split", "stride_lp_row", "stride_lb_slot", "lora_rank", "lora_splits"])
+@triton.jit(do_not_specialize=["stride_lp_split", "stride_lp_row", "stride_lp_slot", "stride_lb_slot", "lora_rank",
+                               "lora_splits"])
 def _fused_add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, scale_ptr, values_ptr,
     stride_x, stride_residual, stride_out, stride_new_residual,
@@ -37,7 +38,8 @@ def _fused_add_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
     FP8_OUT: tl.constexpr = False, FP8_LIMIT: tl.constexpr = 448.0, SOFT_ROUND: tl.constexpr = False,
     KEEP_VALUES: tl.constexpr = False,
-    lp_ptr=None, lb_ptr=None, ls_ptr=None, lslot_ptr=None, stride_lp_split=0, stride_lp_row=0, stride_lb_slot=0,
+    lp_ptr=None, lb_ptr=None, ls_ptr=None, lslot_ptr=None, stride_lp_split=0, stride_lp_row=0, stride_lp_slot=0,
+    stride_lb_slot=0,
     lora_rank=0, lora_splits=0, LORA: tl.constexpr = False, RANK_PAD: tl.constexpr = 16,
     SPLITS_PAD: tl.constexpr = 64,
 ):
@@ -60,8 +62,9 @@ def _fused_add_rms_norm_kernel(
     if LORA:
         slot = tl.load(lslot_ptr + row)
         if slot >= 0:
-            x = _lora_row_add(x, row, cols, mask, slot, lp_ptr, lb_ptr, ls_ptr, stride_lp_split, stride_lp_row,
-                              stride_lb_slot, lora_rank, lora_splits, RANK_PAD, SPLITS_PAD)
+            x = _lora_row_add(x, row, cols, mask, slot, lp_ptr + slot * stride_lp_slot, lb_ptr, ls_ptr,
+                              stride_lp_split, stride_lp_row, stride_lb_slot, lora_rank, lora_splits, RANK_PAD,
+                              SPLITS_PAD)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         h = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -89,7 +92,7 @@ def _lora_row_add(x, row, cols, mask, slot, lp_ptr, lb_ptr, ls_ptr, stride_lp_sp
     offs_r = tl.arange(0, RANK_PAD)
     offs_s = tl.arange(0, SPLITS_PAD)
     partials = tl.load(lp_ptr + row * stride_lp_row + offs_s[:, None] * stride_lp_split + offs_r[None, :],
-                       mask=(offs_s[:, None] < splits) & (offs_r[None, :] < rank), other=0.0)
+                       mask=(offs_s[:, None] < splits) & (offs_r[None, :] < rank), other=0.0).to(tl.float32)
     shrunk = tl.sum(partials, axis=0)  # [RANK_PAD]
     b_row = lb_ptr + slot * stride_lb_slot + cols * rank
     delta = tl.zeros(cols.shape, dtype=tl.float32)
@@ -137,6 +140,7 @@ def _launch_fused_add_rms_norm(x2d, residual2d, weight, out, new_residual, eps, 
         check(x2d, lora)
         fp8.update(LORA=True, lp_ptr=lora.partials, lb_ptr=lora.b, ls_ptr=lora.scales, lslot_ptr=lora.row_slots,
                    stride_lp_split=lora.partials.stride(0), stride_lp_row=lora.partials.stride(1),
+                   stride_lp_slot=lora.slot_stride,
                    stride_lb_slot=lora.b.stride(0), lora_rank=lora.b.shape[2], lora_splits=lora.partials.shape[0],
                    RANK_PAD=triton.next_power_of_2(lora.b.shape[2]), SPLITS_PAD=LORA_MOST_SPLITS)
     _fused_add_rms_norm_kernel[(num_rows,)](

@@ -96,9 +96,9 @@ def _peft_greedy(base: str, paths: dict[str, str], prompts: list[list[int]]):
     return results
 
 
-def _runner(base: str, paths: dict[str, str], device: str = "cpu") -> ModelRunner:
+def _runner(base: str, paths: dict[str, str], device: str = "cpu", fuse: bool | None = None) -> ModelRunner:
     runner = ModelRunner(base, num_blocks=96, block_size=BLOCK, device=device)
-    lora = runner.enable_lora(max_loras=3, max_rank=16)
+    lora = runner.enable_lora(max_loras=3, max_rank=16, fuse=fuse)
     for name, path in paths.items():
         lora.add(name, path)
     return runner
@@ -135,16 +135,22 @@ def _run_engine(runner: ModelRunner, seqs: list[_Seq]) -> set[str]:
     return kinds
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
-def test_mixed_adapters_equal_peft_token_for_token(setup, kernels, monkeypatch):
-    """``kernels`` "triton": the LoRA ops run as the Triton kernels (in the interpreter on the CPU)."""
+@pytest.mark.parametrize("kernels, fuse", [("reference", False), ("triton", False), ("reference", True),
+                                           ("triton", True)])
+def test_mixed_adapters_equal_peft_token_for_token(setup, kernels, fuse, monkeypatch):
+    """``kernels`` "triton": the LoRA ops run as the Triton kernels (in the interpreter on the CPU).
+    ``fuse``: the A stacks under the model's weights (LoraWeights.fuse_into: the shrinks are the
+    projections' extra columns) or apart."""
     if kernels == "triton":
         from tandem.kernels import lora as lora_kernels
         from tandem.kernels import ops
 
-        monkeypatch.setattr(ops, "lora_add", lora_kernels.lora_add)
+        for name in ("lora_add", "lora_partials", "lora_expand_slots"):
+            monkeypatch.setattr(ops, name, getattr(lora_kernels, name))
     base, paths = setup
-    runner = _runner(base, paths)
+    runner = _runner(base, paths, fuse=fuse)
+    stack = runner.lora.weights.layers[0]["qkv_proj"]
+    assert (stack.weight is not None) == fuse
     prompts = _prompts(runner.config.vocab_size)
     seqs = _sequences(prompts)
     kinds = _run_engine(runner, seqs)
@@ -178,6 +184,33 @@ def test_a_step_without_adapter_rows_runs_no_lora_op(setup, monkeypatch):
         monkeypatch.setattr(ops, name, refused)
     chunks = [SeqChunk([5, 6, 7, 8, 9], 0, [0, 1]), SeqChunk([10, 11], 0, [2])]
     assert torch.equal(runner.forward(chunks), plain.forward(chunks))
+
+
+def test_fused_a_stacks_are_the_weights_extra_rows(setup):
+    """fuse_into: each projection's weight is the first rows of one tensor whose others are its A
+    stacks (a slot written lands there); the default rule leaves them apart where they would add
+    more than FUSE_MOST_EXTRA of the rows (this tiny model's), and FP8 weights are never fused."""
+    from tandem.engine.lora_weights import FUSE_MOST_EXTRA
+
+    base, paths = setup
+    runner = ModelRunner(base, num_blocks=16, block_size=BLOCK)
+    lora = runner.enable_lora(max_loras=2, max_rank=16, fuse=True)
+    lora.add("r4", paths["r4"])
+    slot = lora.slots_for(["r4"])["r4"]
+    for layer, stacks in zip(runner.model.layers, lora.weights.layers):
+        for proj, stack in stacks.items():
+            weight = getattr(layer, proj).weight
+            n = weight.shape[0]
+            assert weight.data_ptr() == stack.weight.data_ptr() and stack.weight.shape[0] == n + stack.a.shape[0] * stack.a.shape[1]
+            assert stack.a.data_ptr() == stack.weight[n:].data_ptr()
+            assert torch.equal(stack.weight[n:].view_as(stack.a), stack.a)
+    assert lora.weights.layers[0]["qkv_proj"].a[slot].abs().sum() > 0  # the adapter's A, in the fused rows
+    plain = ModelRunner(base, num_blocks=16, block_size=BLOCK).enable_lora(max_loras=2, max_rank=16)
+    first = plain.weights.layers[0]
+    assert all(s.weight is None for s in first.values())
+    assert 2 * 3 * 16 > runner.config.hidden_size * FUSE_MOST_EXTRA  # why: the rule's share
+    fp8 = ModelRunner(base, num_blocks=16, block_size=BLOCK, quantization="fp8").enable_lora(2, 16, fuse=True)
+    assert all(s.weight is None for layer in fp8.weights.layers for s in layer.values())
 
 
 def test_an_adapter_moved_to_another_slot_computes_the_same(setup):

@@ -208,11 +208,14 @@ def test_eager_prompt_steps_launch_only_what_the_prefill_warm_up_compiled(gpu_di
     assert traffic <= warmed, _missed("prompt steps", traffic, warmed)
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("quantization, fuse", [(None, None), (None, True), ("fp8", None)],
+                         ids=["bf16", "bf16-fused", "fp8"])
 def test_eager_steps_with_adapter_rows_launch_only_what_the_warm_up_compiled(monkeypatch, gpu_dispatch,
-                                                                            tiny_checkpoints, tmp_path, quantization):
+                                                                            tiny_checkpoints, tmp_path, quantization,
+                                                                            fuse):
     """A step whose rows carry adapters runs eagerly (decode rows and prompt chunks of any mix of
-    adapters and the base model): the worker's warm-up compiles every binary such steps launch."""
+    adapters and the base model): the worker's warm-up compiles every binary such steps launch,
+    the A stacks apart or under the weights (LoraWeights.fuse_into)."""
     from lora_testing import make_peft_adapter
 
     base = tiny_checkpoints["llama"]
@@ -220,7 +223,7 @@ def test_eager_steps_with_adapter_rows_launch_only_what_the_warm_up_compiled(mon
     monkeypatch.setattr(lora, "_num_sms", lambda device: SMS)
     monkeypatch.setattr(lora, "_split_k", lambda x, programs, k_blocks: max(1, min(k_blocks // 4, 2 * SMS // programs)))
     runner = ModelRunner(base, num_blocks=128, block_size=BLOCK, dtype=torch.bfloat16, quantization=quantization)
-    manager = runner.enable_lora(max_loras=4, max_rank=16)
+    manager = runner.enable_lora(max_loras=4, max_rank=16, fuse=fuse)
     manager.add("wide", make_peft_adapter(base, tmp_path / "wide", 16, 32, every, seed=1))
     manager.add("narrow", make_peft_adapter(base, tmp_path / "narrow", 8, 8, ["q_proj", "down_proj"], seed=2))
     slots = list(manager.slots_for(["wide", "narrow"]).values()) + [-1]

@@ -8,7 +8,7 @@ import torch
 from kernel_testing import DEVICE, DTYPES, assert_close, gpu, requires_cuda
 
 from tandem.kernels import reference
-from tandem.kernels.lora import lora_add, lora_expand, lora_shrink
+from tandem.kernels.lora import lora_add, lora_expand, lora_expand_slots, lora_shrink
 
 RANK = 16  # the stacks' (maximum) rank
 
@@ -243,3 +243,23 @@ def test_gpu_llama3_8b_qkv_bf16(rows_per_adapter, num_adapters):
         reference.lora_expand(want[:, offset:offset + width], s_part, b, *segments, scales)
         offset += width
     assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", [1, 3])
+def test_expand_from_every_slots_shrink_matches_reference(dtype, parts):
+    """lora_expand_slots: the expand of lora_add from a fused weight's extra columns, [T, L * P * R]
+    in the activations' dtype, a row of slot s reading columns s * P * R onward (others ignored)."""
+    n, slots = 48 * parts, 3
+    offsets = [0, 48, 96][:parts]
+    shrunk = torch.randn(len(SLOTS), slots * parts * RANK, device=DEVICE).to(dtype)
+    b = _stack(slots, n, RANK, RANKS, 2, dtype)
+    scales = torch.rand(parts, slots, device=DEVICE) + 0.5
+    segments = _segments(SLOTS)
+    y = torch.randn(len(SLOTS), n, device=DEVICE).to(dtype)
+    got, want = y.clone(), y.clone()
+    lora_expand_slots(got, shrunk, b, offsets, scales, *segments)
+    reference.lora_expand_slots(want, shrunk, b, offsets, scales, *segments)
+    assert_close(got, want, dtype, scale=4)
+    base = [t for t, s in enumerate(SLOTS) if s < 0]
+    assert torch.equal(got[base], y[base])

@@ -67,3 +67,24 @@ def test_the_reference_is_lora_expand_then_the_norm():
     want = y.clone()
     reference.lora_expand(want, rows.partials.sum(0), rows.b, *segments, rows.scales)
     assert torch.equal(reference.lora_rows_add(y, rows), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_slots_shrink_from_a_fused_weight(dtype):
+    """slot_stride: partials [1, T, L * R] in the activations' dtype (a fused weight's extra
+    columns), a row of slot s reading columns s * R onward: as the reference."""
+    slots = 3
+    shrunk = torch.randn(1, len(SLOTS), slots * RANK, device=DEVICE).to(dtype)
+    b = _stack(slots, HIDDEN, RANK, RANKS, 2, dtype)
+    rows = LoraRows(shrunk, b, torch.tensor([0.5, 2.0, 1.25], device=DEVICE),
+                    torch.tensor(SLOTS, dtype=torch.int64, device=DEVICE), slot_stride=RANK)
+    x = torch.randn(len(SLOTS), HIDDEN, device=DEVICE).to(dtype)
+    residual = torch.randn_like(x)
+    weight = torch.rand(HIDDEN, device=DEVICE).to(dtype) + 0.5
+    normed, h = fused_add_rms_norm(x, residual, weight, 1e-5, lora=rows)
+    ref_normed, ref_h = reference.fused_add_rms_norm(x, residual, weight, 1e-5, lora=rows)
+    assert_close(h, ref_h, dtype)
+    assert_close(normed, ref_normed, dtype)
+    own = LoraRows(torch.stack([shrunk[0, t, s * RANK:(s + 1) * RANK] if s >= 0 else torch.zeros(RANK, dtype=dtype)
+                                for t, s in enumerate(SLOTS)])[None].float(), b, rows.scales, rows.row_slots)
+    assert torch.equal(reference.lora_rows_add(x, own), reference.lora_rows_add(x, rows))
