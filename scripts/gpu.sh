@@ -46,7 +46,8 @@
 #                                 inputs quantized by the kernels before them and by passes of their own
 #   bash scripts/gpu.sh lora      the LoRA GPU tests, tandem.bench.lora_step (llama3-8b, batch 64, base / one
 #                                 adapter / 8 adapters, rank 16 on all seven projections; LORA_DTYPES, default
-#                                 "bf16 fp8"), then 256 streams of 128/128 in FP8, base and over 8 adapters
+#                                 "bf16 bf16-apart fp8": bf16-apart with the A stacks apart from the weights),
+#                                 then 256 streams of 128/128 in FP8, base and over 8 adapters
 set -o pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh || exit 1
@@ -186,8 +187,9 @@ case "${1:-}" in
   lora)
     timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/kernels/test_lora.py tests/engine/test_lora_parity.py \
       -m gpu 2>&1 | tee "$OUT/lora_tests.log" | tail -3
-    for q in ${LORA_DTYPES:-bf16 fp8}; do
+    for q in ${LORA_DTYPES:-bf16 bf16-apart fp8}; do  # bf16-apart: the A stacks apart from the weights
       flags=(); [ "$q" = fp8 ] && flags=(--quantization fp8 --kv-cache-dtype fp8)
+      [ "$q" = bf16-apart ] && flags=(--fuse off)
       timeout 150 python3 -m tandem.bench.lora_step --model llama3-8b --batch 64 --adapters 8 "${flags[@]}" \
         --out "$OUT/lora_step_$q.json" 2>&1 | tee "$OUT/lora_step_$q.log" | grep -E "^lora_step|Error"
     done
