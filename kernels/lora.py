@@ -148,6 +148,13 @@ def _block(n: int, most: int) -> int:
     return max(16, min(most, triton.next_power_of_2(max(n, 1))))
 
 
+def _segment_rows_block(num_rows: int, num_segs: int) -> int:
+    """The row tile of a program: the rows an average segment holds (a decode step's 64 rows over a
+    graph's 8 segments: 16, not a 64-row tile for 8 rows), at least 16 (tl.dot's least) and at most 64.
+    Every value is one a single segment of 16, 32 or 64+ rows takes too: the warm-up's steps compile it."""
+    return _block(triton.cdiv(num_rows, max(num_segs, 1)), 64)
+
+
 def _check_segments(token_order: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> None:
     assert token_order.dim() == 1 and token_order.is_contiguous()
     assert seg_slots.dim() == 1 and seg_slots.is_contiguous() and seg_starts.is_contiguous()
@@ -179,7 +186,7 @@ def _shrink(x: torch.Tensor, a_stacked: torch.Tensor, segments: tuple, split_k: 
     num_rows, num_segs = token_order.shape[0], seg_slots.shape[0]
     if num_rows == 0 or num_segs == 0 or R == 0 or K == 0:
         return torch.zeros((1, num_tokens, R), dtype=torch.float32, device=x.device)
-    block_m, block_r, block_k = _block(num_rows, 64), _block(R, 64), _block(K, 64)
+    block_m, block_r, block_k = _segment_rows_block(num_rows, num_segs), _block(R, 64), _block(K, 64)
     r_tiles, k_blocks = triton.cdiv(R, block_r), triton.cdiv(K, block_k)
     programs = num_segs * triton.cdiv(num_rows, block_m) * r_tiles
     split = split_k or min(_split_k(x, programs, k_blocks), most_splits or k_blocks)
@@ -219,7 +226,7 @@ def _expand(y: torch.Tensor, partials: torch.Tensor, b_stacked: torch.Tensor, sc
     if num_rows == 0 or num_segs == 0 or N == 0 or R == 0:
         return
     bounds = list(offsets[1:]) + [N] * (3 - parts)
-    block_m, block_n = _block(num_rows, 64), 64
+    block_m, block_n = _segment_rows_block(num_rows, num_segs), 64
     grid = (num_segs, triton.cdiv(num_rows, block_m), triton.cdiv(N, block_n))
     _lora_expand_kernel[grid](
         y, partials, b_stacked, scales, token_order, seg_starts, seg_slots,

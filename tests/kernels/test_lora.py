@@ -263,3 +263,24 @@ def test_expand_from_every_slots_shrink_matches_reference(dtype, parts):
     assert_close(got, want, dtype, scale=4)
     base = [t for t, s in enumerate(SLOTS) if s < 0]
     assert torch.equal(got[base], y[base])
+
+
+def test_row_tiles_follow_the_average_segment():
+    """The row tile is the rows an average segment holds (16 for 48 rows over 3 segments), so a
+    segment longer than that spans several tiles (40 rows: 3) and still matches the reference."""
+    from tandem.kernels.lora import _segment_rows_block
+
+    assert [_segment_rows_block(64, 8), _segment_rows_block(64, 1), _segment_rows_block(48, 3),
+            _segment_rows_block(2048, 2), _segment_rows_block(5, 0)] == [16, 64, 16, 64, 16]
+    slots = [0] * 40 + [1] * 4 + [2] * 4
+    K, N = 64, 48
+    x = torch.randn(len(slots), K, device=DEVICE)
+    a = _stack(3, RANK, K, RANKS, 1, torch.float32)
+    b = _stack(3, N, RANK, RANKS, 2, torch.float32)
+    scales = torch.rand(1, 3, device=DEVICE) + 0.5
+    segments = _segments(slots)
+    out = torch.randn(len(slots), N, device=DEVICE)
+    want, got = out.clone(), out.clone()
+    reference.lora_add(want, x, a, b, [0], scales, *segments)
+    lora_add(got, x, a, b, [0], scales, *segments)
+    assert_close(got, want, torch.float32, scale=4)
