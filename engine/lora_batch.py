@@ -58,6 +58,21 @@ class LoraBatch:
         else:
             ops.lora_add(out, x, stack.a, stack.b_all, stack.offsets, stack.scales, *segments)
 
+    def linear_add_rms_norm(self, projection: str, layer_idx: int, x, x_values: torch.Tensor, weight,
+                            residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, quantize_for=None):
+        """``projection`` (o or down: single-part) of x, its adapter rows' LoRA, the residual add and the
+        next norm -> (normed, new residual). Fused (``LoraWeights.fuse_into``): as the base model's
+        ops.linear_add_rms_norm, the LoRA inside its finishing kernel; else the projection, then the
+        norm adding the LoRA of the shrink of ``x_values`` (x in the model's dtype)."""
+        stack = self.weights.layers[layer_idx][projection]
+        if stack.weight is not None and projection in self.projections:
+            rows = LoraRows(None, stack.b_all, stack.scales[0], self.row_slots[: x_values.shape[0]],
+                            slot_stride=stack.rank)
+            return ops.linear_add_rms_norm(x, stack.weight, residual, norm_weight, eps, quantize_for, lora=rows)
+        out = ops.linear(x, weight)
+        return ops.fused_add_rms_norm(out, residual, norm_weight, eps, quantize_for=quantize_for, keep_values=True,
+                                      lora=self.rows(projection, layer_idx, x_values))
+
     def rows(self, projection: str, layer_idx: int, x: torch.Tensor) -> LoraRows | None:
         """The shrink of a single-part ``projection`` for input x, as the kernel after the projection
         takes it to add the LoRA row by row (ops.fused_add_rms_norm's ``lora``); None when no row's

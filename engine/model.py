@@ -118,16 +118,14 @@ class DecoderLayer(nn.Module):
         projections' in the add-norm after them (kernels.lora_rows). A projection's input that comes
         quantized keeps its values in the model's dtype for the adapters."""
         gate_up_w, down_w = projection_weight(self.gate_up_proj), projection_weight(self.down_proj)
-        out = lora.project("o_proj", self.layer_idx, attn, projection_weight(self.o_proj))
-        hidden, residual = ops.fused_add_rms_norm(out, residual, self.post_attention_layernorm, self.eps,
-                                                  quantize_for=gate_up_w, keep_values=True,
-                                                  lora=lora.rows("o_proj", self.layer_idx, attn))
+        hidden, residual = lora.linear_add_rms_norm("o_proj", self.layer_idx, attn, attn,
+                                                    projection_weight(self.o_proj), residual,
+                                                    self.post_attention_layernorm, self.eps, quantize_for=gate_up_w)
         gate_up = lora.project("gate_up_proj", self.layer_idx, hidden, gate_up_w)  # [T, 2 * intermediate]
         lora.add("gate_up_proj", self.layer_idx, in_model_dtype(hidden), gate_up)
         act = ops.silu_mul(gate_up, quantize_for=down_w, keep_values=True)
-        out = lora.project("down_proj", self.layer_idx, act, down_w)
-        return ops.fused_add_rms_norm(out, residual, next_norm, self.eps, quantize_for=next_qkv, keep_values=True,
-                                      lora=lora.rows("down_proj", self.layer_idx, in_model_dtype(act)))
+        return lora.linear_add_rms_norm("down_proj", self.layer_idx, act, in_model_dtype(act), down_w, residual,
+                                        next_norm, self.eps, quantize_for=next_qkv)
 
     def project_qkv(self, hidden, lora: LoraBatch | None = None):
         """-> q [T, Hq, D], k and v [T, Hkv, D] (views of one projection), unrotated."""

@@ -81,11 +81,16 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Te
 
 
 def skinny_linear_add_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, lora=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K]; weight: [N, K]; residual [M, N] -> fused_add_rms_norm(x @ weight.T, residual, ...):
-    the product in fp32, rounded to x's dtype (as gemv), then added and normed."""
-    return fused_add_rms_norm(gemv(x, weight), residual, norm_weight, eps)
+    the product in fp32, rounded to x's dtype (as gemv), then added and normed. ``lora``: weight's
+    rows past N are every slot's A; the product's columns past N are the rows' shrinks."""
+    out = gemv(x, weight)
+    if lora is not None:
+        num_out = residual.shape[1]
+        out, lora = out[:, :num_out], lora._replace(partials=out[:, num_out:].unsqueeze(0))
+    return fused_add_rms_norm(out, residual, norm_weight, eps, lora)
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,7 +43,8 @@ from tandem.kernels.fp8_quant import row_scale, to_codes
 from tandem.kernels.fp8_weight import FP8_DTYPE, FP8_MAX, Fp8Rows, Fp8Weight
 from tandem.kernels.gemv import _split_weight
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
-from tandem.kernels.rms_norm import rms_norm_row, row_num_warps
+from tandem.kernels.lora_rows import LoraRows
+from tandem.kernels.rms_norm import _lora_row_add, rms_norm_row, row_num_warps
 
 MAX_M = 128  # the x tile and the accumulators grow with M: beyond this, cuBLAS's own tiles
 _SMEM_BYTES = 220 << 10  # tile buffers per program (sm90 allows 227 KB)
@@ -158,6 +159,8 @@ def _split_sum_kernel(
     SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     ADD_NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     FP8_OUT: tl.constexpr = False, FP8_LIMIT: tl.constexpr = 448.0, SOFT_ROUND: tl.constexpr = False,
+    lb_ptr=None, ls_ptr=None, lslot_ptr=None, stride_lb_slot=0, lora_rank=0, LORA: tl.constexpr = False,
+    RANK_PAD: tl.constexpr = 16, SPLITS_PAD: tl.constexpr = 1,
 ):
     """y[m, n] = sum_s ws[s, m, n] (+ b[n]);  SILU_MUL: y[m, n] = silu(g) * u with
     g = sum_s ws[s, m, n], u = sum_s ws[s, m, num_out + n]; fp32 until the cast.
@@ -165,7 +168,10 @@ def _split_sum_kernel(
     linear returns), h = p + residual[m] rounded the same way, new_residual[m] = h and
     y[m] = h * rsqrt(sum(h^2) / num_out + eps) * norm_weight, as kernels.rms_norm computes it.
     FP8_OUT (with ADD_NORM): y[m] rounded to the residual's dtype, then stored as E4M3 codes of
-    y[m] / ys[m], ys[m] = amax / FP8_LIMIT (kernels.fp8_quant's math: Fp8Rows)."""
+    y[m] / ys[m], ys[m] = amax / FP8_LIMIT (kernels.fp8_quant's math: Fp8Rows).
+    LORA (with ADD_NORM; kernels.lora_rows): the weight's rows past num_out are every slot's A
+    (engine.lora_weights), so ws[:, m, num_out + s * rank:][:rank] is row m's shrink for slot s; a row
+    of slot s = lslot[m] >= 0 gets its LoRA added to p before the residual, as the norm kernel adds it."""
     if USE_PDL:  # kernels.pdl: the partial sums are the previous kernel's output
         gdc_launch_dependents()
         gdc_wait()
@@ -185,7 +191,13 @@ def _split_sum_kernel(
         y = y / (1.0 + tl.exp(-y)) * up
     if ADD_NORM:
         r = tl.load(res_ptr + m * stride_rm + cols, mask=mask, other=0.0)
-        h = (y.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        p = y.to(r.dtype)
+        if LORA:
+            slot = tl.load(lslot_ptr + m)
+            if slot >= 0:
+                p = _lora_row_add(p, m, cols, mask, slot, ws_ptr + num_out + slot * lora_rank, lb_ptr, ls_ptr,
+                                  stride_ws, stride_wm, stride_lb_slot, lora_rank, SPLIT_K, RANK_PAD, SPLITS_PAD)
+        h = (p.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
         tl.store(new_res_ptr + m * stride_nrm + cols, h, mask=mask)
         y = rms_norm_row(h, norm_w_ptr, cols, mask, num_out, eps)
         if FP8_OUT:
@@ -279,6 +291,7 @@ class AddNorm(NamedTuple):
     eps: float
     new_residual: torch.Tensor  # [M, N], written: the projection plus the residual
     scale: torch.Tensor | None = None  # [M, 1] fp32: y holds E4M3 codes (Fp8Rows), their row scales here
+    lora: LoraRows | None = None  # the weight's last rows are every slot's A (its partials unused)
 
 
 def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None, y: torch.Tensor,
@@ -304,7 +317,10 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torc
     M = x.shape[0]
     assert M <= MAX_M, f"a skinny GEMM takes at most {MAX_M} rows"
     assert weight.stride(1) == 1, "weight rows must be contiguous"
-    num_out = rows_w // 2 if silu_mul else rows_w
+    num_out = gemm_out = rows_w // 2 if silu_mul else rows_w
+    lora = None if add_norm is None else add_norm.lora
+    if lora is not None:  # the rows past the projection's are the A stacks: their sums stay in the workspace
+        num_out -= lora.b.shape[0] * lora.b.shape[2]
     assert not silu_mul or rows_w % 2 == 0, "a [gate; up] weight has an even number of rows"
     assert y.shape == (M, num_out) and y.stride(1) == 1
     assert bias is None or (not silu_mul and bias.shape == (rows_w,) and bias.stride(0) == 1)
@@ -333,8 +349,8 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torc
     fp8 = {} if scale is None else {"s_ptr": scale, "W_SCALED": True}
     if x_scale is not None:
         fp8.update(xs_ptr=x_scale, X_SCALED=True)
-    _skinny_kernel[(triton.cdiv(num_out, block_n), split_k)](
-        x, weight, dummy_bias, out, M, num_out, K, x.stride(0), weight.stride(0), out.stride(-2),
+    _skinny_kernel[(triton.cdiv(gemm_out, block_n), split_k)](
+        x, weight, dummy_bias, out, M, gemm_out, K, x.stride(0), weight.stride(0), out.stride(-2),
         out.stride(0) if workspace else 0, tiles_per_split,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, WORKSPACE=workspace,
@@ -351,8 +367,13 @@ def _launch_skinny(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torc
     else:
         block = triton.next_power_of_2(num_out)  # the whole row: its sum of squares
         finish_warps = max(4, row_num_warps(block))
-        res, norm_w, eps, new_res, y_scale = add_norm
+        res, norm_w, eps, new_res, y_scale, _ = add_norm
     fp8_out = {} if y_scale is None else {"FP8_OUT": True, "FP8_LIMIT": FP8_MAX, "SOFT_ROUND": soft_round()}
+    if lora is not None:
+        assert lora.b.shape[1] == num_out and lora.row_slots.shape == (M,) and lora.slot_stride == lora.b.shape[2]
+        fp8_out.update(LORA=True, lb_ptr=lora.b, ls_ptr=lora.scales, lslot_ptr=lora.row_slots,
+                       stride_lb_slot=lora.b.stride(0), lora_rank=lora.b.shape[2],
+                       RANK_PAD=triton.next_power_of_2(lora.b.shape[2]), SPLITS_PAD=triton.next_power_of_2(split_k))
     _split_sum_kernel[(M, triton.cdiv(num_out, block))](
         out, dummy_bias, y, res, norm_w, new_res, y if y_scale is None else y_scale, num_out, out.stride(0), out.stride(1), y.stride(0),
         res.stride(0), new_res.stride(0), float(eps),
@@ -372,19 +393,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch
 
 def skinny_linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, residual: torch.Tensor,
                                norm_weight: torch.Tensor, eps: float, x_scale: torch.Tensor | None = None,
-                               fp8_out: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+                               fp8_out: bool = False, lora: LoraRows | None = None
+                               ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """x: [M, K] (M <= 128); weight: [N, K]; residual: [M, N] -> (rms_norm(h) * norm_weight, h) with
     h = x @ weight.T + residual (each rounded to the residual's dtype): a projection, the residual add
     and the next RMSNorm, in the GEMM and its finishing kernel. ``x_scale``: as skinny_linear's.
     ``fp8_out``: the normed rows quantized per token by the finishing kernel (Fp8Rows,
-    ``reference.quantize_rows_fp8``'s math on what it would have stored)."""
-    M, num_out = x.shape[0], weight.shape[0]
+    ``reference.quantize_rows_fp8``'s math on what it would have stored). ``lora``: weight's rows
+    past the residual's columns are every slot's A; each adapter row's LoRA is added before the add."""
+    M, num_out = x.shape[0], residual.shape[1]
     y = torch.empty((M, num_out), dtype=FP8_DTYPE if fp8_out else residual.dtype, device=x.device)
     scale = torch.empty((M, 1), dtype=torch.float32, device=x.device) if fp8_out else None
     new_residual = torch.empty((M, num_out), dtype=residual.dtype, device=x.device)
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     _launch_skinny(x, weight, None, y, silu_mul=False, x_scale=x_scale,
-                   add_norm=AddNorm(residual, norm_weight.contiguous(), float(eps), new_residual, scale))
+                   add_norm=AddNorm(residual, norm_weight.contiguous(), float(eps), new_residual, scale, lora))
     return (Fp8Rows(y, scale, residual.dtype) if fp8_out else y), new_residual
 
 

@@ -163,6 +163,10 @@ _KERNELS += [
     # o's and down's expand inside the add-norm after them (kernels.lora_rows)
     (_fused_add_rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096, "LORA": True}, (), (),
      {"lp_ptr": "*fp32", "lb_ptr": "*bf16", "ls_ptr": "*fp32", "lslot_ptr": "*i64"}),
+    # and in the skinny GEMM's add-norm finish, from a fused weight's extra columns
+    (_split_sum_kernel, dict(SPLIT_K=2, BLOCK=4096, HAS_BIAS=False, SILU_MUL=False, ADD_NORM=True, LORA=True,
+                             SPLITS_PAD=2), (), (),
+     {"ws_ptr": "*fp32", "lb_ptr": "*bf16", "ls_ptr": "*fp32", "lslot_ptr": "*i64"}),
 ]
 
 

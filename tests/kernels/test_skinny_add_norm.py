@@ -76,13 +76,13 @@ def test_ops_sends_2_to_max_rows_to_the_fused_kernel(monkeypatch):
     """The dispatch's row range (CUDA layouts faked: the kernel is a recorder here)."""
     calls = []
 
-    def fused(x, weight, residual, norm_weight, eps, fp8_out=False):
+    def fused(x, weight, residual, norm_weight, eps, fp8_out=False, lora=None):
         calls.append(x.shape[0])
         return "fused"
 
     monkeypatch.setattr(ops, "_triton_layout", lambda x, weight, bias: True)
     monkeypatch.setattr(ops, "_triton_impl", lambda name: fused if name == "skinny_linear_add_rms_norm" else None)
-    monkeypatch.setattr(ops, "fused_add_rms_norm", lambda y, residual, w, eps, quantize_for=None: "unfused")
+    monkeypatch.setattr(ops, "fused_add_rms_norm", lambda y, residual, w, eps, quantize_for=None, lora=None: "unfused")
     monkeypatch.setattr(ops, "linear", lambda x, weight: x)
     w = torch.empty(8, 4)
     for rows, expected in ((1, "unfused"), (2, "fused"), (ops.FUSED_NORM_MAX_ROWS, "fused"),
@@ -145,7 +145,7 @@ def test_gpu_real_shapes_bf16(M, N, K):
 def test_gpu_through_ops(monkeypatch, M):
     calls = []
     fused = sg.skinny_linear_add_rms_norm
-    monkeypatch.setattr(sg, "skinny_linear_add_rms_norm", lambda *args: calls.append(1) or fused(*args))
+    monkeypatch.setattr(sg, "skinny_linear_add_rms_norm", lambda *args, **kwargs: calls.append(1) or fused(*args, **kwargs))
     ops._triton_impl.cache_clear()
     x, w, residual, norm_w = _case(M, 4096, 11008, torch.bfloat16, "cuda")
     out, h = ops.linear_add_rms_norm(x, w, residual, norm_w, 1e-5)
@@ -155,3 +155,33 @@ def test_gpu_through_ops(monkeypatch, M):
                                                           1e-5)
     assert_close(h, ref_h, torch.bfloat16)
     assert_close(out, ref_out, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [None, (16, 32, 4, 3, 3)])
+def test_a_fused_lora_weights_rows_are_added_in_the_finish(dtype, config):
+    """``lora`` (a weight whose rows past N are every slot's A, engine.lora_weights): the finish adds
+    each adapter row's LoRA from the workspace's extra columns (summed over the splits) before the
+    residual, as the reference (the product's extra columns as the rows' shrinks, then the norm);
+    rows of no adapter are the plain finish's."""
+    from tandem.kernels.lora_rows import LoraRows
+
+    M, N, K, slots, rank = 6, 40, 96, 3, 16
+    x, w, residual, norm_w = _case(M, N, K, dtype)
+    a = (torch.randn(slots * rank, K, device=DEVICE) / K**0.5).to(dtype)
+    weight = torch.cat([w, a])
+    b = (torch.randn(slots, N, rank, device=DEVICE) / rank**0.5).to(dtype)
+    rows = LoraRows(None, b, torch.tensor([0.5, 2.0, 1.5], device=DEVICE),
+                    torch.tensor([0, -1, 2, 2, 1, -1], dtype=torch.int64, device=DEVICE), slot_stride=rank)
+    y, new_res = torch.empty(M, N, device=DEVICE, dtype=dtype), torch.empty(M, N, device=DEVICE, dtype=dtype)
+    sg._launch_skinny(x, weight, None, y, silu_mul=False, config=config,
+                      add_norm=sg.AddNorm(residual, norm_w, 1e-5, new_res, None, rows))
+    ref_out, ref_h = reference.skinny_linear_add_rms_norm(x, weight, residual, norm_w, 1e-5, lora=rows)
+    assert_close(new_res, ref_h, dtype, scale=2)
+    assert_close(y, ref_out, dtype, scale=2)
+    plain_out, plain_h = torch.empty_like(y), torch.empty_like(new_res)
+    sg._launch_skinny(x, w, None, plain_out, silu_mul=False, config=config,
+                      add_norm=sg.AddNorm(residual, norm_w, 1e-5, plain_h))
+    for row in (1, 5):  # no adapter
+        assert torch.equal(new_res[row], plain_h[row]) and torch.equal(y[row], plain_out[row])
+    assert not torch.equal(new_res[0], plain_h[0])
