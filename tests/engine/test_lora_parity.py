@@ -234,12 +234,14 @@ def test_an_adapter_moved_to_another_slot_computes_the_same(setup):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_the_gpu_beside_cuda_graphs(setup):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_on_the_gpu_beside_cuda_graphs(setup, fuse):
     """The Triton LoRA kernels in the engine on a GPU (fp32), CUDA graphs enabled: the CPU runner's
     tokens and logits. Decode steps with adapter rows replay the LoRA graphs (engine.cuda_graph),
-    base-only ones the base graphs; a step mixing both equals the CPU's."""
+    base-only ones the base graphs; a step mixing both equals the CPU's. ``fuse``: the GPU runner's
+    A stacks under its weights (the skinny GEMM's LoRA finish, the slot-strided expands)."""
     base, paths = setup
-    cpu, gpu = _runner(base, paths), _runner(base, paths, "cuda")
+    cpu, gpu = _runner(base, paths), _runner(base, paths, "cuda", fuse=fuse)
     gpu.enable_cuda_graphs(max_batch_size=8, max_seq_len=64)
     prompts = _prompts(cpu.config.vocab_size)
     on_cpu, on_gpu = _sequences(prompts), _sequences(prompts)
