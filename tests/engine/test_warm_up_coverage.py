@@ -310,3 +310,33 @@ def test_penalized_rows_of_any_step_launch_only_what_the_warm_up_compiled(gpu_di
             logits_process.apply(torch.zeros(n, vocab), plan, slots.counts, slots.prompt)
         traffic = launches.distinct()
     assert len(launches.keys) == 41 and traffic <= warmed, _missed("penalized steps", traffic, warmed)
+
+
+def test_a_decode_step_with_adapters_launches_three_kernels_a_layer_more_than_the_base_step(
+        monkeypatch, gpu_dispatch, tiny_checkpoints, tmp_path):
+    """With the A stacks under the weights (LoraWeights.fuse_into), a decode step whose rows all
+    carry an adapter of every projection launches at most 3 kernels a layer more than the base
+    step (the qkv and gate/up expands, and SiLU·mul apart from its GEMM): the shrinks are the
+    projections' extra rows and o's and down's LoRA rides their add-norm finish. Apart, it launches
+    more (4 shrinks a layer)."""
+    from lora_testing import make_peft_adapter
+
+    base = tiny_checkpoints["llama"]
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    counts = {}
+    for fuse in (True, False):
+        runner = ModelRunner(base, num_blocks=128, block_size=BLOCK, dtype=torch.bfloat16)
+        manager = runner.enable_lora(max_loras=2, max_rank=16, fuse=fuse)
+        manager.add("wide", make_peft_adapter(base, tmp_path / f"wide{fuse}", 16, 32, every, seed=1))
+        slot = manager.slots_for(["wide"])["wide"]
+        rng = random.Random(3)
+        contexts = [rng.randint(1, 200) for _ in range(16)]
+        for lora_slot in (-1, slot):
+            chunks = [SeqChunk([1], c, _blocks(rng, c + 1, 256, 128), lora_slot=lora_slot) for c in contexts]
+            with every_kernel_recorded() as launches:
+                runner.forward(chunks)
+            counts[fuse, lora_slot >= 0] = sum(len(r.keys) for r in launches.recorded)
+    layers = runner.config.num_layers
+    assert counts[True, False] == counts[False, False]  # the base step is the same either way
+    assert counts[True, True] - counts[True, False] <= 3 * layers, counts
+    assert counts[False, True] > counts[True, True], counts
