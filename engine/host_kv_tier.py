@@ -37,7 +37,7 @@ after it, as without the tier, and the tier drops it.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -124,7 +124,10 @@ class HostKVTier:
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
         self._hash_in: dict[int, bytes] = {}  # slot -> hash
         self._free = list(range(self.capacity - 1, -1, -1))  # popped from the end: lowest slot first
-        self._storing: dict[int, object] = {}  # slot -> the event after its store's transfer (until it ran)
+        # stores whose transfers may still run, in order (one stream): (event after them, their slots),
+        # and each such slot's event, for a load of it to wait on
+        self._in_flight: deque[tuple[object, list[int]]] = deque()
+        self._storing: dict[int, object] = {}
         # stores and loads cross the link on streams of their own (it carries both directions at once)
         self._out_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._in_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
@@ -212,6 +215,7 @@ class HostKVTier:
                 done = torch.cuda.Event()
                 done.record(self._out_stream)
             gathered.record_stream(self._out_stream)
+            self._in_flight.append((done, slots))
             self._storing.update((slot, done) for slot in slots)
         else:
             if self._last_load is not None:  # the loader thread may still read a slot dropped since
@@ -223,10 +227,13 @@ class HostKVTier:
         return len(todo)
 
     def poll(self) -> None:
-        """Forget the store events that have run (a load of their slots then waits for nothing)."""
-        ran = {event for event in set(self._storing.values()) if event.query()}
-        if ran:
-            self._storing = {slot: event for slot, event in self._storing.items() if event not in ran}
+        """Forget the stores whose transfers have run (a load of their slots then waits for nothing):
+        the oldest first, as far as they have run."""
+        while self._in_flight and self._in_flight[0][0].query():
+            done, slots = self._in_flight.popleft()
+            for slot in slots:
+                if self._storing.get(slot) is done:  # not a later store's of the same slot
+                    del self._storing[slot]
 
     # ---- host -> device ---------------------------------------------------------------
     def load(self, hashes: list[bytes], block_ids: list[int]) -> HostLoad:

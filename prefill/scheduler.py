@@ -127,8 +127,9 @@ class PrefillScheduler:
     def _land(self, wait: bool) -> None:
         """Jobs whose host-tier blocks are in join the prefilling ones, in admission order; with
         ``wait``, the oldest is waited for."""
+        oldest = self.loading[0] if wait and self.loading else None
         for state in list(self.loading):
-            if (wait and state is self.loading[0]) or state.host_load.done():
+            if state is oldest or state.host_load.done():
                 self._take_load(state)
 
     def _take_load(self, state: PrefillState) -> None:

@@ -147,3 +147,43 @@ def test_an_abort_while_loading_frees_the_blocks_only_after_the_copy(parts, gate
     assert sched.on_prefill_done(turn, None, "aborted") == "abort"  # what the worker's check does with it
     cache.clear()
     assert raw.num_free == raw.num_total
+
+
+def test_a_prefill_worker_with_nothing_to_compute_waits_for_its_oldest_copy_only(monkeypatch):
+    """The prefill scheduler's form: two jobs whose prefixes are on the host; with nothing else to
+    compute it waits for the first job's copy, not the second's, which joins once it is in."""
+    from tandem.cluster.messages import PrefillJob
+    from tandem.prefill.job import PrefillState
+    from tandem.prefill.scheduler import PrefillScheduler
+
+    gates = [threading.Event(), threading.Event()]
+    calls = []
+    scatter = host_kv_tier.ops.scatter_blocks
+
+    def held(kv, ids, staging):  # the n-th copy waits for the n-th gate
+        gate = gates[len(calls)]
+        calls.append(1)
+        assert gate.wait(10), "the gate was never opened"
+        return scatter(kv, ids, staging)
+
+    monkeypatch.setattr(host_kv_tier.ops, "scatter_blocks", held)
+    pool = KVCachePool(2, 32, BLOCK, 1, 4, torch.float32, "cpu")
+    tier = HostKVTier(pool, 16 * pool.bytes_per_block)
+    raw = BlockAllocator(32, BLOCK)
+    sched = PrefillScheduler(raw, max_num_tokens=64, max_batch_size=4, prefix_cache=PrefixCache(raw, host_tier=tier))
+    prompts = [PROMPT + [40, 41], [p + 50 for p in PROMPT] + [40]]
+    for i, prompt in enumerate(prompts):  # their prefixes were evicted to the host earlier
+        tier.store([(h, b) for h, b in zip(block_hashes(prompt, BLOCK)[:3], range(3 * i, 3 * i + 3))])
+    states = [PrefillState(job=PrefillJob(f"j{i}", prompt, SamplingParams(0.0), 4, [], {}, "d0"))
+              for i, prompt in enumerate(prompts)]
+    for state in states:
+        sched.add(state)
+    threading.Timer(0.1, gates[0].set).start()
+    chunks = sched.schedule()  # nothing to compute: waits for j0's copy, not j1's
+    assert [state.request_id for state, _ in chunks] == ["j0"] and sched.loading == [states[1]]
+    assert states[0].num_host_cached_tokens == 3 * BLOCK and states[0].num_computed == 3 * BLOCK
+    gates[1].set()
+    deadline = time.monotonic() + 10
+    while sched.loading and time.monotonic() < deadline:
+        sched.schedule()
+    assert not sched.loading and states[1].num_host_cached_tokens == 3 * BLOCK
