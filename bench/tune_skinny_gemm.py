@@ -36,7 +36,7 @@ QUICK_GRID = [c for c in itertools.product((64, 128), (64, 128), (4, 8), (3, 4),
 
 def settings(grid, M: int, rows: int, K: int, silu: bool) -> list[tuple]:
     """The grid less what cannot or need not run: tiles (and the peeled first tile, which stays
-    allocated: kernels.skinny_gemm.tile_config) over the shared memory; weight tiles under 8 KB (too
+    allocated: kernels.skinny_tiles.tile_config) over the shared memory; weight tiles under 8 KB (too
     little in flight per stage); 8 warps on an accumulator small enough for 4; splits whose grid
     would exceed ~4 waves of one program per SM, or that would leave a split fewer tiles than
     stages."""

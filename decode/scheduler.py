@@ -32,10 +32,8 @@ allocator is then an ``engine.caching_allocator.CachingAllocator`` over the cach
 blocks include the cached ones no request holds. At admission a request takes the cached blocks of
 its longest cached prefix (``engine.prefix_cache``; never the block of its last token, which is
 computed for its logits), and with a host tier under the cache the prefix goes on with blocks
-copied in from host memory; ``num_cached_tokens`` tells its prefill where to start. That copy runs
-beside the steps (``engine.host_kv_tier.HostLoad``): the request waits in ``loading`` (its status
-PREFILLING, its blocks reserved) and goes to its prefill once they are in, so the other requests'
-steps never wait for it (``land_loads``; with nothing else admitted it waits for the oldest). The prefill
+copied in from host memory, beside the steps: the request waits in ``loading`` until they are in
+(``land_loads``); ``num_cached_tokens`` tells its prefill where to start. The prefill
 caches each prompt block as it fills; a request that stops decoding (it ends, or is paused) caches
 the full blocks of its output too, so the next turn of a conversation finds its answer's KV.
 
@@ -142,9 +140,9 @@ class DecodeScheduler:
         (self.prefilling if request.host_load is None else self.loading)[request.request_id] = request
 
     def land_loads(self) -> list[DecodeRequest]:
-        """LOADING requests whose host-tier blocks are in -> PREFILLING (their prefix counts as cached),
-        in admission order. When nothing else is admitted the oldest is waited for: the device has
-        nothing to do meanwhile."""
+        """LOADING requests (status PREFILLING, blocks reserved, no prefill yet) whose host-tier blocks
+        are in (``engine.host_kv_tier.HostLoad``) -> PREFILLING with their prefix counted as cached, in
+        admission order. With nothing else admitted the oldest is waited for: the device is idle."""
         landed = []
         for request in list(self.loading.values()):
             if ((not self.running and not self.prefilling and not landed) or request.host_load.done()):
@@ -160,7 +158,7 @@ class DecodeScheduler:
         started = self.land_loads()
         if not self.policy.may_admit(self):
             return started
-        adapters = AdapterSlots(self.max_loras, [*self.prefilling.values(), *self.loading.values()], self.running)
+        adapters = AdapterSlots(self.max_loras, self._in_prefill(), self.running)
         i = 0
         while i < len(self.waiting) and self.num_active < self.max_batch_size:
             request = self.waiting[i]
@@ -276,7 +274,7 @@ class DecodeScheduler:
         them up): ``request`` sits this step out rather than see an older request paused for it."""
         while not self.can_grow(request):
             victim = max(self.running, key=lambda r: r.keep_key)
-            if any(r.keep_key > victim.keep_key for r in (*self.prefilling.values(), *self.loading.values())):
+            if any(r.keep_key > victim.keep_key for r in self._in_prefill()):
                 return None
             self.pause(victim)
             if victim is request:
@@ -289,8 +287,11 @@ class DecodeScheduler:
         policy; those it admitted itself hold all theirs, and are not even looked at)."""
         block_size = self.allocator.block_size
         return sum(max(blocks_for(self.reserved_tokens(r), block_size) - len(held_block_ids(r)), 0)
-                   for r in (*self.prefilling.values(), *self.loading.values(), *self.running)
-                   if not r.reserved_to_end)
+                   for r in (*self._in_prefill(), *self.running) if not r.reserved_to_end)
+
+    def _in_prefill(self) -> list[DecodeRequest]:
+        """PREFILLING requests, LOADING ones included: their blocks reserved, not yet decoding."""
+        return [*self.prefilling.values(), *self.loading.values()]
 
     def num_growth_blocks(self) -> int:
         """Blocks the running requests still need for their next step."""

@@ -12,7 +12,7 @@ base model's, unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,63 +30,43 @@ class LoraBatch:
     weights: LoraWeights  # the device slots the segments name
     projections: frozenset[str]  # the projections some row's adapter targets; the others are skipped
     row_slots: torch.Tensor  # [T] int64: each row's slot, -1 for the base model's rows
-    # projection -> every slot's shrink [T, L * P * R], from ``project``'s fused matmul, until used
-    _shrunk: dict = field(default_factory=dict, repr=False)
 
-    def project(self, projection: str, layer_idx: int, x: torch.Tensor, weight, bias=None) -> torch.Tensor:
-        """``projection``'s output for x (ops.linear with its ``weight``). Where its A stacks live under
-        its weight (``LoraWeights.fuse_into``) one matmul gives the output and every slot's shrink,
-        kept for ``add`` / ``rows``: the output is a view of the first columns."""
-        stack = self.weights.layers[layer_idx][projection]
-        if stack.weight is None or projection not in self.projections:
-            return ops.linear(x, weight, bias)
-        out = ops.linear(x, stack.weight, None if bias is None else stack.bias)
-        num_out = weight.shape[0]
-        self._shrunk[projection] = out[:, num_out:]
-        return out[:, :num_out]
-
-    def add(self, projection: str, layer_idx: int, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += each adapter row's LoRA of ``projection`` in layer ``layer_idx`` for input x
-        (in place; out [T, N] is the projection's output, every part of a fused one in its columns)."""
+    def linear(self, projection: str, layer_idx: int, x, x_values: torch.Tensor, weight, bias=None) -> torch.Tensor:
+        """``projection``'s output for x (ops.linear with its ``weight``) with each adapter row's LoRA of
+        it added (every part of a fused projection in its columns; the shrink of ``x_values``, x in the
+        model's dtype). Where its A stacks live under its weight (``LoraWeights.fuse_into``) one matmul
+        gives the output and every slot's shrink, and the output is a view of its first columns."""
         if projection not in self.projections:
-            return
+            return ops.linear(x, weight, bias)
         stack = self.weights.layers[layer_idx][projection]
         segments = (self.token_order, self.seg_starts, self.seg_slots)
-        shrunk = self._shrunk.pop(projection, None)
-        if shrunk is not None:
-            ops.lora_expand_slots(out, shrunk, stack.b_all, stack.offsets, stack.scales, *segments)
-        else:
-            ops.lora_add(out, x, stack.a, stack.b_all, stack.offsets, stack.scales, *segments)
+        if stack.weight is None:
+            out = ops.linear(x, weight, bias)
+            ops.lora_add(out, x_values, stack.a, stack.b_all, stack.offsets, stack.scales, *segments)
+            return out
+        fused = ops.linear(x, stack.weight, None if bias is None else stack.bias)
+        out, shrunk = fused[:, : weight.shape[0]], fused[:, weight.shape[0]:]
+        ops.lora_expand_slots(out, shrunk, stack.b_all, stack.offsets, stack.scales, *segments)
+        return out
 
     def linear_add_rms_norm(self, projection: str, layer_idx: int, x, x_values: torch.Tensor, weight,
                             residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, quantize_for=None):
         """``projection`` (o or down: single-part) of x, its adapter rows' LoRA, the residual add and the
-        next norm -> (normed, new residual). Fused (``LoraWeights.fuse_into``): as the base model's
-        ops.linear_add_rms_norm, the LoRA inside its finishing kernel; else the projection, then the
-        norm adding the LoRA of the shrink of ``x_values`` (x in the model's dtype)."""
+        next norm -> (normed, new residual), the LoRA added row by row before the add (kernels.lora_rows).
+        Fused (``LoraWeights.fuse_into``): as the base model's ops.linear_add_rms_norm, the shrink in its
+        extra rows; else the projection, the shrink of ``x_values`` (x in the model's dtype) alone, and
+        the norm adding the LoRA. No row's adapter targets it: the projection, then the norm."""
         stack = self.weights.layers[layer_idx][projection]
-        if stack.weight is not None and projection in self.projections:
-            rows = LoraRows(None, stack.b_all, stack.scales[0], self.row_slots[: x_values.shape[0]],
-                            slot_stride=stack.rank)
+        row_slots = self.row_slots[: x_values.shape[0]]
+        if projection in self.projections and stack.weight is not None:
+            rows = LoraRows(None, stack.b_all, stack.scales[0], row_slots, slot_stride=stack.rank)
             return ops.linear_add_rms_norm(x, stack.weight, residual, norm_weight, eps, quantize_for, lora=rows)
-        out = ops.linear(x, weight)
-        return ops.fused_add_rms_norm(out, residual, norm_weight, eps, quantize_for=quantize_for, keep_values=True,
-                                      lora=self.rows(projection, layer_idx, x_values))
-
-    def rows(self, projection: str, layer_idx: int, x: torch.Tensor) -> LoraRows | None:
-        """The shrink of a single-part ``projection`` for input x, as the kernel after the projection
-        takes it to add the LoRA row by row (ops.fused_add_rms_norm's ``lora``); None when no row's
-        adapter targets it."""
-        if projection not in self.projections:
-            return None
-        stack = self.weights.layers[layer_idx][projection]
-        assert len(stack.offsets) == 1, f"{projection} is a fused projection"
-        row_slots = self.row_slots[: x.shape[0]]
-        shrunk = self._shrunk.pop(projection, None)
-        if shrunk is not None:  # every slot's, from project's matmul
-            return LoraRows(shrunk.unsqueeze(0), stack.b_all, stack.scales[0], row_slots, slot_stride=stack.rank)
-        partials = ops.lora_partials(x, stack.a, self.token_order, self.seg_starts, self.seg_slots)
-        return LoraRows(partials, stack.b_all, stack.scales[0], row_slots)
+        rows = None
+        if projection in self.projections:
+            partials = ops.lora_partials(x_values, stack.a, self.token_order, self.seg_starts, self.seg_slots)
+            rows = LoraRows(partials, stack.b_all, stack.scales[0], row_slots)
+        return ops.fused_add_rms_norm(ops.linear(x, weight), residual, norm_weight, eps, quantize_for=quantize_for,
+                                      keep_values=True, lora=rows)
 
 
 def rows_by_slot(chunk_slots: list[tuple[int, int]], weights: LoraWeights) -> dict[int, list[int]]:

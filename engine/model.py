@@ -121,8 +121,7 @@ class DecoderLayer(nn.Module):
         hidden, residual = lora.linear_add_rms_norm("o_proj", self.layer_idx, attn, attn,
                                                     projection_weight(self.o_proj), residual,
                                                     self.post_attention_layernorm, self.eps, quantize_for=gate_up_w)
-        gate_up = lora.project("gate_up_proj", self.layer_idx, hidden, gate_up_w)  # [T, 2 * intermediate]
-        lora.add("gate_up_proj", self.layer_idx, in_model_dtype(hidden), gate_up)
+        gate_up = lora.linear("gate_up_proj", self.layer_idx, hidden, in_model_dtype(hidden), gate_up_w)  # [T, 2I]
         act = ops.silu_mul(gate_up, quantize_for=down_w, keep_values=True)
         return lora.linear_add_rms_norm("down_proj", self.layer_idx, act, in_model_dtype(act), down_w, residual,
                                         next_norm, self.eps, quantize_for=next_qkv)
@@ -134,8 +133,7 @@ class DecoderLayer(nn.Module):
         if lora is None:
             qkv = ops.linear(hidden, weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
         else:
-            qkv = lora.project("qkv_proj", self.layer_idx, hidden, weight, self.qkv_proj.bias)
-            lora.add("qkv_proj", self.layer_idx, in_model_dtype(hidden), qkv)
+            qkv = lora.linear("qkv_proj", self.layer_idx, hidden, in_model_dtype(hidden), weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(num_tokens, self.num_q_heads, self.head_dim),
                 k.view(num_tokens, self.num_kv_heads, self.head_dim),

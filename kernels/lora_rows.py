@@ -44,3 +44,9 @@ def check(y: torch.Tensor, rows: LoraRows) -> None:
     assert rows.partials.stride(2) == 1
     assert rows.scales.dtype == torch.float32 and rows.scales.shape == rows.b.shape[:1] and rows.scales.stride(0) == 1
     assert rows.row_slots.dtype == torch.int64 and rows.row_slots.is_contiguous()
+
+
+def split_product(out: torch.Tensor, rows: LoraRows, num_out: int) -> tuple[torch.Tensor, LoraRows]:
+    """A fused weight's product [T, num_out + slots * R] -> (the projection's columns, ``rows`` with the
+    rest, every slot's shrink, as its partials)."""
+    return out[:, :num_out], rows._replace(partials=out[:, num_out:].unsqueeze(0))

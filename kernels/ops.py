@@ -19,6 +19,7 @@ import torch
 from tandem.kernels import fp8_matmul, reference, switches
 from tandem.kernels.fp8_matmul import fp8_skinny_max_rows, fp8_tensor_skinny_max_rows
 from tandem.kernels.fp8_weight import Fp8Rows, Fp8Weight, dequantize
+from tandem.kernels.lora_rows import split_product
 
 # op name -> module in this package holding its Triton implementation
 _TRITON_MODULES = {
@@ -119,7 +120,7 @@ SKINNY_GEMM_LONG_K_MAX_ROWS = 64
 SKINNY_GEMM_ROWS_LIMIT = 128  # kernels.skinny_gemm.MAX_M: the most rows its kernels take
 # gate/up with SiLU·mul fused through the skinny GEMM up to this many rows (its own rule: the
 # fused form also saves the SiLU·mul kernel that cuBLAS needs after it; at 33-64 rows with its own
-# tile, tandem.kernels.skinny_gemm.tile_config: llama2-7b b64 6.51 -> 6.46 ms per step, engine A/B
+# tile, tandem.kernels.skinny_tiles.tile_config: llama2-7b b64 6.51 -> 6.46 ms per step, engine A/B
 # on one H200, 2026-11-30, at ecd6a75: scripts/decode_ab.py --models llama2-7b --batches 64
 # --rounds 2 --variants rule,gate_up64_w,gate_up64_n, removed since; docs/kernels.md).
 SKINNY_SILU_MUL_MAX_ROWS = 64
@@ -254,7 +255,7 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps, quantize_for=None
             return fused(x_q, weight, residual, norm_weight, eps, x_scale=x_scale, fp8_out=fp8_out)
     out = linear(x, weight)
     if lora is not None:  # the product's last columns are every slot's shrink
-        out, lora = out[:, :num_out], lora._replace(partials=out[:, num_out:].unsqueeze(0))
+        out, lora = split_product(out, lora, num_out)
     return fused_add_rms_norm(out, residual, norm_weight, eps, quantize_for, lora=lora)
 
 
@@ -386,17 +387,7 @@ def apply_penalties(logits, rows, slots, counts, prompt, params):
 # slot seg_slots[i]; a segment of slot -1 is skipped; rows in no segment (the base model's) are left
 # alone. token_order [A] int64 (each row at most once), seg_starts [S + 1] int32 (non-decreasing,
 # seg_starts[0] = 0, seg_starts[S] <= A), seg_slots [S] int32.
-def lora_add(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a_stacked: torch.Tensor,
-    b_stacked: torch.Tensor,
-    offsets: list[int],
-    scales: torch.Tensor,
-    token_order: torch.Tensor,
-    seg_starts: torch.Tensor,
-    seg_slots: torch.Tensor,
-) -> None:
+def lora_add(y, x, a_stacked, b_stacked, offsets: list[int], scales, token_order, seg_starts, seg_slots) -> None:
     """A whole projection's LoRA, added in place: for each part p of a fused projection (q, k, v;
     gate, up; or one), columns offsets[p] .. offsets[p + 1] (the last: .. N) of y[t] get
     (x[t] @ A_p^T @ B_p^T) * scales[p, slot(t)], where A_p is rows p * R .. (p + 1) * R of

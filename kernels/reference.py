@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels.fp8_weight import Fp8Rows, Fp8Weight, dequantize, quantize_rows
+from tandem.kernels.lora_rows import split_product
 
 KV_FP8_DTYPE = torch.float8_e4m3fn  # the FP8 KV cache's element type (E4M3, no infinities)
 KV_FP8_MAX = 448.0  # its largest finite value
@@ -89,7 +90,7 @@ def skinny_linear_add_rms_norm(
     out = gemv(x, weight)
     if lora is not None:
         num_out = residual.shape[1]
-        out, lora = out[:, :num_out], lora._replace(partials=out[:, num_out:].unsqueeze(0))
+        out, lora = split_product(out, lora, num_out)
     return fused_add_rms_norm(out, residual, norm_weight, eps, lora)
 
 

@@ -62,7 +62,7 @@ def _fused_add_rms_norm_kernel(
     if LORA:
         slot = tl.load(lslot_ptr + row)
         if slot >= 0:
-            x = _lora_row_add(x, row, cols, mask, slot, lp_ptr + slot * stride_lp_slot, lb_ptr, ls_ptr,
+            x = lora_row_add(x, row, cols, mask, slot, lp_ptr + slot * stride_lp_slot, lb_ptr, ls_ptr,
                               stride_lp_split, stride_lp_row, stride_lb_slot, lora_rank, lora_splits, RANK_PAD,
                               SPLITS_PAD)
     if HAS_RESIDUAL:
@@ -84,7 +84,7 @@ def _fused_add_rms_norm_kernel(
 
 
 @triton.jit
-def _lora_row_add(x, row, cols, mask, slot, lp_ptr, lb_ptr, ls_ptr, stride_lp_split, stride_lp_row,
+def lora_row_add(x, row, cols, mask, slot, lp_ptr, lb_ptr, ls_ptr, stride_lp_split, stride_lp_row,
                   stride_lb_slot, rank, splits, RANK_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """x (a row, x's dtype) + its LoRA, rounded once: the shrink's partial sums of the row in one
     load, then the rank columns of its slot's B ([hidden, rank], rank contiguous), unrolled so their

@@ -56,7 +56,7 @@ def test_fp8_tile_rule_fits_shared_memory_and_splits_within_one_wave():
     """The tensor-core skinny rule at llama-family shapes, 2 to 128 rows: its stages (plus the peeled
     first tile) fit the 220 KB it budgets, K tiles fill every split's stages, and no split grid
     exceeds one program per SM."""
-    from tandem.kernels.skinny_gemm import _SMEM_BYTES, fp8_tile_config
+    from tandem.kernels.skinny_tiles import _SMEM_BYTES, fp8_tile_config
 
     for M in (2, 16, 17, 64, 128):
         for N, K, silu in [(6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False),
