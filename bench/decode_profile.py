@@ -8,7 +8,8 @@ next is launched (graph replay, sampling, one host sync; the worker's run-ahead
 hides the host part), the graph replay alone, and a
 profile of one eager forward grouped by kernel (the same kernels the graph
 replays), each group's time per step and, for the matmuls, the bandwidth they
-reach on their weights. ``--prefill N`` also profiles one N-token prefill forward
+reach on their weights; and the step by part (``step_parts``: GEMMs, attention, other
+kernels, the gaps between kernels, sampling, host). ``--prefill N`` also profiles one N-token prefill forward
 by kernel; ``--mixed D:P`` profiles a colocated worker's mixed step: D decode rows
 and one P-token prompt chunk in one forward, replayed as piecewise graphs
 (``engine.mixed_graph``, as the colocated worker runs it) and eagerly, each with the host's
@@ -59,7 +60,8 @@ def profile_batch(runner, batch: int, context: int = 256) -> dict:
     step_ms = median_ms(lambda: sample(runner.forward(chunks), greedy, [1] * batch), reps=50, warmup=5)
     graphs = runner.graphs
     bucket = next(b for b in graphs.buckets if b >= batch)
-    runner.forward(chunks)
+    logits = runner.forward(chunks)
+    sampling_ms = median_ms(lambda: sample(logits, greedy, [1] * batch), reps=50, warmup=5)
     replay_ms = median_ms(graphs.graph(bucket).replay, reps=50, warmup=5)
     runner.graphs = None
     try:
@@ -67,7 +69,24 @@ def profile_batch(runner, batch: int, context: int = 256) -> dict:
         kernels = kernel_table(lambda: runner.forward(chunks))
     finally:
         runner.graphs = graphs
-    return {"step_ms": step_ms, "replay_ms": replay_ms, "eager_ms": eager_ms, "kernels_us": kernels}
+    return {"step_ms": step_ms, "replay_ms": replay_ms, "sampling_ms": sampling_ms, "eager_ms": eager_ms,
+            "kernels_us": kernels, "parts_ms": step_parts(step_ms, replay_ms, sampling_ms, kernels)}
+
+
+def step_parts(step_ms: float, replay_ms: float, sampling_ms: float, kernels_us: dict[str, float]) -> dict[str, float]:
+    """Where one decode step's milliseconds go: the forward's kernels by kind, ``between
+    kernels`` (the graph replay's time beyond its kernels' sum: launch boundaries and idle SMs;
+    negative where programmatic dependent launch overlaps neighbouring kernels), ``sampling``
+    (the logits to token ids on the host, its kernels and read-back included) and ``host`` (the
+    rest of the step: the forward's metadata and launch, which the worker's run-ahead overlaps
+    with the step before)."""
+    by_kind = kinds(kernels_us)
+    kernels_ms = sum(by_kind.values()) / 1e3
+    parts = {kind: us / 1e3 for kind, us in by_kind.items()}
+    parts["between kernels"] = replay_ms - kernels_ms
+    parts["sampling"] = sampling_ms
+    parts["host"] = step_ms - replay_ms - sampling_ms
+    return {k: round(v, 4) for k, v in parts.items()}
 
 
 GEMM_MARKS = ("gemm", "gemv", "scaled_mm", "cutlass", "nvjet", "xmma", "matmul", "skinny", "sm90_")
@@ -200,6 +219,7 @@ def main() -> int:
         print(f"\n== {args.model} batch {batch}: step {r['step_ms']:.3f} ms, replay {r['replay_ms']:.3f} ms, "
               f"eager {r['eager_ms']:.3f} ms, kernels {total / 1e3:.3f} ms, weight floor {floor_ms:.3f} ms")
         _print_kernels(r["kernels_us"], summary=r["summary"])
+        print("  step by part (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in r["parts_ms"].items()))
     for num_decode, prompt_len in mixed:
         r = profile_mixed(runner, num_decode, prompt_len)
         r["summary"] = gemm_summary(r, config, num_decode + prompt_len, num_decode + 1, matmul_tflops)

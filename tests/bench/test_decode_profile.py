@@ -1,6 +1,6 @@
 """The step profile's bookkeeping: kernels grouped by kind, and the FLOPs of a forward's GEMMs."""
 
-from tandem.bench.decode_profile import gemm_flops, gemm_summary, kinds
+from tandem.bench.decode_profile import gemm_flops, gemm_summary, kinds, step_parts
 from tandem.bench.engine import hf_config_dict
 from tandem.engine.config import ModelConfig
 
@@ -21,3 +21,13 @@ def test_llama3_8b_gemm_flops_per_token_is_twice_its_projection_weights():
     assert gemm_flops(config, 1024, 1) < 1024 * per_token  # one LM-head row, not 1,024
     summary = gemm_summary({"kernels_us": {"gemm_kernel": 1e6}}, config, 1, 1, matmul_tflops=1.0)
     assert abs(summary["gemm_TFLOPs"] - per_token / 1e12) < 1e-9
+
+
+def test_a_step_is_split_into_kernels_by_kind_gaps_sampling_and_host():
+    kernels = {"_skinny_gemm_kernel": 4000.0, "_decode_partial_kernel": 2500.0, "_rms_norm_kernel": 500.0}
+    parts = step_parts(step_ms=8.0, replay_ms=7.4, sampling_ms=0.3, kernels_us=kernels)
+    assert parts == {"gemm": 4.0, "attention": 2.5, "other": 0.5, "between kernels": 0.4, "sampling": 0.3,
+                     "host": 0.3}
+    assert abs(sum(parts.values()) - 8.0) < 1e-9  # the parts add up to the step
+    # kernels that overlap under programmatic dependent launch sum to more than the replay
+    assert step_parts(7.0, 6.5, 0.2, kernels)["between kernels"] == -0.5
