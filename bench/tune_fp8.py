@@ -62,6 +62,9 @@ ATTENTION_ID_FORMS = tuple((True, ids, f16) for f16 in (False, True) for ids in 
 ATTENTION_ID_TILES = list(itertools.product((32, 64, 128), (2, 4), (2, 3)))
 # --attention-prefetch: the register-prefetch form's tiles (its loads are not Triton's pipeline: 1 stage)
 ATTENTION_PREFETCH_TILES = list(itertools.product((16, 32, 64), (2, 4), (1,)))
+# --attention-fp8-scores: the scores from an E4M3 product (FP8_QK; sm90's wgmma wants 64 keys a tile
+# and warps in fours), V widened by its scale in fp16, block ids per tile and in registers
+ATTENTION_FP8_QK_TILES = list(itertools.product((64, 128), (4, 8), (2, 3)))
 
 
 def _weights(rows: int, K: int) -> list[torch.Tensor]:
@@ -262,10 +265,12 @@ def prefill_part(model: str, M: int = 2048) -> dict:
 
 
 def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, forms: tuple = ATTENTION_FORMS,
-                   tiles: list = ATTENTION_TILES, reg_prefetch: bool = False) -> list[dict]:
+                   tiles: list = ATTENTION_TILES, reg_prefetch: bool = False, fp8_scores: bool = False) -> list[dict]:
     """``reg_prefetch``: also each tile of ATTENTION_PREFETCH_TILES in the rule's form (V widened,
     fp16 products), block ids per tile and in registers, with the next tile loaded into registers
-    before a tile's math (decode_kernels' REG_PREFETCH)."""
+    before a tile's math (decode_kernels' REG_PREFETCH). ``fp8_scores``: also each tile of
+    ATTENTION_FP8_QK_TILES with the scores from an E4M3 product (FP8_QK), checked against the
+    reference with q quantized as the form does (reference.fp8_query)."""
     s = SHAPES[model]
     hq, hkv = s["num_attention_heads"], s["num_key_value_heads"]
     d, block_size = s["hidden_size"] // hq, 16
@@ -284,6 +289,8 @@ def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, for
         out = torch.empty_like(q)
         ref = reference.decode_attention(q.float(), reference.dequantize_kv_fp8(k8, k_scale),
                                          reference.dequantize_kv_fp8(v8, v_scale), tables, lens, scale)
+        ref_fp8_q = reference.decode_attention(reference.fp8_query(q), reference.dequantize_kv_fp8(k8, k_scale),
+                                               reference.dequantize_kv_fp8(v8, v_scale), tables, lens, scale)
         splits = decode_config.num_kv_splits(batch, hkv, tables.shape[1] * block_size, q.device)
 
         def run(config, kc=k8, vc=v8, ks=k_scale, vs=v_scale, ids=None, prefetch=False):
@@ -300,11 +307,15 @@ def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, for
         if reg_prefetch:
             settings += [(t + (splits, True, True, True), ids, True) for ids in (False, True)
                          for t in ATTENTION_PREFETCH_TILES]
+        if fp8_scores:
+            settings += [(t + (splits, True, True, True, True), ids, False) for ids in (False, True)
+                         for t in ATTENTION_FP8_QK_TILES]
         for config, ids, prefetch in settings:
             try:
                 out.fill_(float("nan"))
                 run(config, ids=ids, prefetch=prefetch)()
-                if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
+                fp8_qk = config is not None and len(config) > 7 and config[7]
+                if not torch.allclose(out.float(), ref_fp8_q if fp8_qk else ref, atol=2e-2, rtol=2e-2):
                     rows.append({"config": config, "reg_prefetch": prefetch, "error": "WRONG ANSWER"})
                     continue
                 rows.append({"config": config, "ids_in_registers": ids, "reg_prefetch": prefetch,
@@ -313,8 +324,10 @@ def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, for
                 rows.append({"config": config, "ids_in_registers": ids, "reg_prefetch": prefetch,
                              "error": repr(exc)[:160]})
         best, rule = _best(rows), _rule(rows)
-        by_products = {name: _best([r for r in rows if r["config"] is not None and bool(r["config"][6]) == f16])
+        by_products = {name: _best([r for r in rows if r["config"] is not None and bool(r["config"][6]) == f16
+                                    and len(r["config"]) == 7])
                        for name, f16 in (("bf16", False), ("f16", True))}
+        by_products["fp8_scores"] = _best([r for r in rows if r["config"] is not None and len(r["config"]) > 7])
         bf16_bytes = 2 * batch * context * hkv * d * 2
         r = {"batch": batch, "context": context, "splits": splits, "bf16_us": bf16 * 1e3, "fp8_rule_us": rule * 1e3,
              "fp8_best_us": best["ms"] * 1e3, "fp8_best_config": best["config"],
@@ -328,8 +341,9 @@ def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, for
               f"{r['fp8_rule_us']:.1f} ({r['fp8_rule_of_copy_bw']:.0%}), best {r['fp8_best_us']:.1f} "
               f"({r['fp8_best_of_copy_bw']:.0%}) {best['config']} ids in registers {best['ids_in_registers']} register "
               f"prefetch {best['reg_prefetch']}; best with "
-              f"bf16 / f16 products {r.get('fp8_best_bf16_products_us', 0):.1f} / "
-              f"{r.get('fp8_best_f16_products_us', 0):.1f}", flush=True)
+              f"bf16 / f16 products / fp8 scores {r.get('fp8_best_bf16_products_us', 0):.1f} / "
+              f"{r.get('fp8_best_f16_products_us', 0):.1f} / {r.get('fp8_best_fp8_scores_products_us', 0):.1f}",
+              flush=True)
         torch.cuda.empty_cache()
     return results
 
@@ -345,6 +359,8 @@ def main() -> int:
                              "products in bf16 and in fp16 (F16_DOT)")
     parser.add_argument("--attention-prefetch", action="store_true",
                         help="also the attention's register-prefetch form (the next tile loaded before a tile's math)")
+    parser.add_argument("--attention-fp8-scores", action="store_true",
+                        help="also the attention's scores from an E4M3 product (FP8_QK: q quantized per head)")
     parser.add_argument("--out", default="tune_fp8.json")
     args = parser.parse_args()
     copy_bw = ceilings()["hbm_copy_TBps"] * 1e12
@@ -363,7 +379,7 @@ def main() -> int:
             forms, tiles = ((ATTENTION_ID_FORMS, ATTENTION_ID_TILES) if args.attention_ids
                             else (ATTENTION_FORMS, ATTENTION_TILES))
             report["attention"] = attention_part(args.model, copy_bw, args.attention_cases, forms, tiles,
-                                                 args.attention_prefetch)
+                                                 args.attention_prefetch, args.attention_fp8_scores)
             save()
         if "prefill" in parts:
             report["prefill"] = prefill_part(args.model)

@@ -17,7 +17,8 @@ from typing import NamedTuple
 import torch
 import triton
 
-from tandem.kernels.decode_config import FP8_F16_DOT, DecodeWorkspace, _tile_config, num_kv_splits, row_classes
+from tandem.kernels.decode_config import (FP8_F16_DOT, FP8_QK_SCORES, DecodeWorkspace, _tile_config, num_kv_splits,
+                                          row_classes)
 from tandem.kernels.decode_kernels import _decode_partial_kernel, _decode_reduce_kernel
 from tandem.kernels.dot import upcast_bf16_dot
 from tandem.kernels.fp8_kv import is_fp8, soft_round
@@ -45,6 +46,10 @@ IDS_REG_MAX = 512
 # into q; a 16-bit q only): None follows the rule (kernels.decode_config.FP8_F16_DOT), True / False
 # force it (tests, A/Bs).
 F16_DOT: bool | None = None
+# An FP8 cache's scores from an E4M3 product (FP8_QK: each head's q as E4M3 codes under its own
+# scale, K's codes unwidened; P.V as F16_DOT's, a 16-bit q only): None follows the rule
+# (kernels.decode_config.FP8_QK_SCORES), True / False force it (tests, A/Bs).
+FP8_QK: bool | None = None
 
 
 class NewToken(NamedTuple):
@@ -68,6 +73,7 @@ class LaunchPlan(NamedTuple):
     v_dequant: bool
     f16_dot: bool
     ids_reg: int  # block table entries loaded once into registers (0: per tile)
+    fp8_qk: bool = False  # an FP8 cache's scores from an E4M3 product (FP8_QK)
 
     def variant(self, head_dim: int) -> tuple:
         """What of the plan is compiled into the kernels' binaries (the splits only as one or
@@ -75,7 +81,7 @@ class LaunchPlan(NamedTuple):
         equal argument specializations run the same binaries."""
         return (self.block_n, self.num_warps, self.num_stages, self.num_splits == 1,
                 triton.next_power_of_2(self.num_splits), _reduce_warps(head_dim, self.num_splits),
-                self.heads_first, self.v_dequant, self.f16_dot, self.ids_reg)
+                self.heads_first, self.v_dequant, self.f16_dot, self.ids_reg, self.fp8_qk)
 
 
 def _reduce_warps(head_dim: int, num_splits: int) -> int:
@@ -98,11 +104,16 @@ def launch_plan(num_seqs: int, table_width: int, q_dtype: torch.dtype, k_cache: 
         ids_in_registers = rule_ids
     heads_first, v_dequant = HEADS_FIRST, True  # V_DEQUANT: every FP8 cache (kernels.decode_config)
     f16_dot = FP8_F16_DOT if F16_DOT is None else F16_DOT
+    fp8_qk = FP8_QK_SCORES if FP8_QK is None else FP8_QK
     if config is not None:
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first
         v_dequant = bool(len(rest) > 1 and rest[1])  # explicit: False unless given
         f16_dot = bool(len(rest) > 2 and rest[2]) if F16_DOT is None else F16_DOT
+        fp8_qk = bool(len(rest) > 3 and rest[3]) if FP8_QK is None else FP8_QK
+    # FP8_QK takes F16_DOT's V: an FP8 cache and a 16-bit q
+    fp8_qk = fp8_qk and is_fp8(k_cache) and q_dtype in (torch.bfloat16, torch.float16)
+    f16_dot = f16_dot or fp8_qk
     ids_reg = 0
     if ids_in_registers:  # the share's block table entries, rounded up to a power of 2
         share = triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
@@ -111,7 +122,7 @@ def launch_plan(num_seqs: int, table_width: int, q_dtype: torch.dtype, k_cache: 
             ids_reg = 0
             if config is None:
                 block_n, num_warps, num_stages, _ = _tile_config(head_dim, q_dtype)
-    return LaunchPlan(block_n, num_warps, num_stages, num_splits, heads_first, v_dequant, f16_dot, ids_reg)
+    return LaunchPlan(block_n, num_warps, num_stages, num_splits, heads_first, v_dequant, f16_dot, ids_reg, fp8_qk)
 
 
 def decode_attention_variants(max_rows: int, max_width: int, q_dtype: torch.dtype, k_cache: torch.Tensor,
@@ -132,9 +143,10 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
                              config: tuple | None = None, new_token: NewToken | None = None,
                              k_scale=None, v_scale=None, ids_in_registers: bool | None = None,
                              max_registers: int | None = None, reg_prefetch: bool = False):
-    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, v_dequant[, f16_dot]]])
-    instead of the shape rules (tuning only; v_dequant: an FP8 cache's V widened with its scale,
-    V_DEQUANT; f16_dot: an FP8 cache's products in fp16, F16_DOT, for a 16-bit q).
+    """``config``: (BLOCK_N, num_warps, num_stages, num_splits[, heads_first[, v_dequant[, f16_dot[,
+    fp8_qk]]]]) instead of the shape rules (tuning only; v_dequant: an FP8 cache's V widened with its
+    scale, V_DEQUANT; f16_dot: an FP8 cache's products in fp16, F16_DOT, for a 16-bit q; fp8_qk: its
+    scores from an E4M3 product, FP8_QK, with F16_DOT's P.V).
     ``new_token``: rotary and the KV write fused in.
     ``k_scale``, ``v_scale``: an FP8 cache's [num_kv_heads] fp32 scales of this layer.
     ``ids_in_registers``, ``max_registers``: an A/B's choices instead of the rule (above);
@@ -159,7 +171,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
     group = num_q_heads // num_kv_heads
     plan = launch_plan(num_seqs, block_tables.shape[1], q.dtype, k_cache, sliding_window, config,
                        ids_in_registers)
-    block_n, num_warps, num_stages, num_splits, heads_first, v_dequant, f16_dot, ids_reg = plan
+    block_n, num_warps, num_stages, num_splits, heads_first, v_dequant, f16_dot, ids_reg, fp8_qk = plan
     direct = num_splits == 1
     if direct:
         partial_out = partial_lse = out  # unused
@@ -174,7 +186,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         po_strides = partial_out.stride()[:3]
         pl_strides = partial_lse.stride()[:2]
     grid = (num_kv_heads, num_seqs, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
-    prefetch = PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH
+    prefetch = PREFETCH and new_token is not None and num_seqs <= PREFETCH_MAX_BATCH and not fp8_qk
     _decode_partial_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, out,
         k_new, v_new, positions, cos_sin, slots, k_scale, v_scale,
@@ -189,7 +201,7 @@ def _launch_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, out, s
         DOT_UPCAST=upcast_bf16_dot(q.dtype), HEADS_FIRST=heads_first, NEW_TOKEN=new_token is not None,
         PREFETCH=prefetch, REG_PREFETCH=reg_prefetch and not prefetch, IDS_REG=ids_reg,
         KV_FP8=is_fp8(k_cache), SOFT_ROUND=soft_round(), V_DEQUANT=v_dequant and is_fp8(k_cache),
-        F16_DOT=f16_dot and is_fp8(k_cache) and q.dtype in (torch.bfloat16, torch.float16),
+        F16_DOT=f16_dot and is_fp8(k_cache) and q.dtype in (torch.bfloat16, torch.float16), FP8_QK=fp8_qk,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q),
         **({"maxnreg": max_registers} if max_registers is not None and q.is_cuda else {}),
     )

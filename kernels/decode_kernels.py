@@ -21,8 +21,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tandem.kernels.decode_tiles import (_attend_kv_tile, _cache_new_kv, _f16_query, _f16_value_scale,
-                                         _load_kv_tile, _rotated_new_kv, _store_new_kv)
+from tandem.kernels.decode_tiles import (_attend_kv_tile, _attend_kv_tile_fp8_scores, _cache_new_kv, _f16_query,
+                                         _f16_value_scale, _fp8_query, _load_kv_tile, _rotated_new_kv,
+                                         _store_new_kv)
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 
@@ -46,7 +47,7 @@ def _decode_partial_kernel(
     HEADS_FIRST: tl.constexpr, NEW_TOKEN: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, IDS_REG: tl.constexpr = 0,
     KV_FP8: tl.constexpr = False, SOFT_ROUND: tl.constexpr = False, V_DEQUANT: tl.constexpr = False,
-    F16_DOT: tl.constexpr = False, REG_PREFETCH: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False, REG_PREFETCH: tl.constexpr = False, FP8_QK: tl.constexpr = False,
 ):
     """Keys [lo, seq_len) with lo = max(seq_len - W, 0) (or 0) are cut into num_splits
     shares of whole BLOCK_N tiles; split j over its share P_j, for each head h of the group:
@@ -72,7 +73,11 @@ def _decode_partial_kernel(
     REG_PREFETCH (not with PREFETCH; a tuning form): each tile's loads are issued before the
     previous tile's math, into registers the loop carries, so a program's loads overlap its math
     (Triton's 2-stage pipeline waits for a tile's copies and issues the next tile's after the math).
+    FP8_QK (with KV_FP8 and F16_DOT, not with PREFETCH; a tuning form): the scores from an E4M3
+    product, q quantized per head (decode_tiles._fp8_query) and K's codes read as the cache's rows,
+    so that no K code is widened (on sm90 a wgmma over E4M3); P.V as F16_DOT's.
     """
+    tl.static_assert(not FP8_QK or (KV_FP8 and F16_DOT and not PREFETCH), "FP8_QK: an FP8 cache, F16_DOT's V")
     if USE_PDL:  # kernels.pdl: let the next kernel launch, then wait for the previous one
         gdc_launch_dependents()
         if not PREFETCH:
@@ -169,11 +174,16 @@ def _decode_partial_kernel(
                 _store_new_kv(k_slot, v_slot, k_rot, v_new, HEAD_DIM)
             tl.debug_barrier()  # the stores above are seen by this program's loads below
     if KV_FP8 and F16_DOT:  # after the new token's k was rotated in q's dtype
-        q = _f16_query(q, qk_scale)
+        if FP8_QK:
+            q, score_scale = _fp8_query(q, qk_scale, SOFT_ROUND)
+        else:
+            q = _f16_query(q, qk_scale)
+            score_scale = qk_scale
         v_tile_scale, v_out_scale = _f16_value_scale(v_scale)
     else:
         v_tile_scale = v_scale
         v_out_scale = v_scale
+        score_scale = qk_scale
     loop_end = end
     if PREFETCH:  # attended first (online softmax takes tiles in any order): it holds no registers in the loop
         if end > start:
@@ -184,23 +194,31 @@ def _decode_partial_kernel(
         k, v, offs_n, kv_valid = _load_kv_tile(
             k_base, v_base, block_table_row, start, loop_end,
             stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
-            ids, ids_first, IDS_REG)
+            ids, ids_first, IDS_REG, FP8_QK)
         for start_n in range(start, loop_end, BLOCK_N):
             k_next, v_next, offs_next, valid_next = _load_kv_tile(
                 k_base, v_base, block_table_row, start_n + BLOCK_N, loop_end,
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
-                ids, ids_first, IDS_REG)
-            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST,
-                                            KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
+                ids, ids_first, IDS_REG, FP8_QK)
+            if FP8_QK:
+                acc, l_i, m_i = _attend_kv_tile_fp8_scores(acc, l_i, m_i, q, score_scale, k, v, kv_valid,
+                                                           v_tile_scale, DOT_PRECISION, DOT_UPCAST)
+            else:
+                acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION,
+                                                DOT_UPCAST, KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
             k, v, offs_n, kv_valid = k_next, v_next, offs_next, valid_next
     else:
         for start_n in range(start, loop_end, BLOCK_N):
             k, v, offs_n, kv_valid = _load_kv_tile(
                 k_base, v_base, block_table_row, start_n, end,
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
-                ids, ids_first, IDS_REG)
-            acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST,
-                                            KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
+                ids, ids_first, IDS_REG, FP8_QK)
+            if FP8_QK:
+                acc, l_i, m_i = _attend_kv_tile_fp8_scores(acc, l_i, m_i, q, score_scale, k, v, kv_valid,
+                                                           v_tile_scale, DOT_PRECISION, DOT_UPCAST)
+            else:
+                acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION,
+                                                DOT_UPCAST, KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0

@@ -7,15 +7,17 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.dot import dot
-from tandem.kernels.fp8_kv import quantize_kv_fp8
+from tandem.kernels.fp8_kv import _round_to_e4m3, quantize_kv_fp8
 
 
 @triton.jit
 def _load_kv_tile(k_base, v_base, block_table_row, start_n, end,
                   stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ids=0, ids_first=0, IDS_REG: tl.constexpr = 0):
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, ids=0, ids_first=0, IDS_REG: tl.constexpr = 0,
+                  K_ROWS: tl.constexpr = False):
     """Keys and values at positions start_n .. start_n + BLOCK_N - 1 of one KV head, those
-    from end on masked: (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid).
+    from end on masked: (k [HEAD_DIM, BLOCK_N], v [BLOCK_N, HEAD_DIM], positions, valid);
+    with K_ROWS k as [BLOCK_N, HEAD_DIM], the cache's rows as they lie (FP8_QK's operand).
     The block ids come from the block table row, or with IDS_REG from ``ids`` (the row's
     entries ids_first .. ids_first + IDS_REG - 1, loaded once by the caller): no load then
     stands between the tile's index and its K/V addresses, so the loop's loads can run ahead."""
@@ -28,8 +30,12 @@ def _load_kv_tile(k_base, v_base, block_table_row, start_n, end,
     else:
         block_ids = tl.load(block_table_row + offs_n // block_size, mask=kv_valid, other=0).to(tl.int64)
     slots = (offs_n % block_size).to(tl.int64)
-    k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
-                mask=kv_valid[None, :], other=0.0)
+    if K_ROWS:
+        k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[:, None] + offs_d[None, :],
+                    mask=kv_valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_base + (block_ids * stride_k_block + slots * stride_k_slot)[None, :] + offs_d[:, None],
+                    mask=kv_valid[None, :], other=0.0)
     v = tl.load(v_base + (block_ids * stride_v_block + slots * stride_v_slot)[:, None] + offs_d[None, :],
                 mask=kv_valid[:, None], other=0.0)
     return k, v, offs_n, kv_valid
@@ -82,6 +88,46 @@ def _f16_value_scale(v_scale):
     e = ((v_scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 122  # v_scale < 2^(e - 4)
     down = ((127 - e) << 23).to(tl.float32, bitcast=True)
     return (v_scale * down).to(tl.float16), ((127 + e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_query(q, qk_scale, SOFT_ROUND: tl.constexpr):
+    """FP8_QK: q [GROUP_PAD, HEAD_DIM] as E4M3 codes, each head under its own scale (its largest
+    |q| / 448, IEEE division as the reference's; 1 for a head of zeros), and the scores' scale per
+    head: that scale times ``qk_scale`` (softmax's, log2(e) and the K scale). A head holding a NaN
+    gets a NaN scale, so its output is NaN."""
+    qf = q.to(tl.float32)
+    amax = tl.max(tl.abs(qf), 1)  # [GROUP_PAD]
+    q_scale = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
+    y = tl.math.div_rn(qf, q_scale[:, None])
+    y = tl.minimum(tl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                   propagate_nan=tl.PropagateNan.ALL)
+    if SOFT_ROUND:
+        y = _round_to_e4m3(y)
+    # a head with a NaN scores NaN through its scale (the interpreter's conversion drops a NaN code)
+    q_scale = tl.where(tl.sum((qf != qf).to(tl.int32), 1) > 0, float("nan"), q_scale)
+    return y.to(tl.float8e4nv), q_scale * qk_scale
+
+
+@triton.jit
+def _attend_kv_tile_fp8_scores(acc, l_i, m_i, q8, score_scale, k, v, kv_valid, v_scale,
+                               DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """FP8_QK: one online-softmax step whose scores come from an FP8 product with nothing
+    widened: k [BLOCK_N, HEAD_DIM] E4M3 codes (the cache's rows, K_ROWS) times the query's codes
+    q8 [GROUP_PAD, HEAD_DIM] (``_fp8_query``), transposed so that the keys are the product's
+    rows: s^T [BLOCK_N, GROUP_PAD] (on sm90 one wgmma m64 x GROUP_PAD x 32 over E4M3 per 64 keys
+    and 32 dimensions), times each head's ``score_scale``. P.V as F16_DOT's: P in fp16, V's codes
+    widened to fp16 times ``v_scale`` (``_f16_value_scale``'s u; the caller scales the output)."""
+    s_t = tl.dot(k, tl.trans(q8))  # [BLOCK_N, GROUP_PAD], fp32
+    s_t = s_t * score_scale[None, :]
+    s_t = tl.where(kv_valid[:, None], s_t, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_t, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.trans(tl.exp2(s_t - m_new[None, :]))  # [GROUP_PAD, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = v.to(tl.float16) * v_scale
+    acc = acc * alpha[:, None] + dot(p.to(tl.float16), v, DOT_PRECISION, DOT_UPCAST)
+    return acc, l_i, m_new
 
 
 @triton.jit

@@ -43,6 +43,15 @@ def dequantize_kv_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale[:, None]
 
 
+def fp8_query(q: torch.Tensor) -> torch.Tensor:
+    """q [..., H, D] as decode attention's FP8_QK form scores it: each head's E4M3 codes of
+    q / s, s = its largest |q| / 448 (1 for a head of zeros), times s again, in fp32."""
+    q = q.float()
+    amax = q.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / KV_FP8_MAX, torch.ones_like(amax))
+    return (q / scale).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float() * scale
+
+
 def _is_fp8(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
     if cache.dtype != KV_FP8_DTYPE:
         return False

@@ -40,7 +40,8 @@
 #                                 files then keeps every log); run it last
 #   bash scripts/gpu.sh attention-wide  the FP8 decode attention's tiles at the served shapes (256 and 1,024 rows at
 #                                 context 192: 2,048 and 8,192 programs, where no FP8 tile was swept), every form of
-#                                 tandem.bench.tune_fp8 --attention-ids and the register-prefetch form
+#                                 tandem.bench.tune_fp8 --attention-ids, the register-prefetch form and the scores
+#                                 from an E4M3 product (FP8_QK)
 #                                 -> $OUT/tune_attention_wide.json;
 #                                 then llama3-8b's FP8 step at 64 and 256 rows by kernel kind with the projections'
 #                                 inputs quantized by the kernels before them and by passes of their own
@@ -160,7 +161,7 @@ case "${1:-}" in
       python3 -c "import json,sys; m=json.load(open(sys.argv[1]))['serve']['metrics']; print({k: m.get(k) for k in ('completed','failed','output_throughput','duration_s','p99_ttft_ms','p99_tpot_ms')})" "$dir/result.json"
     done ;;
   attention-wide)
-    timeout 420 python3 -m tandem.bench.tune_fp8 --parts attention --attention-ids --attention-prefetch \
+    timeout 420 python3 -m tandem.bench.tune_fp8 --parts attention --attention-ids --attention-prefetch --attention-fp8-scores \
       --attention-cases "${ATTENTION_CASES:-256:192,1024:192}" --out "$OUT/tune_attention_wide.json" 2>&1 \
       | tee "$OUT/tune_attention_wide.log" | grep -E "^attention|Error"
     for fused in 1 0; do  # one step by kernel kind, with the projections' inputs quantized before them or not

@@ -106,6 +106,53 @@ def test_decode_attention_with_fp16_products(monkeypatch, dtype, num_q_heads, nu
     assert_close(out, expected, dtype, ATTN_SCALE[dtype])
 
 
+@pairwise({
+    "dtype": [torch.float16, torch.bfloat16],
+    "num_q_heads, num_kv_heads, head_dim, block_size": HEAD_CONFIGS,
+    "num_splits": [1, 3],
+    "ids_in_registers": [False, True],
+    "reg_prefetch": [False, True],
+    "window": [None, 20],
+})
+def test_decode_attention_with_fp8_scores(monkeypatch, dtype, num_q_heads, num_kv_heads, head_dim, block_size,
+                                          num_splits, ids_in_registers, reg_prefetch, window):
+    """FP8_QK (a tuning form): the scores from q's E4M3 codes (a scale per head) times K's codes,
+    P.V as F16_DOT's; the reference's attention with q quantized the same way (reference.fp8_query),
+    within q's dtype's rounding; and against q unquantized, within FP8's."""
+    monkeypatch.setattr(decode_module, "num_kv_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_module, "FP8_QK", True)
+    force_ids_in_registers(monkeypatch, ids_in_registers)
+    seq_lens = [1, 70, 33, 0, 130]
+    k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_kv(seq_lens, block_size, num_kv_heads, head_dim)
+    q = torch.randn(len(seq_lens), num_q_heads, head_dim, device=DEVICE).to(dtype)
+    q[1, 0] = 0.0  # a head of zeros: scale 1, uniform attention
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = poisoned(q.shape, dtype)
+    plan = decode_module.launch_plan(len(seq_lens), tables.shape[1], dtype, k_cache, window)
+    assert plan.fp8_qk and plan.f16_dot
+    _launch_decode_attention(q, k_cache, v_cache, tables, lens, out, head_dim**-0.5, window, None,
+                             k_scale=k_scale, v_scale=v_scale, reg_prefetch=reg_prefetch)
+    expected = _expected_decode(reference.fp8_query(q), k_cache, v_cache, tables, lens, k_scale, v_scale, window)
+    assert_close(out, expected.to(dtype), dtype, ATTN_SCALE[dtype])
+    unquantized = _expected_decode(q, k_cache, v_cache, tables, lens, k_scale, v_scale, window)
+    assert (out.float() - unquantized.float()).abs().max() < 0.1
+
+
+def test_fp8_scores_keep_a_nan_in_q(monkeypatch):
+    monkeypatch.setattr(decode_module, "FP8_QK", True)
+    seq_lens = [40, 17]
+    k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_kv(seq_lens, 16, 2, 64)
+    q = torch.randn(2, 4, 64, device=DEVICE).to(torch.bfloat16)
+    q[0, 1, 5] = float("nan")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, tables, lens, 64**-0.5, None, k_scale, v_scale)
+    assert out[0, 1].isnan().all()
+    expected = _expected_decode(reference.fp8_query(q), k_cache, v_cache, tables, lens, k_scale, v_scale, None)
+    keep = torch.ones(2, 4, dtype=torch.bool)
+    keep[0, 1] = False
+    assert_close(out[keep], expected[keep].to(torch.bfloat16), torch.bfloat16, ATTN_SCALE[torch.bfloat16])
+
+
 @pytest.mark.parametrize("q_scale", [3e4, 1e-3])
 def test_fp16_products_take_a_q_beyond_fp16s_range(monkeypatch, q_scale):
     """A bf16 q of 3e4 * N(0, 1) (past fp16's 65504 in places) or of 1e-3 * N(0, 1) (fp16's
@@ -205,6 +252,27 @@ def test_gpu_decode_attention_real_shapes(batch, context, num_q_heads, num_kv_he
     out = decode_attention(q, k_cache, v_cache, tables, lens_t, 128**-0.5, None, k_scale, v_scale)
     expected = _expected_decode(q, k_cache, v_cache, tables, lens_t, k_scale, v_scale, None)
     assert_close(out, expected, torch.bfloat16, ATTN_SCALE[torch.bfloat16])
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("batch, context", [(1, 256), (64, 256), (256, 192), (8, 4096)])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(32, 32), (32, 8)])
+@pytest.mark.parametrize("reg_prefetch", [False, True])
+def test_gpu_decode_attention_fp8_scores_real_shapes(batch, context, num_q_heads, num_kv_heads, reg_prefetch,
+                                                     monkeypatch):
+    """FP8_QK compiled (sm90: the scores by wgmma over E4M3) at the rule's tiles: the reference's
+    attention with q quantized as the form does."""
+    monkeypatch.setattr(decode_module, "FP8_QK", True)
+    lens = [context - 7 * i % 50 for i in range(batch)]
+    k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_kv(lens, 16, num_kv_heads, 128, "cuda")
+    q = torch.randn(batch, num_q_heads, 128, device="cuda", dtype=torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = poisoned(q.shape, torch.bfloat16, "cuda")
+    _launch_decode_attention(q, k_cache, v_cache, tables, lens_t, out, 128**-0.5, None, None, k_scale=k_scale,
+                             v_scale=v_scale, reg_prefetch=reg_prefetch)
+    expected = _expected_decode(reference.fp8_query(q), k_cache, v_cache, tables, lens_t, k_scale, v_scale, None)
+    assert_close(out, expected.to(torch.bfloat16), torch.bfloat16, ATTN_SCALE[torch.bfloat16])
 
 
 @gpu
