@@ -19,6 +19,7 @@ import torch
 from tandem.engine.device_copy import tensor_on
 from tandem.engine.lora_weights import LoraWeights
 from tandem.kernels import ops
+from tandem.kernels.fp8_weight import in_model_dtype
 from tandem.kernels.lora_rows import LoraRows
 
 
@@ -31,42 +32,53 @@ class LoraBatch:
     projections: frozenset[str]  # the projections some row's adapter targets; the others are skipped
     row_slots: torch.Tensor  # [T] int64: each row's slot, -1 for the base model's rows
 
-    def linear(self, projection: str, layer_idx: int, x, x_values: torch.Tensor, weight, bias=None) -> torch.Tensor:
+    def needs_values(self, projection: str, layer_idx: int) -> bool:
+        """Whether ``projection``'s LoRA in layer ``layer_idx`` reads its input in the model's dtype
+        this step (its A stacks apart from its weight): a kernel quantizing that input then keeps its
+        values too (``fp8_weight.in_model_dtype``)."""
+        return (projection in self.projections and layer_idx < len(self.weights.layers)
+                and self.weights.layers[layer_idx][projection].weight is None)
+
+    def linear(self, projection: str, layer_idx: int, x, weight, bias=None) -> torch.Tensor:
         """``projection``'s output for x (ops.linear with its ``weight``) with each adapter row's LoRA of
-        it added (every part of a fused projection in its columns; the shrink of ``x_values``, x in the
-        model's dtype). Where its A stacks live under its weight (``LoraWeights.fuse_into``) one matmul
-        gives the output and every slot's shrink, and the output is a view of its first columns."""
+        it added (every part of a fused projection in its columns). Where its A stacks live under its
+        weight (``LoraWeights.fuse_into``) one matmul gives the output and every slot's shrink, and the
+        output is a view of its first columns; else the shrink reads x in the model's dtype."""
         if projection not in self.projections:
             return ops.linear(x, weight, bias)
         stack = self.weights.layers[layer_idx][projection]
         segments = (self.token_order, self.seg_starts, self.seg_slots)
         if stack.weight is None:
             out = ops.linear(x, weight, bias)
-            ops.lora_add(out, x_values, stack.a, stack.b_all, stack.offsets, stack.scales, *segments)
+            ops.lora_add(out, in_model_dtype(x), stack.a, stack.b_all, stack.offsets, stack.scales, *segments)
             return out
         fused = ops.linear(x, stack.weight, None if bias is None else stack.bias)
         out, shrunk = fused[:, : weight.shape[0]], fused[:, weight.shape[0]:]
         ops.lora_expand_slots(out, shrunk, stack.b_all, stack.offsets, stack.scales, *segments)
         return out
 
-    def linear_add_rms_norm(self, projection: str, layer_idx: int, x, x_values: torch.Tensor, weight,
-                            residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, quantize_for=None):
+    def linear_add_rms_norm(self, projection: str, layer_idx: int, x, weight, residual: torch.Tensor,
+                            norm_weight: torch.Tensor, eps: float, quantize_for=None, keep_values: bool = True):
         """``projection`` (o or down: single-part) of x, its adapter rows' LoRA, the residual add and the
         next norm -> (normed, new residual), the LoRA added row by row before the add (kernels.lora_rows).
         Fused (``LoraWeights.fuse_into``): as the base model's ops.linear_add_rms_norm, the shrink in its
-        extra rows; else the projection, the shrink of ``x_values`` (x in the model's dtype) alone, and
-        the norm adding the LoRA. No row's adapter targets it: the projection, then the norm."""
+        extra rows; else the projection, the shrink of x in the model's dtype alone, and the norm adding
+        the LoRA. No row's adapter targets it: the projection, then the norm. ``keep_values``: normed
+        rows quantized for ``quantize_for`` keep their values (the next projection's LoRA reads them,
+        ``needs_values``)."""
         stack = self.weights.layers[layer_idx][projection]
-        row_slots = self.row_slots[: x_values.shape[0]]
+        row_slots = self.row_slots[: x.shape[0]]
         if projection in self.projections and stack.weight is not None:
             rows = LoraRows(None, stack.b_all, stack.scales[0], row_slots, slot_stride=stack.rank)
-            return ops.linear_add_rms_norm(x, stack.weight, residual, norm_weight, eps, quantize_for, lora=rows)
+            return ops.linear_add_rms_norm(x, stack.weight, residual, norm_weight, eps, quantize_for, lora=rows,
+                                           keep_values=keep_values)
         rows = None
         if projection in self.projections:
-            partials = ops.lora_partials(x_values, stack.a, self.token_order, self.seg_starts, self.seg_slots)
+            partials = ops.lora_partials(in_model_dtype(x), stack.a, self.token_order, self.seg_starts,
+                                         self.seg_slots)
             rows = LoraRows(partials, stack.b_all, stack.scales[0], row_slots)
         return ops.fused_add_rms_norm(ops.linear(x, weight), residual, norm_weight, eps, quantize_for=quantize_for,
-                                      keep_values=True, lora=rows)
+                                      keep_values=keep_values, lora=rows)
 
 
 def rows_by_slot(chunk_slots: list[tuple[int, int]], weights: LoraWeights) -> dict[int, list[int]]:

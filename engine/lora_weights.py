@@ -10,12 +10,15 @@ one projection has one to three LoRA targets (its parts). Per layer and projecti
     b[p]    [max_loras, out_p, max_rank]                part p's rows of b_all (a view)
     scales  [parts, max_loras] fp32                     part p's scaling in each slot
 
-Fused (``fuse_into``, a whole model in its own dtype): a projection's ``a`` lives under the
-model's weight rows, in one tensor ``weight`` [out_features + max_loras * parts * max_rank,
-in_features] whose first rows are the projection's own (the module's weight is their view), so a
-step with adapter rows computes the projection and every slot's shrink in one matmul
-(``engine.lora_batch``), where the shrink is a launch of its own otherwise. It is done where the
-extra rows are at most ``FUSE_MOST_EXTRA`` of the weight's: they are read by every such step.
+Fused (``fuse_into``): a projection's ``a`` lives under the model's weight rows, in one tensor
+``weight`` [out_features + max_loras * parts * max_rank, in_features] whose first rows are the
+projection's own (the module's weight is their view), so a step with adapter rows computes the
+projection and every slot's shrink in one matmul (``engine.lora_batch``), where the shrink is a
+launch of its own otherwise. It is done where the extra rows are at most ``FUSE_MOST_EXTRA`` of
+the weight's: they are read by every such step. An FP8 projection (``Fp8Weight``: E4M3 rows, a
+scale per row) takes its A rows quantized the same way, a scale per row (``quantize_rows``), in
+its data and scales; ``a`` stays apart in the model's dtype, and writing a slot quantizes that
+slot's rows into the fused weight (the shrink then multiplies E4M3 codes, as the projection does).
 
 Part p's rows of ``lora_shrink``'s output are columns p * max_rank .. (p + 1) * max_rank, and its
 ``lora_expand`` adds into the projection output's columns ``offsets[p]`` .. + out_p (q, k, v's
@@ -33,6 +36,7 @@ import torch
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.lora_adapter import LoraAdapter, target_shapes
+from tandem.kernels.fp8_weight import Fp8Weight, quantize_rows
 
 # fuse_into puts a projection's A stacks under its weight where they add at most this share of its rows
 FUSE_MOST_EXTRA = 1 / 16
@@ -57,7 +61,9 @@ class ProjectionLora:
     scales: torch.Tensor
     offsets: list[int]  # each part's first column in the projection's output
     rank: int  # the stacks' (maximum) rank
-    weight: torch.Tensor | None = None  # fused: the model's weight rows, then ``a``'s (a view of its rows)
+    # fused: the model's weight rows, then ``a``'s (in the model's dtype ``a`` is a view of them; an
+    # Fp8Weight holds their E4M3 codes and scales)
+    weight: torch.Tensor | Fp8Weight | None = None
     bias: torch.Tensor | None = None  # fused with a bias: the model's, then zeros for ``a``'s rows
 
 
@@ -111,33 +117,65 @@ class LoraWeights:
 
     def fuse_into(self, model, force: bool | None = None) -> int:
         """Put each projection's A stacks under ``model``'s weight of it (module docstring), where
-        its weight is in the model's dtype (not FP8) and whole, and the stacks add at most
-        ``FUSE_MOST_EXTRA`` of its rows (``force``: True everywhere it can, False nowhere) ->
-        the projections fused. Before CUDA graphs capture the model."""
+        its weight is whole (not a tensor-parallel shard) in the model's dtype or FP8 (then with a
+        multiple of 16 rows of stacks), and the stacks add at most ``FUSE_MOST_EXTRA`` of its rows (``force``: True everywhere it can, False
+        nowhere) -> the projections fused. Before CUDA graphs capture the model."""
         fused_count = 0
         for layer, stacks in zip(model.layers, self.layers):
             for proj, stack in stacks.items():
                 module = getattr(layer, proj)
                 weight, (slots, rows, in_features) = module.weight, stack.a.shape
-                extra = slots * rows
-                if (stack.weight is not None or getattr(module, "weight_scale", None) is not None
-                        or weight.dtype != stack.a.dtype or weight.shape[1] != in_features or force is False
+                extra, fp8 = slots * rows, getattr(module, "weight_scale", None) is not None
+                # an FP8 weight's rows stay a multiple of 16 (torch's scaled matmul takes no others), so
+                # the fused weight takes the routes the model's own does (ops.quantizes_input)
+                if (stack.weight is not None or (not fp8 and weight.dtype != stack.a.dtype)
+                        or (fp8 and extra % 16) or weight.shape[1] != in_features or force is False
                         or (force is None and extra > weight.shape[0] * FUSE_MOST_EXTRA)):
                     continue
                 n = weight.shape[0]
                 fused = torch.empty(n + extra, in_features, dtype=weight.dtype, device=weight.device)
                 fused[:n].copy_(weight)
-                fused[n:].copy_(stack.a.reshape(extra, in_features))
                 module.weight = torch.nn.Parameter(fused[:n], requires_grad=False)
+                if fp8:
+                    scale = torch.empty(n + extra, dtype=torch.float32, device=weight.device)
+                    scale[:n].copy_(module.weight_scale)
+                    module.weight_scale = scale[:n]
+                    stack.weight = Fp8Weight(fused, scale)
+                    for slot in range(slots):
+                        self._quantize_slot(stack, slot)
+                else:
+                    fused[n:].copy_(stack.a.reshape(extra, in_features))
+                    stack.a, stack.weight = fused[n:].view(slots, rows, in_features), fused
                 if module.bias is not None:
                     stack.bias = torch.cat([module.bias.detach(), module.bias.new_zeros(extra)])
                     module.bias = torch.nn.Parameter(stack.bias[:n], requires_grad=False)
-                stack.a, stack.weight = fused[n:].view(slots, rows, in_features), fused
                 fused_count += 1
         return fused_count
 
+    @staticmethod
+    def _quantize_slot(stack: ProjectionLora, slot: int) -> None:
+        """An FP8 fused weight's rows of slot ``slot``: its A's E4M3 codes and their scales."""
+        slots, rows, _ = stack.a.shape
+        first = stack.weight.shape[0] - (slots - slot) * rows
+        codes, scales = quantize_rows(stack.a[slot])
+        stack.weight.data[first:first + rows].copy_(codes)
+        stack.weight.scale[first:first + rows].copy_(scales)
+
+    def _sync_fused(self, slot: int) -> None:
+        for layer in self.layers:
+            for stack in layer.values():
+                if isinstance(stack.weight, Fp8Weight):
+                    self._quantize_slot(stack, slot)
+
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers for p in layer.values() for t in (p.a, p.b_all, p.scales))
+        """Device bytes of the slots: every stack, and an FP8 fused weight's rows of them."""
+        total = sum(t.nbytes for layer in self.layers for p in layer.values() for t in (p.a, p.b_all, p.scales))
+        for layer in self.layers:
+            for p in layer.values():
+                if isinstance(p.weight, Fp8Weight):
+                    extra = p.a.shape[0] * p.a.shape[1]
+                    total += extra * (p.weight.data.shape[1] * p.weight.data.element_size() + 4)
+        return total
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy ``adapter`` into slot ``slot`` (everything of the slot it does not fill is zeroed). On a
@@ -146,7 +184,7 @@ class LoraWeights:
         self._check_slot(slot)
         if adapter.rank > self.max_rank:
             raise ValueError(f"an adapter of rank {adapter.rank} in slots of rank {self.max_rank}")
-        self.clear(slot)
+        self._zero(slot)
         for (layer_idx, target), module in adapter.modules.items():
             proj = TARGET_PROJECTION[target]
             stack = self.layers[layer_idx][proj]
@@ -155,11 +193,16 @@ class LoraWeights:
             stack.a[slot, first:first + r].copy_(module.a)
             stack.b[part][slot, :, :r].copy_(module.b)
             stack.scales[part, slot] = module.scaling
+        self._sync_fused(slot)
         self._projections[slot] = frozenset(TARGET_PROJECTION[t] for t in adapter.targets)
 
     def clear(self, slot: int) -> None:
         """Zero slot ``slot``'s entries: it adds nothing and holds nothing."""
         self._check_slot(slot)
+        self._zero(slot)
+        self._sync_fused(slot)
+
+    def _zero(self, slot: int) -> None:
         for layer in self.layers:
             for stack in layer.values():
                 stack.a[slot].zero_()

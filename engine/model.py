@@ -14,10 +14,10 @@ as one ``Fp8Weight``; embeddings, norms and lm_head stay in the model dtype.
 
 A step whose rows carry LoRA adapters (``meta.lora``, engine.lora_batch) adds each adapter
 row's LoRA to the projections' outputs before anything else reads them: the o and down
-projections then run unfused from their residual add + norm, gate/up from its SiLU·mul; where a
-norm or the SiLU·mul hands an FP8 projection quantized rows, it keeps their values in the model's
-dtype for the adapters (``in_model_dtype``). A step without adapter rows runs exactly the base
-model's kernels.
+projections' LoRA in the residual add + norm after them, gate/up apart from its SiLU·mul; where a
+norm or the SiLU·mul hands an FP8 projection quantized rows that its LoRA reads in the model's
+dtype (its A stacks apart from its weight: ``LoraBatch.needs_values``), it keeps their values too
+(``fp8_weight.in_model_dtype``). A step without adapter rows runs exactly the base model's kernels.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.kv_cache import KVCachePool
 from tandem.engine.lora_batch import LoraBatch
 from tandem.kernels import ops
-from tandem.kernels.fp8_weight import Fp8Weight, in_model_dtype
+from tandem.kernels.fp8_weight import Fp8Weight
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a decoder layer's matmuls
 
@@ -118,13 +118,14 @@ class DecoderLayer(nn.Module):
         projections' in the add-norm after them (kernels.lora_rows). A projection's input that comes
         quantized keeps its values in the model's dtype for the adapters."""
         gate_up_w, down_w = projection_weight(self.gate_up_proj), projection_weight(self.down_proj)
-        hidden, residual = lora.linear_add_rms_norm("o_proj", self.layer_idx, attn, attn,
-                                                    projection_weight(self.o_proj), residual,
-                                                    self.post_attention_layernorm, self.eps, quantize_for=gate_up_w)
-        gate_up = lora.linear("gate_up_proj", self.layer_idx, hidden, in_model_dtype(hidden), gate_up_w)  # [T, 2I]
-        act = ops.silu_mul(gate_up, quantize_for=down_w, keep_values=True)
-        return lora.linear_add_rms_norm("down_proj", self.layer_idx, act, in_model_dtype(act), down_w, residual,
-                                        next_norm, self.eps, quantize_for=next_qkv)
+        layer = self.layer_idx
+        hidden, residual = lora.linear_add_rms_norm("o_proj", layer, attn, projection_weight(self.o_proj), residual,
+                                                    self.post_attention_layernorm, self.eps, quantize_for=gate_up_w,
+                                                    keep_values=lora.needs_values("gate_up_proj", layer))
+        gate_up = lora.linear("gate_up_proj", layer, hidden, gate_up_w)  # [T, 2I]
+        act = ops.silu_mul(gate_up, quantize_for=down_w, keep_values=lora.needs_values("down_proj", layer))
+        return lora.linear_add_rms_norm("down_proj", layer, act, down_w, residual, next_norm, self.eps,
+                                        quantize_for=next_qkv, keep_values=lora.needs_values("qkv_proj", layer + 1))
 
     def project_qkv(self, hidden, lora: LoraBatch | None = None):
         """-> q [T, Hq, D], k and v [T, Hkv, D] (views of one projection), unrotated."""
@@ -133,7 +134,7 @@ class DecoderLayer(nn.Module):
         if lora is None:
             qkv = ops.linear(hidden, weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) * D]
         else:
-            qkv = lora.linear("qkv_proj", self.layer_idx, hidden, in_model_dtype(hidden), weight, self.qkv_proj.bias)
+            qkv = lora.linear("qkv_proj", self.layer_idx, hidden, weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(num_tokens, self.num_q_heads, self.head_dim),
                 k.view(num_tokens, self.num_kv_heads, self.head_dim),

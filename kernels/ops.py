@@ -231,12 +231,13 @@ def _triton_layout(x, weight, bias) -> bool:
 FUSED_NORM_MAX_ROWS = 64
 
 
-def linear_add_rms_norm(x, weight, residual, norm_weight, eps, quantize_for=None, lora=None):
-    """fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps, quantize_for) -> (normed,
-    new residual). On CUDA, for 2 .. FUSED_NORM_MAX_ROWS tokens, one skinny GEMM whose finishing
-    kernel adds and norms (and quantizes, for ``quantize_for``). ``lora`` (``lora_rows.LoraRows``,
-    its partials unused): ``weight``'s rows past the residual's columns are every slot's A
-    (engine.lora_weights), and the adapter rows' LoRA is added before the add."""
+def linear_add_rms_norm(x, weight, residual, norm_weight, eps, quantize_for=None, lora=None, keep_values=False):
+    """fused_add_rms_norm(linear(x, weight), residual, norm_weight, eps, quantize_for, keep_values) ->
+    (normed, new residual). On CUDA, for 2 .. FUSED_NORM_MAX_ROWS tokens, one skinny GEMM whose
+    finishing kernel adds and norms (and quantizes, for ``quantize_for``, unless ``keep_values``: it
+    writes the codes alone). ``lora`` (``lora_rows.LoraRows``, its partials unused): ``weight``'s rows
+    past the residual's columns are every slot's A (engine.lora_weights), and the adapter rows' LoRA
+    is added before the add."""
     rows = x.shape[0] if x.dim() == 2 else 0
     num_out = weight.shape[0] - (0 if lora is None else lora.b.shape[0] * lora.b.shape[2])
     fused = _triton_impl("skinny_linear_add_rms_norm")
@@ -246,17 +247,17 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps, quantize_for=None
             and residual.shape == (rows, num_out) and residual.dtype == x.dtype):
         kind = _triton_matmul(x, weight, None, limit) if isinstance(weight, Fp8Weight) else "skinny"
         # the normed rows have the residual's shape: quantized by the finishing kernel where wanted
-        fp8_out = quantize_for is not None and quantizes_input(residual, quantize_for)
+        fp8_out = quantize_for is not None and not keep_values and quantizes_input(residual, quantize_for)
         if kind == "skinny":
             _needs_model_dtype(kind, x)
             return fused(x, weight, residual, norm_weight, eps, fp8_out=fp8_out, lora=lora)
-        if kind == "skinny_fp8" and lora is None:
+        if kind == "skinny_fp8":
             x_q, x_scale = _fp8_rows(x)
-            return fused(x_q, weight, residual, norm_weight, eps, x_scale=x_scale, fp8_out=fp8_out)
+            return fused(x_q, weight, residual, norm_weight, eps, x_scale=x_scale, fp8_out=fp8_out, lora=lora)
     out = linear(x, weight)
     if lora is not None:  # the product's last columns are every slot's shrink
         out, lora = split_product(out, lora, num_out)
-    return fused_add_rms_norm(out, residual, norm_weight, eps, quantize_for, lora=lora)
+    return fused_add_rms_norm(out, residual, norm_weight, eps, quantize_for, keep_values=keep_values, lora=lora)
 
 
 # The attention ops take an FP8 cache's per-head scales of the layer (k_scale, v_scale: [num_kv_heads]

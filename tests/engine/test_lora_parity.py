@@ -189,7 +189,7 @@ def test_a_step_without_adapter_rows_runs_no_lora_op(setup, monkeypatch):
 def test_fused_a_stacks_are_the_weights_extra_rows(setup):
     """fuse_into: each projection's weight is the first rows of one tensor whose others are its A
     stacks (a slot written lands there); the default rule leaves them apart where they would add
-    more than FUSE_MOST_EXTRA of the rows (this tiny model's), and FP8 weights are never fused."""
+    more than FUSE_MOST_EXTRA of the rows (this tiny model's)."""
     from tandem.engine.lora_weights import FUSE_MOST_EXTRA
 
     base, paths = setup
@@ -209,8 +209,48 @@ def test_fused_a_stacks_are_the_weights_extra_rows(setup):
     first = plain.weights.layers[0]
     assert all(s.weight is None for s in first.values())
     assert 2 * 3 * 16 > runner.config.hidden_size * FUSE_MOST_EXTRA  # why: the rule's share
-    fp8 = ModelRunner(base, num_blocks=16, block_size=BLOCK, quantization="fp8").enable_lora(2, 16, fuse=True)
-    assert all(s.weight is None for layer in fp8.weights.layers for s in layer.values())
+
+
+def test_fp8_weights_take_their_a_stacks_quantized_per_row(setup):
+    """fuse_into on an FP8 model: each projection's Fp8Weight gains every slot's A as E4M3 rows with
+    a scale per row (the module's data and scales are views of the first rows); writing and clearing a
+    slot requantizes its rows; a step's logits with the shrinks in the FP8 matmul are those of the
+    shrinks apart, within the rounding of A and x to E4M3, against the adapter's whole effect."""
+    from tandem.engine.model import projection_weight
+    from tandem.kernels.fp8_weight import Fp8Weight, dequantize
+
+    base, paths = setup
+    fused = ModelRunner(base, num_blocks=16, block_size=BLOCK, quantization="fp8")
+    lora = fused.enable_lora(2, 16, fuse=True)
+    apart = ModelRunner(base, num_blocks=16, block_size=BLOCK, quantization="fp8")
+    apart_lora = apart.enable_lora(2, 16, fuse=False)
+    for manager in (lora, apart_lora):
+        manager.add("r4", paths["r4"])
+    slot = lora.slots_for(["r4"])["r4"]
+    assert apart_lora.slots_for(["r4"])["r4"] == slot
+    for layer, stacks in zip(fused.model.layers, lora.weights.layers):
+        for proj, stack in stacks.items():
+            module = getattr(layer, proj)
+            n = module.weight.shape[0]
+            assert isinstance(stack.weight, Fp8Weight) and stack.weight.shape[0] == n + stack.a.shape[0] * stack.a.shape[1]
+            assert module.weight.data_ptr() == stack.weight.data.data_ptr()
+            assert module.weight_scale.data_ptr() == stack.weight.scale.data_ptr()
+            assert isinstance(projection_weight(module), Fp8Weight)
+            a_rows = dequantize(Fp8Weight(stack.weight.data[n:], stack.weight.scale[n:]))
+            torch.testing.assert_close(a_rows.view_as(stack.a), stack.a.float(), rtol=2**-3, atol=1e-6)
+    assert lora.weights.layers[0]["qkv_proj"].weight.data[-1].float().abs().sum() == 0  # the empty slot
+    prompt = list(range(3, 17))
+    chunks = [SeqChunk(prompt, 0, [0, 1, 2, 3], lora_slot=slot)]
+    with_fused, with_apart = fused.forward(chunks), apart.forward(chunks)
+    base_logits = apart.forward([SeqChunk(prompt, 0, [4, 5, 6, 7])])
+    effect = (with_apart - base_logits).abs().max()
+    assert effect > 0.05
+    assert (with_fused - with_apart).abs().max() < 0.1 * effect  # 2-4% on the tiny models
+    lora.weights.clear(slot)
+    first = lora.weights.layers[0]["qkv_proj"]
+    n = first.weight.shape[0] - first.a.shape[0] * first.a.shape[1]
+    rows = first.a.shape[1]
+    assert first.weight.data[n + slot * rows:n + (slot + 1) * rows].float().abs().sum() == 0
 
 
 def test_an_adapter_moved_to_another_slot_computes_the_same(setup):

@@ -208,8 +208,8 @@ def test_eager_prompt_steps_launch_only_what_the_prefill_warm_up_compiled(gpu_di
     assert traffic <= warmed, _missed("prompt steps", traffic, warmed)
 
 
-@pytest.mark.parametrize("quantization, fuse", [(None, None), (None, True), ("fp8", None)],
-                         ids=["bf16", "bf16-fused", "fp8"])
+@pytest.mark.parametrize("quantization, fuse", [(None, None), (None, True), ("fp8", None), ("fp8", True)],
+                         ids=["bf16", "bf16-fused", "fp8", "fp8-fused"])
 def test_eager_steps_with_adapter_rows_launch_only_what_the_warm_up_compiled(monkeypatch, gpu_dispatch,
                                                                             tiny_checkpoints, tmp_path, quantization,
                                                                             fuse):

@@ -139,3 +139,31 @@ def test_gpu_scaled_mm_matches_the_reference_on_the_quantized_activations(M, N, 
     y = fp8_matmul.scaled_mm(x_q, x_scale, w, None, torch.bfloat16)
     assert y.shape == (M, N) and y.dtype == torch.bfloat16
     assert_close(y, reference.gemv(x_q.float() * x_scale, w), torch.bfloat16)
+
+
+def test_skinny_fp8_add_norm_finish_adds_a_fused_weights_lora():
+    """An FP8 weight whose rows past N are every slot's A, quantized per row like the projection's
+    (engine.lora_weights.fuse_into on an FP8 model), on FP8 activations: the finish adds each adapter
+    row's LoRA from the product's extra columns before the residual, as the reference does on the same
+    codes; rows of no adapter are the plain finish's."""
+    from tandem.kernels.fp8_weight import quantize_weight
+    from tandem.kernels.lora_rows import LoraRows
+
+    M, N, K, slots, rank = 6, 40, 96, 3, 16
+    x_q, x_scale, x_values = _quantized(M, K)
+    w, a = torch.randn(N, K, device=DEVICE) / K**0.5, torch.randn(slots * rank, K, device=DEVICE) / K**0.5
+    weight = quantize_weight(torch.cat([w, a]))
+    b = (torch.randn(slots, N, rank, device=DEVICE) / rank**0.5).bfloat16()
+    rows = LoraRows(None, b, torch.tensor([0.5, 2.0, 1.5], device=DEVICE),
+                    torch.tensor([0, -1, 2, 2, 1, -1], dtype=torch.int64, device=DEVICE), slot_stride=rank)
+    residual, norm_weight = torch.randn(M, N, device=DEVICE).bfloat16(), torch.rand(N, device=DEVICE) + 0.5
+    out, h = skinny_linear_add_rms_norm(x_q, weight, residual, norm_weight, 1e-5, x_scale=x_scale, lora=rows)
+    ref_out, ref_h = reference.skinny_linear_add_rms_norm(x_values.bfloat16(), weight, residual, norm_weight, 1e-5,
+                                                          lora=rows)
+    assert_close(h, ref_h, torch.bfloat16, scale=2.0)
+    assert_close(out, ref_out, torch.bfloat16, scale=2.0)
+    base = Fp8Weight(weight.data[:N], weight.scale[:N])
+    plain_out, plain_h = skinny_linear_add_rms_norm(x_q, base, residual, norm_weight, 1e-5, x_scale=x_scale)
+    for row in (1, 5):  # no adapter
+        assert torch.equal(h[row], plain_h[row]) and torch.equal(out[row], plain_out[row])
+    assert not torch.equal(h[0], plain_h[0])

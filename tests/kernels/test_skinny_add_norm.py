@@ -82,7 +82,8 @@ def test_ops_sends_2_to_max_rows_to_the_fused_kernel(monkeypatch):
 
     monkeypatch.setattr(ops, "_triton_layout", lambda x, weight, bias: True)
     monkeypatch.setattr(ops, "_triton_impl", lambda name: fused if name == "skinny_linear_add_rms_norm" else None)
-    monkeypatch.setattr(ops, "fused_add_rms_norm", lambda y, residual, w, eps, quantize_for=None, lora=None: "unfused")
+    monkeypatch.setattr(ops, "fused_add_rms_norm",
+                        lambda y, residual, w, eps, quantize_for=None, keep_values=False, lora=None: "unfused")
     monkeypatch.setattr(ops, "linear", lambda x, weight: x)
     w = torch.empty(8, 4)
     for rows, expected in ((1, "unfused"), (2, "fused"), (ops.FUSED_NORM_MAX_ROWS, "fused"),
