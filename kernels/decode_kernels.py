@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tandem.kernels.decode_tiles import (_attend_kv_tile, _attend_kv_tile_fp8_scores, _cache_new_kv, _f16_query,
+from tandem.kernels.decode_tiles import (_attend_kv_tile, _attend_tile, _cache_new_kv, _f16_query,
                                          _f16_value_scale, _fp8_query, _load_kv_tile, _rotated_new_kv,
                                          _store_new_kv)
 from tandem.kernels.pdl import gdc_launch_dependents, gdc_wait
@@ -200,12 +200,8 @@ def _decode_partial_kernel(
                 k_base, v_base, block_table_row, start_n + BLOCK_N, loop_end,
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
                 ids, ids_first, IDS_REG, FP8_QK)
-            if FP8_QK:
-                acc, l_i, m_i = _attend_kv_tile_fp8_scores(acc, l_i, m_i, q, score_scale, k, v, kv_valid,
-                                                           v_tile_scale, DOT_PRECISION, DOT_UPCAST)
-            else:
-                acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION,
-                                                DOT_UPCAST, KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, score_scale, v_tile_scale,
+                                         DOT_PRECISION, DOT_UPCAST, KV_FP8, V_DEQUANT, F16_DOT, FP8_QK)
             k, v, offs_n, kv_valid = k_next, v_next, offs_next, valid_next
     else:
         for start_n in range(start, loop_end, BLOCK_N):
@@ -213,12 +209,8 @@ def _decode_partial_kernel(
                 k_base, v_base, block_table_row, start_n, end,
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot, block_size, BLOCK_N, HEAD_DIM,
                 ids, ids_first, IDS_REG, FP8_QK)
-            if FP8_QK:
-                acc, l_i, m_i = _attend_kv_tile_fp8_scores(acc, l_i, m_i, q, score_scale, k, v, kv_valid,
-                                                           v_tile_scale, DOT_PRECISION, DOT_UPCAST)
-            else:
-                acc, l_i, m_i = _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION,
-                                                DOT_UPCAST, KV_FP8, v_tile_scale, V_DEQUANT, F16_DOT)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, score_scale, v_tile_scale,
+                                         DOT_PRECISION, DOT_UPCAST, KV_FP8, V_DEQUANT, F16_DOT, FP8_QK)
 
     # l_i is 0 only for an empty share; NaN in the cache stays NaN in the output
     no_keys = l_i == 0.0

@@ -131,6 +131,20 @@ def _attend_kv_tile_fp8_scores(acc, l_i, m_i, q8, score_scale, k, v, kv_valid, v
 
 
 @triton.jit
+def _attend_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, score_scale, v_scale,
+                 DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+                 V_DEQUANT: tl.constexpr, F16_DOT: tl.constexpr, FP8_QK: tl.constexpr):
+    """One tile in the kernel's form: FP8_QK's (``_attend_kv_tile_fp8_scores``, q as E4M3 codes with
+    ``score_scale``) or ``_attend_kv_tile``'s."""
+    if FP8_QK:
+        return _attend_kv_tile_fp8_scores(acc, l_i, m_i, q, score_scale, k, v, kv_valid, v_scale,
+                                          DOT_PRECISION, DOT_UPCAST)
+    else:
+        return _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale, DOT_PRECISION, DOT_UPCAST, KV_FP8,
+                               v_scale, V_DEQUANT, F16_DOT)
+
+
+@triton.jit
 def _attend_kv_tile(acc, l_i, m_i, q, k, v, kv_valid, qk_scale,
                     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr = False,
                     v_scale=1.0, V_DEQUANT: tl.constexpr = False, F16_DOT: tl.constexpr = False):
