@@ -5,7 +5,8 @@ none. ``build_lora_batch`` groups the rows that carry one into a segment per slo
 the LoRA op takes (``kernels.ops.lora_add``): ``token_order`` lists those rows slot by
 slot, ``seg_starts`` where each slot's run begins, ``seg_slots`` its slot; ``row_slots`` gives
 every row's slot (-1: none) for the kernels that add a projection's LoRA row by row
-(``kernels.lora_rows``: the o and down projections', in the add-norm after them). A step without
+(``kernels.lora_rows``: the o and down projections', in the add-norm after them, and gate/up's in
+the SiLU·mul after it). A step without
 adapter rows has no ``LoraBatch`` (``AttentionMetadata.lora`` is None) and its forward is the
 base model's, unchanged.
 """
@@ -20,7 +21,7 @@ from tandem.engine.device_copy import tensor_on
 from tandem.engine.lora_weights import LoraWeights
 from tandem.kernels import ops
 from tandem.kernels.fp8_weight import in_model_dtype
-from tandem.kernels.lora_rows import LoraRows
+from tandem.kernels.lora_rows import LoraRows, gate_up_rows
 
 
 @dataclass
@@ -56,6 +57,23 @@ class LoraBatch:
         out, shrunk = fused[:, : weight.shape[0]], fused[:, weight.shape[0]:]
         ops.lora_expand_slots(out, shrunk, stack.b_all, stack.offsets, stack.scales, *segments)
         return out
+
+    def gate_up_silu_mul(self, layer_idx: int, x, weight, quantize_for=None, keep_values: bool = True):
+        """silu(gate) * up of the gate/up projection of x with each adapter row's LoRA added to both
+        halves. Its A stacks under its weight (``LoraWeights.fuse_into``): one matmul gives the
+        projection and every slot's shrink, and SiLU·mul adds the LoRA (``lora_rows.gate_up_rows``);
+        apart: ``linear``, then SiLU·mul. No row's adapter targets it: the base model's
+        ``ops.gate_up_silu_mul`` (unless the rows must keep their values). ``quantize_for``,
+        ``keep_values``: SiLU·mul's (``ops.silu_mul``), for the down projection after it."""
+        if "gate_up_proj" not in self.projections and not keep_values:
+            return ops.gate_up_silu_mul(x, weight, quantize_for=quantize_for)
+        stack = self.weights.layers[layer_idx]["gate_up_proj"]
+        if "gate_up_proj" not in self.projections or stack.weight is None:
+            return ops.silu_mul(self.linear("gate_up_proj", layer_idx, x, weight), quantize_for, keep_values)
+        fused = ops.linear(x, stack.weight)
+        n = weight.shape[0]
+        rows = gate_up_rows(fused[:, n:], stack.b, stack.scales, self.row_slots[: fused.shape[0]], stack.rank)
+        return ops.silu_mul(fused[:, :n], quantize_for, keep_values, lora=rows)
 
     def linear_add_rms_norm(self, projection: str, layer_idx: int, x, weight, residual: torch.Tensor,
                             norm_weight: torch.Tensor, eps: float, quantize_for=None, keep_values: bool = True):

@@ -14,7 +14,7 @@ as one ``Fp8Weight``; embeddings, norms and lm_head stay in the model dtype.
 
 A step whose rows carry LoRA adapters (``meta.lora``, engine.lora_batch) adds each adapter
 row's LoRA to the projections' outputs before anything else reads them: the o and down
-projections' LoRA in the residual add + norm after them, gate/up apart from its SiLU·mul; where a
+projections' LoRA in the residual add + norm after them, gate/up's in its SiLU·mul; where a
 norm or the SiLU·mul hands an FP8 projection quantized rows that its LoRA reads in the model's
 dtype (its A stacks apart from its weight: ``LoraBatch.needs_values``), it keeps their values too
 (``fp8_weight.in_model_dtype``). A step without adapter rows runs exactly the base model's kernels.
@@ -122,8 +122,8 @@ class DecoderLayer(nn.Module):
         hidden, residual = lora.linear_add_rms_norm("o_proj", layer, attn, projection_weight(self.o_proj), residual,
                                                     self.post_attention_layernorm, self.eps, quantize_for=gate_up_w,
                                                     keep_values=lora.needs_values("gate_up_proj", layer))
-        gate_up = lora.linear("gate_up_proj", layer, hidden, gate_up_w)  # [T, 2I]
-        act = ops.silu_mul(gate_up, quantize_for=down_w, keep_values=lora.needs_values("down_proj", layer))
+        act = lora.gate_up_silu_mul(layer, hidden, gate_up_w, quantize_for=down_w,
+                                    keep_values=lora.needs_values("down_proj", layer))
         return lora.linear_add_rms_norm("down_proj", layer, act, down_w, residual, next_norm, self.eps,
                                         quantize_for=next_qkv, keep_values=lora.needs_values("qkv_proj", layer + 1))
 

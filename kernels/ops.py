@@ -76,11 +76,13 @@ def fused_add_rms_norm(x, residual, weight, eps, quantize_for=None, keep_values=
     return _pick("fused_add_rms_norm", x)(x, residual, weight, eps, lora=lora)
 
 
-def silu_mul(x, quantize_for=None, keep_values=False):
-    """silu(gate) * up of x = [gate | up]; ``quantize_for``, ``keep_values`` as fused_add_rms_norm's."""
+def silu_mul(x, quantize_for=None, keep_values=False, lora=None):
+    """silu(gate) * up of x = [gate | up]; ``quantize_for``, ``keep_values`` as fused_add_rms_norm's.
+    ``lora``: the gate's and the up's ``lora_rows.LoraRows`` (``lora_rows.gate_up_rows``): each adapter
+    row's LoRA added to both halves first, in the same kernel."""
     if quantize_for is not None and quantizes_input(x[..., : x.shape[-1] // 2], quantize_for):
-        return _pick("silu_mul_fp8", x)(x, keep_values)
-    return _pick("silu_mul", x)(x)
+        return _pick("silu_mul_fp8", x)(x, keep_values, lora=lora)
+    return _pick("silu_mul", x)(x, lora=lora)
 
 
 # The kernel before an FP8 projection (an RMSNorm, SiLU·mul) writes its output quantized per token

@@ -111,9 +111,12 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale[:, None]
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, 2 * inter] (gate | up) -> silu(gate) * up: [num_tokens, inter]."""
+def silu_mul(x: torch.Tensor, lora=None) -> torch.Tensor:
+    """x: [num_tokens, 2 * inter] (gate | up) -> silu(gate) * up: [num_tokens, inter]. ``lora``: the
+    gate's and the up's LoraRows (kernels.lora_rows.gate_up_rows), added to each half first."""
     gate, up = x.chunk(2, dim=-1)
+    if lora is not None:
+        gate, up = lora_rows_add(gate, lora[0]), lora_rows_add(up, lora[1])
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
 
 
@@ -131,10 +134,10 @@ def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weigh
     return _rows_fp8(normed, keep_values), h
 
 
-def silu_mul_fp8(x: torch.Tensor, keep_values: bool = False) -> Fp8Rows:
+def silu_mul_fp8(x: torch.Tensor, keep_values: bool = False, lora=None) -> Fp8Rows:
     """silu_mul's output (rounded to x.dtype) quantized per token: Fp8Rows [T, inter] (its
     values kept if ``keep_values``)."""
-    return _rows_fp8(silu_mul(x), keep_values)
+    return _rows_fp8(silu_mul(x, lora), keep_values)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -312,13 +312,13 @@ def test_penalized_rows_of_any_step_launch_only_what_the_warm_up_compiled(gpu_di
     assert len(launches.keys) == 41 and traffic <= warmed, _missed("penalized steps", traffic, warmed)
 
 
-def test_a_decode_step_with_adapters_launches_three_kernels_a_layer_more_than_the_base_step(
+def test_a_decode_step_with_adapters_launches_two_kernels_a_layer_more_than_the_base_step(
         monkeypatch, gpu_dispatch, tiny_checkpoints, tmp_path):
     """With the A stacks under the weights (LoraWeights.fuse_into), a decode step whose rows all
-    carry an adapter of every projection launches at most 3 kernels a layer more than the base
-    step (the qkv and gate/up expands, and SiLU·mul apart from its GEMM): the shrinks are the
-    projections' extra rows and o's and down's LoRA rides their add-norm finish. Apart, it launches
-    more (4 shrinks a layer)."""
+    carry an adapter of every projection launches at most 2 kernels a layer more than the base
+    step (qkv's expand, and SiLU·mul apart from its GEMM): the shrinks are the projections' extra
+    rows, o's and down's LoRA rides their add-norm finish and gate/up's the SiLU·mul. Apart, it
+    launches more (4 shrinks a layer)."""
     from lora_testing import make_peft_adapter
 
     base = tiny_checkpoints["llama"]
@@ -338,5 +338,5 @@ def test_a_decode_step_with_adapters_launches_three_kernels_a_layer_more_than_th
             counts[fuse, lora_slot >= 0] = sum(len(r.keys) for r in launches.recorded)
     layers = runner.config.num_layers
     assert counts[True, False] == counts[False, False]  # the base step is the same either way
-    assert counts[True, True] - counts[True, False] <= 3 * layers, counts
+    assert counts[True, True] - counts[True, False] <= 2 * layers, counts  # the tiny model: 20 and 24
     assert counts[False, True] > counts[True, True], counts

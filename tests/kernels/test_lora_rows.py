@@ -88,3 +88,44 @@ def test_every_slots_shrink_from_a_fused_weight(dtype):
     own = LoraRows(torch.stack([shrunk[0, t, s * RANK:(s + 1) * RANK] if s >= 0 else torch.zeros(RANK, dtype=dtype)
                                 for t, s in enumerate(SLOTS)])[None].float(), b, rows.scales, rows.row_slots)
     assert torch.equal(reference.lora_rows_add(x, own), reference.lora_rows_add(x, rows))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_silu_mul_adds_gate_and_ups_lora_as_the_expand_kernel_does(dtype, fp8):
+    """gate/up's LoRA in the SiLU·mul after it (lora_rows.gate_up_rows: a fused weight's extra columns,
+    each slot's gate then up shrink): the same as lora_expand_slots into the projection's output, then
+    SiLU·mul, within a value's rounding (the rows' sums run in another order than the expand's dot); the
+    FP8 form quantizes that; rows of no adapter are the plain kernel's, bit for bit."""
+    from tandem.kernels.activation import silu_mul, silu_mul_fp8
+    from tandem.kernels.lora import lora_expand_slots
+    from tandem.kernels.lora_rows import gate_up_rows
+
+    if fp8 and dtype == torch.float32:
+        pytest.skip("the FP8 form follows a 16-bit projection")
+    inter, slots = 80, 3
+    b_all = torch.cat([_stack(slots, inter, RANK, RANKS, 2, dtype), _stack(slots, inter, RANK, RANKS, 2, dtype)], 1)
+    b = [b_all[:, :inter], b_all[:, inter:]]
+    scales = torch.tensor([[0.5, 2.0, 1.25], [1.5, 0.25, 1.0]], device=DEVICE)
+    gate_up = torch.randn(len(SLOTS), 2 * inter, device=DEVICE).to(dtype)
+    shrunk = torch.randn(len(SLOTS), slots * 2 * RANK, device=DEVICE).to(dtype)
+    row_slots = torch.tensor(SLOTS, dtype=torch.int64, device=DEVICE)
+    rows = gate_up_rows(shrunk, b, scales, row_slots, RANK)
+    expanded = gate_up.clone()
+    lora_expand_slots(expanded, shrunk, b_all, [0, inter], scales, *_segments(SLOTS))
+    base = [t for t, s in enumerate(SLOTS) if s < 0]
+    if fp8:
+        out = silu_mul_fp8(gate_up, keep_values=True, lora=rows)
+        want = silu_mul_fp8(expanded, keep_values=True)
+        plain = silu_mul_fp8(gate_up, keep_values=True)
+        assert_close(out.values, want.values, dtype)
+        assert torch.equal(out.codes[base], plain.codes[base]) and torch.equal(out.scale[base], plain.scale[base])
+        ref = reference.silu_mul_fp8(gate_up, keep_values=True, lora=rows)
+        assert_close(out.values, ref.values, dtype)
+        assert_close(out.codes.float() * out.scale, ref.codes.float() * ref.scale, dtype, scale=8)
+    else:
+        out = silu_mul(gate_up, lora=rows)
+        assert_close(out, silu_mul(expanded), dtype)
+        assert torch.equal(out[base], silu_mul(gate_up)[base])
+        assert_close(out, reference.silu_mul(gate_up, lora=rows), dtype)
+    assert not torch.equal((out.values if fp8 else out)[0], (plain.values if fp8 else silu_mul(gate_up))[0])
