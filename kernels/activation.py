@@ -138,8 +138,10 @@ def _launch_silu_mul(x2d: torch.Tensor, out2d: torch.Tensor, lora: tuple[LoraRow
     inter = width // 2
     if num_rows == 0 or inter == 0:
         return
-    block = min(2048, triton.next_power_of_2(inter))
-    num_warps = max(1, min(8, block // 256))
+    # with LoRA 4 columns a thread, not 8: each column also sums its two halves' rank terms (sm90:
+    # 158 registers at 8 a thread)
+    block = min(1024 if lora is not None else 2048, triton.next_power_of_2(inter))
+    num_warps = max(1, min(8, block // (128 if lora is not None else 256)))
     grid = (num_rows, triton.cdiv(inter, block))
     _silu_mul_kernel[grid](
         x2d, out2d, x2d.stride(0), out2d.stride(0), inter, BLOCK=block, num_warps=num_warps,
@@ -174,11 +176,13 @@ def silu_mul_fp8(x: torch.Tensor, keep_values: bool = False, lora: tuple[LoraRow
     scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
     values = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device) if keep_values else None
     if num_rows and inter:
-        block = min(4096, triton.next_power_of_2(inter))
+        # with LoRA 4 columns a thread, not 8 (sm90: 255 registers and spills at 8)
+        block = min(2048 if lora is not None else 4096, triton.next_power_of_2(inter))
+        num_warps = max(1, min(16, block // 128)) if lora is not None else max(1, min(8, block // 512))
         _silu_mul_fp8_kernel[(num_rows,)](
             x2d, codes, scale, codes if values is None else values, x2d.stride(0), codes.stride(0), inter,
             BLOCK=block, FP8_LIMIT=FP8_MAX, SOFT_ROUND=soft_round(), KEEP_VALUES=keep_values,
-            num_warps=max(1, min(8, block // 512)), **_lora_arguments(x2d, lora), **launch_options(x2d),
+            num_warps=num_warps, **_lora_arguments(x2d, lora), **launch_options(x2d),
         )
     elif num_rows:
         scale.fill_(1.0)
