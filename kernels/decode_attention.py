@@ -23,6 +23,7 @@ from tandem.kernels.decode_kernels import _decode_partial_kernel, _decode_reduce
 from tandem.kernels.dot import upcast_bf16_dot
 from tandem.kernels.fp8_kv import is_fp8, soft_round
 from tandem.kernels.paged_checks import check_paged_attention
+from tandem.kernels import switches
 from tandem.kernels.pdl import launch_options
 
 LOG2E = 1.4426950408889634
@@ -48,7 +49,7 @@ IDS_REG_MAX = 512
 F16_DOT: bool | None = None
 # An FP8 cache's scores from an E4M3 product (FP8_QK: each head's q as E4M3 codes under its own
 # scale, K's codes unwidened; P.V as F16_DOT's, a 16-bit q only): None follows the rule
-# (kernels.decode_config.FP8_QK_SCORES), True / False force it (tests, A/Bs).
+# (kernels.decode_config.FP8_QK_SCORES, or TANDEM_FP8_QK_SCORES where set), True / False force it (tests).
 FP8_QK: bool | None = None
 
 
@@ -104,7 +105,8 @@ def launch_plan(num_seqs: int, table_width: int, q_dtype: torch.dtype, k_cache: 
         ids_in_registers = rule_ids
     heads_first, v_dequant = HEADS_FIRST, True  # V_DEQUANT: every FP8 cache (kernels.decode_config)
     f16_dot = FP8_F16_DOT if F16_DOT is None else F16_DOT
-    fp8_qk = FP8_QK_SCORES if FP8_QK is None else FP8_QK
+    rule_qk = switches.current().fp8_qk_scores  # TANDEM_FP8_QK_SCORES: an A/B of the served step
+    fp8_qk = (FP8_QK_SCORES if rule_qk is None else rule_qk) if FP8_QK is None else FP8_QK
     if config is not None:
         block_n, num_warps, num_stages, num_splits, *rest = config
         heads_first = rest[0] if rest else heads_first

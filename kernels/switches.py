@@ -18,6 +18,7 @@ launcher as an argument, or sets these variables for the process it measures.
 | TANDEM_FP8_SKINNY_MAX_ROWS | (the rule) | FP8 weights: the weight-only skinny GEMM up to this many rows |
 | TANDEM_FP8_TENSOR_SKINNY_MAX_ROWS | (the rule) | FP8 weights: the tensor-core skinny GEMM up to this many rows |
 | TANDEM_FUSED_FP8_QUANT | 1, 0 | 0: FP8 projections quantize their input themselves instead of the norm or SiLU·mul before them |
+| TANDEM_FP8_QK_SCORES | (the rule), 0, 1 | an FP8 cache's decode attention scores from an E4M3 product (decode_attention's FP8_QK) or not |
 
 Torch-free (``tandem config`` prints them).
 """
@@ -42,6 +43,7 @@ class KernelSwitches:
     fp8_skinny_max_rows: int | None = None  # None: fp8_matmul.FP8_SKINNY_MAX_ROWS
     fp8_tensor_skinny_max_rows: int | None = None  # None: fp8_matmul.FP8_TENSOR_SKINNY_MAX_ROWS
     fused_fp8_quant: bool = True  # ops.quantizes_input
+    fp8_qk_scores: bool | None = None  # None: decode_config.FP8_QK_SCORES
 
     @classmethod
     def from_env(cls) -> KernelSwitches:
@@ -64,7 +66,7 @@ def _parse(name: str, raw: str):
         if raw not in ("triton", "reference"):
             raise ValueError(f"{var} must be triton or reference, not {raw!r}")
         return raw
-    if name in ("gemv", "pdl", "fused_fp8_quant"):
+    if name in ("gemv", "pdl", "fused_fp8_quant", "fp8_qk_scores"):
         if raw not in ("0", "1"):
             raise ValueError(f"{var} must be 0 or 1, not {raw!r}")
         return raw == "1"

@@ -42,9 +42,11 @@
 #                                 context 192: 2,048 and 8,192 programs, where no FP8 tile was swept), every form of
 #                                 tandem.bench.tune_fp8 --attention-ids, the register-prefetch form and the scores
 #                                 from an E4M3 product (FP8_QK)
-#                                 -> $OUT/tune_attention_wide.json;
-#                                 then llama3-8b's FP8 step at 64 and 256 rows by kernel kind with the projections'
-#                                 inputs quantized by the kernels before them and by passes of their own
+#                                 -> $OUT/tune_attention_wide.json
+#   bash scripts/gpu.sh step-ab   llama3-8b's FP8 decode step at 256 and 1,024 rows by kernel kind and by part, with
+#                                 the projections' inputs quantized by passes of their own, by the kernels before them
+#                                 (the rule), and with the decode attention's scores from an E4M3 product as well
+#                                 (TANDEM_FP8_QK_SCORES=1) -> $OUT/step_*.json
 #   bash scripts/gpu.sh lora      the LoRA GPU tests, tandem.bench.lora_step (llama3-8b, batch 64, base / one
 #                                 adapter / 8 adapters, rank 16 on all seven projections; LORA_DTYPES, default
 #                                 "bf16 bf16-apart fp8": bf16-apart with the A stacks apart from the weights),
@@ -164,10 +166,17 @@ case "${1:-}" in
     timeout 420 python3 -m tandem.bench.tune_fp8 --parts attention --attention-ids --attention-prefetch --attention-fp8-scores \
       --attention-cases "${ATTENTION_CASES:-256:192,1024:192}" --out "$OUT/tune_attention_wide.json" 2>&1 \
       | tee "$OUT/tune_attention_wide.log" | grep -E "^attention|Error"
-    for fused in 1 0; do  # one step by kernel kind, with the projections' inputs quantized before them or not
-      TANDEM_FUSED_FP8_QUANT=$fused timeout 120 python3 -m tandem.bench.decode_profile --model llama3-8b \
-        --batches 64,256 --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/fused_quant_$fused.json" 2>&1 \
-        | tee "$OUT/fused_quant_$fused.log" | grep -E "^==|by kind" | sed "s/^/fused $fused: /"
+    ;;
+  step-ab)  # llama3-8b's FP8 step by kernel kind and by part at 256 and 1,024 rows: the projections' inputs
+            # quantized by their own passes, by the kernels before them (the rule), and with the decode
+            # attention's scores from an E4M3 product too (TANDEM_FP8_QK_SCORES=1)
+    for variant in quant-apart rule fp8-qk; do
+      env=(TANDEM_FUSED_FP8_QUANT=1 TANDEM_FP8_QK_SCORES=0)
+      [ $variant = quant-apart ] && env=(TANDEM_FUSED_FP8_QUANT=0 TANDEM_FP8_QK_SCORES=0)
+      [ $variant = fp8-qk ] && env=(TANDEM_FUSED_FP8_QUANT=1 TANDEM_FP8_QK_SCORES=1)
+      env "${env[@]}" timeout 150 python3 -m tandem.bench.decode_profile --model llama3-8b \
+        --batches 256,1024 --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/step_$variant.json" 2>&1 \
+        | tee "$OUT/step_$variant.log" | grep -E "^==|by kind|by part" | sed "s/^/$variant: /"
     done ;;
   host-tier)
     for q in bf16 fp8; do

@@ -295,3 +295,31 @@ def test_v_dequant_reads_v_by_ldmatrix_in_the_sm90_ptx():
     V_DEQUANT and F16_DOT read V by transposing ldmatrix, F16_DOT widens with one conversion per
     two codes and multiplies on fp16 tensor cores."""
     assert "ok: the FP8 cache's V operand reads" in run_ptx_check("fp8_attention_ptx_check.py")
+
+
+def test_the_switch_turns_fp8_scores_on_and_off_for_the_served_step(monkeypatch):
+    """TANDEM_FP8_QK_SCORES (kernels.switches) replaces the rule (decode_config.FP8_QK_SCORES) in the
+    launch plan, so a served run measures the form without a code change; the module's FP8_QK forces
+    either way over both; a 16-bit cache never takes it."""
+    from tandem.kernels import switches
+
+    seq_lens = [40, 17]
+    k_cache, v_cache, tables, k_scale, v_scale = fp8_paged_kv(seq_lens, 16, 2, 64)
+    try:
+        for value, expected in (("1", True), ("0", False)):
+            monkeypatch.setenv("TANDEM_FP8_QK_SCORES", value)
+            switches.reload()
+            assert decode_module.launch_plan(2, tables.shape[1], torch.bfloat16, k_cache).fp8_qk is expected
+            monkeypatch.setattr(decode_module, "FP8_QK", not expected)
+            assert decode_module.launch_plan(2, tables.shape[1], torch.bfloat16, k_cache).fp8_qk is (not expected)
+            monkeypatch.setattr(decode_module, "FP8_QK", None)
+        monkeypatch.setenv("TANDEM_FP8_QK_SCORES", "1")
+        switches.reload()
+        assert not decode_module.launch_plan(2, tables.shape[1], torch.bfloat16, k_cache.to(torch.bfloat16)).fp8_qk
+        monkeypatch.setenv("TANDEM_FP8_QK_SCORES", "2")
+        with pytest.raises(ValueError, match="TANDEM_FP8_QK_SCORES"):
+            switches.reload()
+            switches.current()
+    finally:
+        monkeypatch.delenv("TANDEM_FP8_QK_SCORES", raising=False)
+        switches.reload()
