@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from tandem.bench.shapes import SHAPES
 from tandem.bench.timing import ceilings, graph_ms
 from tandem.bench.tune_gemv import ROTATE_BYTES, projections, time_rotating
-from tandem.kernels import decode_config, fp8_matmul, ops, reference
+from tandem.kernels import decode_attention, decode_config, fp8_matmul, ops, reference
 from tandem.kernels.decode_attention import _launch_decode_attention
 from tandem.kernels.fp8_quant import quantize_rows_fp8
 from tandem.kernels.fp8_weight import dequantize, quantize_weight
@@ -314,7 +314,8 @@ def attention_part(model: str, copy_bw: float, cases: str = ATTENTION_CASES, for
             try:
                 out.fill_(float("nan"))
                 run(config, ids=ids, prefetch=prefetch)()
-                fp8_qk = config is not None and len(config) > 7 and config[7]
+                fp8_qk = (config[7] if config is not None and len(config) > 7 else config is None and
+                          decode_attention.launch_plan(batch, tables.shape[1], q.dtype, k8).fp8_qk)
                 if not torch.allclose(out.float(), ref_fp8_q if fp8_qk else ref, atol=2e-2, rtol=2e-2):
                     rows.append({"config": config, "reg_prefetch": prefetch, "error": "WRONG ANSWER"})
                     continue

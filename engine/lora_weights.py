@@ -161,7 +161,9 @@ class LoraWeights:
         stack.weight.data[first:first + rows].copy_(codes)
         stack.weight.scale[first:first + rows].copy_(scales)
 
-    def _sync_fused(self, slot: int) -> None:
+    def sync_fused(self, slot: int) -> None:
+        """Slot ``slot``'s rows of every FP8 fused weight from its ``a`` (``write`` and ``clear`` do it; a
+        caller that writes ``a`` in place calls it after)."""
         for layer in self.layers:
             for stack in layer.values():
                 if isinstance(stack.weight, Fp8Weight):
@@ -193,14 +195,14 @@ class LoraWeights:
             stack.a[slot, first:first + r].copy_(module.a)
             stack.b[part][slot, :, :r].copy_(module.b)
             stack.scales[part, slot] = module.scaling
-        self._sync_fused(slot)
+        self.sync_fused(slot)
         self._projections[slot] = frozenset(TARGET_PROJECTION[t] for t in adapter.targets)
 
     def clear(self, slot: int) -> None:
         """Zero slot ``slot``'s entries: it adds nothing and holds nothing."""
         self._check_slot(slot)
         self._zero(slot)
-        self._sync_fused(slot)
+        self.sync_fused(slot)
 
     def _zero(self, slot: int) -> None:
         for layer in self.layers:

@@ -223,8 +223,9 @@ class LlamaFamilyModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         first_norm = self.layers[0].input_layernorm if len(self.layers) else self.norm
         qkv = self.qkv_weights()
+        keep = meta.lora is not None and meta.lora.needs_values("qkv_proj", 0)  # for the adapters' shrink
         hidden, residual = ops.fused_add_rms_norm(hidden, None, first_norm, self.config.rms_norm_eps,
-                                                  quantize_for=qkv[0], keep_values=meta.lora is not None)
+                                                  quantize_for=qkv[0], keep_values=keep)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv_pool, meta, next_norm,

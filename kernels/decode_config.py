@@ -92,7 +92,8 @@ FP8_MIN_GRID = 64
 FP8_SMALL_TILE_GRID = 512
 FP8_F16_DOT = True  # an FP8 cache's products in fp16 (kernels.decode_attention.F16_DOT)
 # An FP8 cache's scores from an E4M3 product (kernels.decode_attention.FP8_QK: q quantized per head, no
-# K code widened; a tuning form, off until `tandem.bench.tune_fp8 --attention-ids` times it).
+# K code widened; a tuning form, off until `tandem.bench.tune_fp8 --attention-fp8-scores` and
+# `bash scripts/gpu.sh step-ab` time it).
 FP8_QK_SCORES = False
 
 

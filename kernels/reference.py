@@ -48,7 +48,9 @@ def fp8_query(q: torch.Tensor) -> torch.Tensor:
     q / s, s = its largest |q| / 448 (1 for a head of zeros), times s again, in fp32."""
     q = q.float()
     amax = q.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / KV_FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor: IEEE division, as the kernel's div_rn (torch multiplies by the reciprocal of
+    # a Python number on CUDA)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, KV_FP8_MAX), torch.ones_like(amax))
     return (q / scale).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float() * scale
 
 

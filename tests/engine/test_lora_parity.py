@@ -238,7 +238,11 @@ def test_fp8_weights_take_their_a_stacks_quantized_per_row(setup):
             assert isinstance(projection_weight(module), Fp8Weight)
             a_rows = dequantize(Fp8Weight(stack.weight.data[n:], stack.weight.scale[n:]))
             torch.testing.assert_close(a_rows.view_as(stack.a), stack.a.float(), rtol=2**-3, atol=1e-6)
-    assert lora.weights.layers[0]["qkv_proj"].weight.data[-1].float().abs().sum() == 0  # the empty slot
+    qkv = lora.weights.layers[0]["qkv_proj"]
+    n, rows = qkv.weight.shape[0] - qkv.a.shape[0] * qkv.a.shape[1], qkv.a.shape[1]
+    occupied = qkv.weight.data[n + slot * rows:n + (slot + 1) * rows].float()
+    empty = qkv.weight.data[n + (1 - slot) * rows:n + (2 - slot) * rows].float()
+    assert occupied.abs().sum() > 0 and empty.abs().sum() == 0  # the adapter's slot, and the other's
     prompt = list(range(3, 17))
     chunks = [SeqChunk(prompt, 0, [0, 1, 2, 3], lora_slot=slot)]
     with_fused, with_apart = fused.forward(chunks), apart.forward(chunks)

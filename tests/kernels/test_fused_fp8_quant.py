@@ -236,6 +236,32 @@ def test_a_forward_through_the_kernels_gives_the_same_logits_fused_or_not(monkey
             assert calls["kept"] == 3 * layers
             base = runner.forward([SeqChunk(list(range(5, 25)), 0, [10, 11])])
             assert not torch.equal(base[0], logits[True][0])  # the adapter moved its row
+        apart = logits[True]
+        # the same adapter with every A stack under its FP8 weight (LoraWeights.fuse_into): the shrinks
+        # in the FP8 matmuls, gate/up's LoRA in the SiLU·mul, no values kept; the same logits either way
+        # of the switch, and near the apart stacks' (A and x in E4M3 for the shrinks)
+        runner = ModelRunner.from_model(random_model(config, torch.bfloat16, "cpu", seed=3, quantization="fp8"),
+                                        config, num_blocks=24, block_size=16)
+        lora = runner.enable_lora(max_loras=2, max_rank=8, fuse=True)
+        assert all(stack.weight is not None for layer in lora.weights.layers for stack in layer.values())
+        with lora.weights.zero_adapter(1):
+            generator = torch.Generator().manual_seed(5)
+            for layer in lora.weights.layers:
+                for stack in layer.values():
+                    stack.a[1].normal_(0, 0.1, generator=generator)
+                    stack.b_all[1].normal_(0, 0.1, generator=generator)
+                    stack.scales[:, 1] = 0.5
+            lora.weights.sync_fused(1)
+            logits = {}
+            for fused in (False, True):
+                monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "1" if fused else "0")
+                switches.reload()
+                calls.update({name: 0 for name in calls})
+                logits[fused] = runner.forward(chunks)
+            assert torch.equal(logits[True], logits[False])
+            assert calls["kept"] == 0 and calls["silu_mul_fp8"] == layers
+            effect = (apart - base).abs().max()
+            assert (logits[True] - apart).abs().max() < 0.1 * effect
     finally:
         ops._triton_impl.cache_clear()
         switches.reload()
