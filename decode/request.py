@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.cluster.messages import GenerateRequest, TokenEvent
-from tandem.cluster.request_state import RequestStatus
+from tandem.cluster.request_state import RequestStatus, finish_reason
 
 
 @dataclass
@@ -67,6 +67,15 @@ class DecodeRequest:
     def is_resuming(self) -> bool:
         """Admitted again after a pause: the prefill recomputes prompt + output tokens but the last."""
         return bool(self.output_token_ids)
+
+    def append(self, token_id: int, max_seq_len: int, eos_token_ids) -> str | None:
+        """Take ``token_id`` as its next output token -> why that ends it, or None."""
+        self.output_token_ids.append(token_id)
+        spec = self.spec
+        return finish_reason(token_id, len(self.output_token_ids), self.num_tokens, max_tokens=spec.max_tokens,
+                             max_seq_len=max_seq_len, stop_token_ids=spec.stop_token_ids,
+                             eos_token_ids=eos_token_ids, ignore_eos=spec.ignore_eos,
+                             min_tokens=spec.sampling.min_tokens)
 
     @property
     def queue_key(self) -> tuple[int, bool, float]:

@@ -46,7 +46,7 @@ adapter pass it: the admitted adapters' requests drain and its adapter gets its 
 from __future__ import annotations
 
 from tandem.cluster.policies import GUARANTEED_NO_EVICT, capacity_policy
-from tandem.cluster.request_state import RequestStatus, finish_reason
+from tandem.cluster.request_state import RequestStatus
 from tandem.decode.prefix_reuse import PrefixReuse
 from tandem.decode.request import DecodeRequest
 from tandem.decode.window import SlidingWindow, held_block_ids
@@ -196,7 +196,9 @@ class DecodeScheduler:
         if error is not None or (first_token is None and not request.is_resuming):
             self._end(request, RequestStatus.FAILED, "error")
             return "error"
-        reason = None if request.is_resuming else self._append(request, first_token)
+        reason = None
+        if not request.is_resuming:
+            reason = request.append(first_token, self.max_seq_len, self.eos_token_ids)
         if reason is not None:
             self._end(request, RequestStatus.FINISHED, reason)
             return reason
@@ -316,7 +318,7 @@ class DecodeScheduler:
                     request.num_pending = 0  # out of step with the device: feed its last known token next
                 continue
             request.num_pending = max(request.num_pending - 1, 0)
-            reason = self._append(request, token_id)
+            reason = request.append(token_id, self.max_seq_len, self.eos_token_ids)
             events.append((request, index, reason))
             if reason is not None:
                 self.running.remove(request)
@@ -348,21 +350,6 @@ class DecodeScheduler:
         return failed
 
     # ---- helpers --------------------------------------------------------------------
-    def _append(self, request: DecodeRequest, token_id: int) -> str | None:
-        request.output_token_ids.append(token_id)
-        spec = request.spec
-        return finish_reason(
-            token_id,
-            len(request.output_token_ids),
-            request.num_tokens,
-            max_tokens=spec.max_tokens,
-            max_seq_len=self.max_seq_len,
-            stop_token_ids=spec.stop_token_ids,
-            eos_token_ids=self.eos_token_ids,
-            ignore_eos=spec.ignore_eos,
-            min_tokens=spec.sampling.min_tokens,
-        )
-
     def _slide_window(self, request: DecodeRequest) -> None:
         if self.window is not None:
             self.window.advance(request, self.total_tokens(request))

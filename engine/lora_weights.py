@@ -140,9 +140,8 @@ class LoraWeights:
                     scale = torch.empty(n + extra, dtype=torch.float32, device=weight.device)
                     scale[:n].copy_(module.weight_scale)
                     module.weight_scale = scale[:n]
+                    fused[n:], scale[n:] = quantize_rows(stack.a.reshape(extra, in_features))
                     stack.weight = Fp8Weight(fused, scale)
-                    for slot in range(slots):
-                        self._quantize_slot(stack, slot)
                 else:
                     fused[n:].copy_(stack.a.reshape(extra, in_features))
                     stack.a, stack.weight = fused[n:].view(slots, rows, in_features), fused
@@ -152,22 +151,17 @@ class LoraWeights:
                 fused_count += 1
         return fused_count
 
-    @staticmethod
-    def _quantize_slot(stack: ProjectionLora, slot: int) -> None:
-        """An FP8 fused weight's rows of slot ``slot``: its A's E4M3 codes and their scales."""
-        slots, rows, _ = stack.a.shape
-        first = stack.weight.shape[0] - (slots - slot) * rows
-        codes, scales = quantize_rows(stack.a[slot])
-        stack.weight.data[first:first + rows].copy_(codes)
-        stack.weight.scale[first:first + rows].copy_(scales)
-
     def sync_fused(self, slot: int) -> None:
-        """Slot ``slot``'s rows of every FP8 fused weight from its ``a`` (``write`` and ``clear`` do it; a
-        caller that writes ``a`` in place calls it after)."""
+        """Slot ``slot``'s rows of every FP8 fused weight (its A's E4M3 codes and their scales) from its
+        ``a`` (``write`` and ``clear`` do it; a caller that writes ``a`` in place calls it after)."""
         for layer in self.layers:
             for stack in layer.values():
                 if isinstance(stack.weight, Fp8Weight):
-                    self._quantize_slot(stack, slot)
+                    slots, rows, _ = stack.a.shape
+                    first = stack.weight.shape[0] - (slots - slot) * rows
+                    codes, scales = quantize_rows(stack.a[slot])
+                    stack.weight.data[first:first + rows].copy_(codes)
+                    stack.weight.scale[first:first + rows].copy_(scales)
 
     def nbytes(self) -> int:
         """Device bytes of the slots: every stack, and an FP8 fused weight's rows of them."""

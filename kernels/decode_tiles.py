@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.dot import dot
-from tandem.kernels.fp8_kv import _round_to_e4m3, quantize_kv_fp8
+from tandem.kernels.fp8_kv import quantize_kv_fp8
+from tandem.kernels.fp8_quant import row_scale, to_codes
 
 
 @triton.jit
@@ -92,21 +93,15 @@ def _f16_value_scale(v_scale):
 
 @triton.jit
 def _fp8_query(q, qk_scale, SOFT_ROUND: tl.constexpr):
-    """FP8_QK: q [GROUP_PAD, HEAD_DIM] as E4M3 codes, each head under its own scale (its largest
-    |q| / 448, IEEE division as the reference's; 1 for a head of zeros), and the scores' scale per
-    head: that scale times ``qk_scale`` (softmax's, log2(e) and the K scale). A head holding a NaN
-    gets a NaN scale, so its output is NaN."""
+    """FP8_QK: q [GROUP_PAD, HEAD_DIM] as E4M3 codes, each head a row under its own scale
+    (``fp8_quant``'s row math: its largest |q| / 448, 1 for a head of zeros), and the scores' scale
+    per head: that scale times ``qk_scale`` (softmax's, log2(e) and the K scale). A head holding a
+    NaN gets a NaN scale, so its output is NaN (the clamp of its codes would drop it)."""
     qf = q.to(tl.float32)
-    amax = tl.max(tl.abs(qf), 1)  # [GROUP_PAD]
-    q_scale = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
-    y = tl.math.div_rn(qf, q_scale[:, None])
-    y = tl.minimum(tl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
-                   propagate_nan=tl.PropagateNan.ALL)
-    if SOFT_ROUND:
-        y = _round_to_e4m3(y)
-    # a head with a NaN scores NaN through its scale (the interpreter's conversion drops a NaN code)
+    q_scale = row_scale(tl.max(tl.abs(qf), 1), 448.0)  # [GROUP_PAD]
+    codes = to_codes(qf, q_scale[:, None], 448.0, SOFT_ROUND)
     q_scale = tl.where(tl.sum((qf != qf).to(tl.int32), 1) > 0, float("nan"), q_scale)
-    return y.to(tl.float8e4nv), q_scale * qk_scale
+    return codes, q_scale * qk_scale
 
 
 @triton.jit

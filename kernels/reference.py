@@ -44,14 +44,11 @@ def dequantize_kv_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_query(q: torch.Tensor) -> torch.Tensor:
-    """q [..., H, D] as decode attention's FP8_QK form scores it: each head's E4M3 codes of
-    q / s, s = its largest |q| / 448 (1 for a head of zeros), times s again, in fp32."""
-    q = q.float()
-    amax = q.abs().amax(dim=-1, keepdim=True)
-    # a tensor divisor: IEEE division, as the kernel's div_rn (torch multiplies by the reciprocal of
-    # a Python number on CUDA)
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, KV_FP8_MAX), torch.ones_like(amax))
-    return (q / scale).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float() * scale
+    """q [..., H, D] as decode attention's FP8_QK form scores it: each head's E4M3 codes under its
+    own scale (``quantize_rows``' math: its largest |q| / 448, 1 for a head of zeros), times that
+    scale again, in fp32."""
+    codes, scale = quantize_rows(q)
+    return codes.float() * scale[..., None]
 
 
 def _is_fp8(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:

@@ -216,19 +216,9 @@ def test_a_forward_through_the_kernels_gives_the_same_logits_fused_or_not(monkey
         # their values for the adapters' shrinks (fused, a projection's shrink reads the codes)
         lora = runner.enable_lora(max_loras=2, max_rank=8, fuse=False)
         with lora.weights.zero_adapter(1):
-            generator = torch.Generator().manual_seed(5)
-            for layer in lora.weights.layers:
-                for stack in layer.values():
-                    stack.a[1].normal_(0, 0.1, generator=generator)
-                    stack.b_all[1].normal_(0, 0.1, generator=generator)
-                    stack.scales[:, 1] = 0.5
+            _random_adapter(lora.weights, 1)
             chunks = [SeqChunk(list(range(5, 25)), 0, [10, 11], lora_slot=1), SeqChunk(list(range(40, 47)), 0, [12])]
-            logits = {}
-            for fused in (False, True):
-                monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "1" if fused else "0")
-                switches.reload()
-                calls.update({name: 0 for name in calls})
-                logits[fused] = runner.forward(chunks)
+            logits = _fused_and_apart(runner, chunks, calls, monkeypatch)
             assert torch.equal(logits[True], logits[False])
             # every norm (no skinny finish: the adapters add to o's and down's outputs before their
             # norms) and every SiLU·mul, their values kept
@@ -245,19 +235,8 @@ def test_a_forward_through_the_kernels_gives_the_same_logits_fused_or_not(monkey
         lora = runner.enable_lora(max_loras=2, max_rank=8, fuse=True)
         assert all(stack.weight is not None for layer in lora.weights.layers for stack in layer.values())
         with lora.weights.zero_adapter(1):
-            generator = torch.Generator().manual_seed(5)
-            for layer in lora.weights.layers:
-                for stack in layer.values():
-                    stack.a[1].normal_(0, 0.1, generator=generator)
-                    stack.b_all[1].normal_(0, 0.1, generator=generator)
-                    stack.scales[:, 1] = 0.5
-            lora.weights.sync_fused(1)
-            logits = {}
-            for fused in (False, True):
-                monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "1" if fused else "0")
-                switches.reload()
-                calls.update({name: 0 for name in calls})
-                logits[fused] = runner.forward(chunks)
+            _random_adapter(lora.weights, 1)
+            logits = _fused_and_apart(runner, chunks, calls, monkeypatch)
             assert torch.equal(logits[True], logits[False])
             assert calls["kept"] == 0 and calls["silu_mul_fp8"] == layers
             effect = (apart - base).abs().max()
@@ -265,6 +244,28 @@ def test_a_forward_through_the_kernels_gives_the_same_logits_fused_or_not(monkey
     finally:
         ops._triton_impl.cache_clear()
         switches.reload()
+
+
+def _random_adapter(weights, slot):
+    """Slot ``slot`` (inside ``zero_adapter``) filled with a seeded random adapter on every projection."""
+    generator = torch.Generator().manual_seed(5)
+    for layer in weights.layers:
+        for stack in layer.values():
+            stack.a[slot].normal_(0, 0.1, generator=generator)
+            stack.b_all[slot].normal_(0, 0.1, generator=generator)
+            stack.scales[:, slot] = 0.5
+    weights.sync_fused(slot)
+
+
+def _fused_and_apart(runner, chunks, calls, monkeypatch) -> dict:
+    """The step's logits with the quantization apart (False) and fused (True); ``calls`` counts the second."""
+    logits = {}
+    for fused in (False, True):
+        monkeypatch.setenv("TANDEM_FUSED_FP8_QUANT", "1" if fused else "0")
+        switches.reload()
+        calls.update({name: 0 for name in calls})
+        logits[fused] = runner.forward(chunks)
+    return logits
 
 
 def _counting(op, calls, name):
