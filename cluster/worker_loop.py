@@ -1,4 +1,5 @@
-"""What the prefill and decode worker processes share: the step loop and the registry record."""
+"""What the prefill and decode worker processes share: the step loop, its start and end, and
+the registry record."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tandem.cluster import keys
 from tandem.cluster.messages import WorkerInfo
 from tandem.cluster.process import pid_namespace, sleep_unless_stopped
 from tandem.cluster.settings import Settings
+from tandem.kernels import compile_watch
 
 log = structlog.get_logger(__name__)
 
@@ -27,6 +29,23 @@ def run_steps(step: Callable[[], None], stop: threading.Event) -> None:
         except redis.RedisError as exc:
             log.warning("redis unavailable, retrying", error=str(exc))
             sleep_unless_stopped(stop, REDIS_RETRY_S)  # not stop.wait(): see cluster.process
+
+
+def serve_steps(worker, stop: threading.Event) -> None:
+    """A warmed-up worker's life: heartbeats, then ``worker.step`` until ``stop``, then what it
+    holds let go (its adapter loader, its prefix index's registry entry, its process group and
+    its KV pool, whose file a split model shares)."""
+    worker.heartbeat.start()
+    compile_watch.serving()  # a kernel compiled from here on is a warning: the warm-up missed it
+    try:
+        run_steps(worker.step, stop)
+    finally:
+        worker.heartbeat.stop()
+        worker.lora_loads.close()
+        if worker.prefix_index is not None:
+            worker.prefix_index.delete()
+        worker.runner.leave_group()
+        worker.runner.kv_pool.close()
 
 
 def worker_info(

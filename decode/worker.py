@@ -21,7 +21,7 @@ from tandem.cluster.inbox import Inbox, Mailer, Unreadable
 from tandem.cluster.messages import AbortRequest, GenerateRequest, PrefillDone, TokenEvent, WorkerInfo
 from tandem.cluster.outputs import Outbox
 from tandem.cluster.prefix_index import PrefixIndex
-from tandem.cluster.worker_loop import run_steps, worker_info
+from tandem.cluster.worker_loop import serve_steps, worker_info
 from tandem.cluster.live_policies import LivePolicies
 from tandem.cluster.registry import Heartbeat
 from tandem.cluster.request_state import RequestStatus
@@ -45,7 +45,6 @@ from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.engine.warmup import warm_up_penalties
-from tandem.kernels import compile_watch
 from tandem.kvtransfer import get_transport
 from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
 
@@ -233,19 +232,9 @@ class DecodeWorker:
         """After ``step`` was read: what it computed of its prompts (their first tokens)."""
 
     def serve(self, stop) -> None:
-        self.heartbeat.start()
         log.info("decode worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total,
                  run_ahead=self.run_ahead)
-        compile_watch.serving()  # a kernel compiled from here on is a warning: the warm-up missed it
-        try:
-            run_steps(self.step, stop)
-        finally:
-            self.heartbeat.stop()
-            self.lora_loads.close()
-            if self.prefix_index is not None:
-                self.prefix_index.delete()
-            self.runner.leave_group()
-            self.runner.kv_pool.close()
+        serve_steps(self, stop)
 
     def info(self) -> WorkerInfo:
         return worker_info(

@@ -23,7 +23,7 @@ from tandem.cluster import keys
 from tandem.cluster.inbox import Inbox, Mailer, Unreadable
 from tandem.cluster.messages import AbortRequest, PrefillDone, PrefillJob, WorkerInfo, named
 from tandem.cluster.outputs import Outbox
-from tandem.cluster.worker_loop import run_steps, worker_info
+from tandem.cluster.worker_loop import serve_steps, worker_info
 from tandem.cluster.live_policies import LivePolicies
 from tandem.cluster.prefix_index import PrefixIndex
 from tandem.cluster.registry import Heartbeat
@@ -32,7 +32,6 @@ from tandem.cluster.settings import Settings
 from tandem.cluster.step_stats import StepStats
 from tandem.engine.allocator_counters import allocator_counters
 from tandem.engine.block_allocator import BlockAllocator
-from tandem.kernels import compile_watch
 from tandem.engine.warmup import warm_up_mixed, warm_up_penalties, warm_up_prefill
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.engine.host_kv_tier import HostKVTier, host_tier_counters, host_tier_info
@@ -157,18 +156,8 @@ class PrefillWorker:
                              free_blocks=self.allocator.num_free, **host)
 
     def serve(self, stop) -> None:
-        self.heartbeat.start()
         log.info("prefill worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total)
-        compile_watch.serving()  # a kernel compiled from here on is a warning: the warm-up missed it
-        try:
-            run_steps(self.step, stop)
-        finally:
-            self.heartbeat.stop()
-            self.lora_loads.close()
-            if self.prefix_index is not None:
-                self.prefix_index.delete()
-            self.runner.leave_group()
-            self.runner.kv_pool.close()  # a split model's pool file goes with it
+        serve_steps(self, stop)
 
     def info(self) -> WorkerInfo:
         return worker_info(
