@@ -14,7 +14,6 @@ from tandem.cluster import keys
 from tandem.cluster.messages import WorkerInfo
 from tandem.cluster.process import pid_namespace, sleep_unless_stopped
 from tandem.cluster.settings import Settings
-from tandem.kernels import compile_watch
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +35,6 @@ def serve_steps(worker, stop: threading.Event) -> None:
     holds let go (its adapter loader, its prefix index's registry entry, its process group and
     its KV pool, whose file a split model shares)."""
     worker.heartbeat.start()
-    compile_watch.serving()  # a kernel compiled from here on is a warning: the warm-up missed it
     try:
         run_steps(worker.step, stop)
     finally:

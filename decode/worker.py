@@ -45,6 +45,7 @@ from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
 from tandem.engine.runner_factory import build_runner, device_identity, resolve_device, resolve_transport
 from tandem.engine.warmup import warm_up_penalties
+from tandem.kernels import compile_watch
 from tandem.kvtransfer import get_transport
 from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
 
@@ -234,6 +235,7 @@ class DecodeWorker:
     def serve(self, stop) -> None:
         log.info("decode worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total,
                  run_ahead=self.run_ahead)
+        compile_watch.serving()  # a kernel compiled from here on is a warning: the warm-up missed it
         serve_steps(self, stop)
 
     def info(self) -> WorkerInfo:

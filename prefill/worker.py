@@ -38,6 +38,7 @@ from tandem.engine.host_kv_tier import HostKVTier, host_tier_counters, host_tier
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.guide import Guides
 from tandem.engine.lora_loads import AdapterLoads, AdapterRef
+from tandem.kernels import compile_watch
 from tandem.kvtransfer import KVPoll, KVSender, get_transport
 from tandem.kvtransfer.base import TransferError
 from tandem.kvtransfer.pool_files import new_pool_path, pool_dir
@@ -157,6 +158,7 @@ class PrefillWorker:
 
     def serve(self, stop) -> None:
         log.info("prefill worker ready", worker_id=self.worker_id, num_blocks=self.allocator.num_total)
+        compile_watch.serving()  # a kernel compiled from here on is a warning: the warm-up missed it
         serve_steps(self, stop)
 
     def info(self) -> WorkerInfo:
