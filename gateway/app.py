@@ -84,16 +84,16 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        inp = await service.prepare_completion(body)
+        inputs = await service.prepare_completion(body)  # one per prompt
         async with watching_disconnect(request) as client_left:
-            choices = await service.start(inp, prefix="cmpl", client_left=client_left)
+            choices = await service.start(inputs, prefix="cmpl", client_left=client_left)
         return await _respond(request, body, choices, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        inp = await service.prepare_chat(body)
+        inputs = await service.prepare_chat(body)
         async with watching_disconnect(request) as client_left:
-            choices = await service.start(inp, prefix="chatcmpl", client_left=client_left)
+            choices = await service.start(inputs, prefix="chatcmpl", client_left=client_left)
         return await _respond(request, body, choices, chat=True)
 
     @app.get("/v1/streams/{request_id}")
@@ -130,9 +130,9 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
 
     async def _respond(request: Request, body: SamplingFields, choices: Choices, chat: bool):
         model = choices.generations[0].input.lora_name or settings.model_name  # an adapter answers as itself
-        fmt = ResponseFormat(choices.request_id, choices.created, model, chat,
-                             bool(body.return_token_ids), choices.generations[0].input.prompt_token_ids,
-                             service.token_text)
+        fmt = ResponseFormat(choices.request_id, choices.created, model, chat, bool(body.return_token_ids),
+                             [g.input.prompt_token_ids for g in choices.generations[::choices.per_prompt]],
+                             service.token_text, choices_per_prompt=choices.n // choices.num_prompts)
         parser = choices.generations[0].input.tool_parser if chat else None
         if body.stream:
             if body.resumable:

@@ -1,4 +1,4 @@
-"""The ``n`` choices of one request: one ``Generation`` each, run side by side.
+"""The ``n`` choices of one request's every prompt: one ``Generation`` each, run side by side.
 
 With n > 1 choice i is its own request on the workers (wire id ``<request_id>-<i>``,
 admitted and failed over on its own) and, when the request is seeded, samples with
@@ -13,6 +13,11 @@ waits for all and returns the n with the highest cumulative logprob (the sum of 
 sampled tokens' logprobs; ties: the lower index), indexed 0..n-1, their logprobs dropped
 when the client did not ask for them. Usage counts every sequence's tokens, as vLLM and
 OpenAI bill best_of.
+
+A batch of prompts (/v1/completions' prompt as a list) has each prompt's sequences one after
+the other, prompt by prompt: prompt p's choice i is the response's choice p * n + i (as in
+OpenAI's legacy API and vLLM), best_of picks each prompt's best among its own, and usage counts
+each prompt once.
 """
 
 from __future__ import annotations
@@ -29,19 +34,21 @@ _END = object()  # a choice's pump is done
 
 class Choices:
     def __init__(self, request_id: str, generations: list[Generation], n: int | None = None,
-                 logprobs_asked: bool = True):
-        """``generations``: the sequences sampled (best_of of them when more than ``n``, the
-        choices returned); ``logprobs_asked``: whether the client asked for logprobs (best_of
-        asks for them on its own)."""
+                 logprobs_asked: bool = True, num_prompts: int = 1):
+        """``generations``: the sequences sampled, ``num_prompts`` groups of as many each, prompt
+        by prompt (best_of of them when more than ``n``, the choices returned of each prompt);
+        ``logprobs_asked``: whether the client asked for logprobs (best_of asks for them on its own)."""
         self.request_id = request_id  # what the client sees
         self.generations = generations
-        self._n = len(generations) if n is None else n
+        self.num_prompts = num_prompts
+        self.per_prompt = len(generations) // num_prompts  # sequences of each prompt
+        self._n = self.per_prompt if n is None else n
         self._logprobs_asked = logprobs_asked
 
     @property
     def n(self) -> int:
-        """The choices returned."""
-        return self._n
+        """The choices returned, of all prompts."""
+        return self._n * self.num_prompts
 
     @property
     def created(self) -> int:
@@ -49,10 +56,10 @@ class Choices:
 
     @property
     def usage(self) -> Usage:
-        """The prompt counts once (as in vLLM and OpenAI); the completions add up."""
-        first = self.generations[0].usage
-        return Usage(first.prompt_tokens, sum(g.usage.completion_tokens for g in self.generations),
-                     first.cached_tokens)
+        """Each prompt counts once (as in vLLM and OpenAI); the completions add up."""
+        firsts = [g.usage for g in self.generations[::self.per_prompt]]  # each prompt's first sequence
+        return Usage(sum(u.prompt_tokens for u in firsts), sum(g.usage.completion_tokens for g in self.generations),
+                     sum(u.cached_tokens for u in firsts))
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) until every choice has ended (streams: best_of is n)."""
@@ -94,11 +101,12 @@ class Choices:
         finally:
             for task in tasks:
                 task.cancel()  # one failed (or the client left): the others stop too
-        choices = [ChoiceResult(text, token_ids, g.finish_reason,
-                                g.output_logprobs if g.input.sampling.logprobs is not None else None, g.prompt)
-                   for (text, token_ids), g in zip(results, self.generations)]
-        if len(choices) > self.n:
-            choices = best_of(choices, self.n)
+        sequences = [ChoiceResult(text, token_ids, g.finish_reason,
+                                  g.output_logprobs if g.input.sampling.logprobs is not None else None, g.prompt)
+                     for (text, token_ids), g in zip(results, self.generations)]
+        k = self.per_prompt
+        choices = [choice for i in range(0, len(sequences), k)
+                   for choice in (best_of(sequences[i:i + k], self._n) if k > self._n else sequences[i:i + k])]
         if not self._logprobs_asked:
             choices = [replace(choice, logprobs=None) for choice in choices]
         return choices

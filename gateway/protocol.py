@@ -24,6 +24,10 @@ MAX_STOP_STRINGS = 16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack carries to the workers
 MAX_CHOICES = 64  # n and best_of: each choice is a sequence of its own on a decode worker
 MAX_CHOICE_STRINGS = 1024  # structured_outputs.choice
+# /v1/completions' prompt as a list of prompts (a batch: each prompt's choices are sequences of their
+# own, as n's are): at most MAX_PROMPTS prompts and MAX_BATCH_SEQUENCES sequences in all
+MAX_PROMPTS = 1024
+MAX_BATCH_SEQUENCES = 4096
 
 
 class StrictModel(BaseModel):
@@ -347,6 +351,27 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value: str | list) -> str | list:
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)) and len(value) != 1:
-            raise ValueError(f"only one prompt per request is supported, got {len(value)}")
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request, each a text or token ids: a list of texts or of token-id
+        lists is a batch (OpenAI's and vLLM's legacy completions), anything else one prompt."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return list(prompt)
+        return [prompt]
+
+    @model_validator(mode="after")
+    def _batch_bounds(self) -> "CompletionRequest":
+        prompts = len(self.prompts)
+        sequences = prompts * max(self.best_of or 1, self.n or 1)
+        if sequences > MAX_BATCH_SEQUENCES:
+            raise ValueError(f"{prompts} prompts of {sequences // prompts} sequences each are {sequences} "
+                             f"sequences, more than {MAX_BATCH_SEQUENCES} in one request")
+        if prompts > 1 and self.resumable:
+            # as with n: a resumable stream's events and takeover carry one sequence
+            raise ValueError(f"stream_options.resumable needs one prompt, got {prompts}")
+        return self

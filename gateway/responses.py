@@ -140,8 +140,13 @@ class ResponseFormat:
     model: str
     chat: bool
     return_token_ids: bool = False
-    prompt_token_ids: list[int] | None = None
+    prompts: list[list[int]] | None = None  # each prompt's token ids (a batch of completions has several)
     token_text: Callable[[int], str] | None = None  # a token id's text, for logprobs
+    choices_per_prompt: int = 1  # choice i answers prompt i // choices_per_prompt
+
+    def prompt_token_ids(self, index: int = 0) -> list[int] | None:
+        """The token ids of the prompt choice ``index`` answers."""
+        return None if self.prompts is None else self.prompts[index // self.choices_per_prompt]
 
     def _envelope(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
@@ -150,7 +155,7 @@ class ResponseFormat:
         body = self._envelope("chat.completion" if self.chat else "text_completion")
         body["choices"] = []
         for index, result in enumerate(choices):
-            text, logprobs = self._with_prompt(result.prompt, result.text, result.token_ids, result.logprobs, 0)
+            text, logprobs = self._with_prompt(result.prompt, result.text, result.token_ids, result.logprobs, 0, index)
             if self.chat:
                 message = {"role": "assistant", "content": result.text}
                 if result.tool_calls:
@@ -160,8 +165,8 @@ class ResponseFormat:
             else:
                 choice = {"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": result.finish_reason}
-            self._add_token_ids(body, choice, result.token_ids, with_prompt=True)
-            self._add_prompt_logprobs(body, choice, result.prompt)
+            self._add_token_ids(body, choice, result.token_ids, with_prompt=True, index=index)
+            self._add_prompt_logprobs(body, choice, result.prompt, index)
             body["choices"].append(choice)
         body["usage"] = usage.to_dict()
         return body
@@ -170,7 +175,8 @@ class ResponseFormat:
         """One streamed delta of choice ``index``; ``first`` (that choice's first) adds
         prompt_token_ids (completions only: chat has role_chunk); ``text_offset``: where the
         delta's tokens start in the choice's text (completions' logprobs)."""
-        text, logprobs = self._with_prompt(delta.prompt, delta.text, delta.token_ids, delta.logprobs, text_offset)
+        text, logprobs = self._with_prompt(delta.prompt, delta.text, delta.token_ids, delta.logprobs, text_offset,
+                                           index)
         if self.chat:
             body = self._envelope("chat.completion.chunk")
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
@@ -180,32 +186,32 @@ class ResponseFormat:
         else:
             body = self._envelope("text_completion")
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-        self._add_token_ids(body, choice, delta.token_ids, with_prompt=first)
-        self._add_prompt_logprobs(body, choice, delta.prompt)
+        self._add_token_ids(body, choice, delta.token_ids, with_prompt=first, index=index)
+        self._add_prompt_logprobs(body, choice, delta.prompt, index)
         body["choices"] = [choice]
         return body
 
     def _with_prompt(self, prompt: PromptPart | None, text: str, token_ids: list[int], entries: list | None,
-                     text_offset: int) -> tuple[str, dict | None]:
+                     text_offset: int, index: int) -> tuple[str, dict | None]:
         """A choice's (or its first chunk's) text and logprobs object, led by the prompt when it is
         echoed (completions, as OpenAI's legacy API and vLLM: the prompt's text, and its tokens'
         logprobs before the output's, the first token's null)."""
         if self.chat or prompt is None or prompt.echo is None:
             return text, self.logprobs(token_ids, entries, text_offset)
-        prompt_ids = list(self.prompt_token_ids or [])
+        prompt_ids = list(self.prompt_token_ids(index) or [])
         if entries is not None:
             prompt_entries = prompt.logprobs if prompt.logprobs is not None else [None] * len(prompt_ids)
             token_ids, entries = prompt_ids + list(token_ids), list(prompt_entries) + list(entries)
         return prompt.echo + text, self.logprobs(token_ids, entries, text_offset)
 
-    def prompt_logprobs(self, entries: list) -> list:
-        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{"<token id>": {logprob,
-        rank, decoded_token}}`` for the prompt's token and the k most likely."""
+    def prompt_logprobs(self, entries: list, index: int = 0) -> list:
+        """vLLM's ``prompt_logprobs`` of choice ``index``'s prompt: per prompt token None (the first)
+        or ``{"<token id>": {logprob, rank, decoded_token}}`` for the prompt's token and the k most likely."""
         def item(token_id: int, logprob: float, rank: int) -> dict:
             return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token_id)}
 
         out: list[dict | None] = []
-        for token_id, entry in zip(self.prompt_token_ids or [], entries):
+        for token_id, entry in zip(self.prompt_token_ids(index) or [], entries):
             if entry is None:
                 out.append(None)
                 continue
@@ -216,10 +222,10 @@ class ResponseFormat:
             out.append(ranked)
         return out
 
-    def _add_prompt_logprobs(self, body: dict, choice: dict, prompt: PromptPart | None) -> None:
+    def _add_prompt_logprobs(self, body: dict, choice: dict, prompt: PromptPart | None, index: int) -> None:
         # where vLLM puts them: on the choice for completions, at the top level for chat
         if prompt is not None and prompt.logprobs is not None:
-            (body if self.chat else choice).setdefault("prompt_logprobs", self.prompt_logprobs(prompt.logprobs))
+            (body if self.chat else choice).setdefault("prompt_logprobs", self.prompt_logprobs(prompt.logprobs, index))
 
     def logprobs(self, token_ids: list[int], entries: list | None, text_offset: int) -> dict | None:
         """OpenAI's logprobs object of some tokens (None when the request did not ask): for chat
@@ -255,7 +261,7 @@ class ResponseFormat:
         body["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}]
         if self.return_token_ids and index == 0:
-            body["prompt_token_ids"] = self.prompt_token_ids
+            body["prompt_token_ids"] = self.prompt_token_ids()
         return body
 
     def usage_chunk(self, usage: Usage) -> dict:
@@ -264,14 +270,14 @@ class ResponseFormat:
         body["usage"] = usage.to_dict()
         return body
 
-    def _add_token_ids(self, body: dict, choice: dict, token_ids: list[int], with_prompt: bool) -> None:
+    def _add_token_ids(self, body: dict, choice: dict, token_ids: list[int], with_prompt: bool, index: int) -> None:
         # where vLLM puts them: token_ids on the choice; prompt_token_ids on the choice for
         # completions, at the top level for chat
         if not self.return_token_ids:
             return
         choice["token_ids"] = list(token_ids)
         if with_prompt:
-            (body if self.chat else choice)["prompt_token_ids"] = self.prompt_token_ids
+            (body if self.chat else choice)["prompt_token_ids"] = self.prompt_token_ids(index)
 
 
 async def sse_events(fmt: ResponseFormat, deltas: AsyncIterator[tuple[int, Delta]], usage, include_usage: bool,

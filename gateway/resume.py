@@ -171,7 +171,7 @@ class ResumableStreams:
         position = StreamPosition.from_dict(last["position"]) if last else StreamPosition()
         continuation = _Continuation(record, last["cached"] if last else 0)
         fmt = ResponseFormat(request.request_id, request.created, request.model, request.chat,
-                             request.return_token_ids, request.inp.prompt_token_ids, self._token_text)
+                             request.return_token_ids, [request.inp.prompt_token_ids], self._token_text)
         # its one choice sent its last chunk: only the usage chunk and [DONE] can remain
         deltas = _nothing() if 0 in position.finished else self._continued_deltas(continuation)
         frames = sse_events(fmt, deltas, lambda: continuation.usage, request.include_usage,

@@ -91,36 +91,41 @@ class GatewayService:
             lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     # ---- requests -------------------------------------------------------------------
-    async def prepare_completion(self, body: CompletionRequest) -> GenerationInput:
+    async def prepare_completion(self, body: CompletionRequest) -> list[GenerationInput]:
         """The request's model resolved (the base model or a served LoRA adapter, else 404), then
-        validated and tokenized."""
+        validated and tokenized: one input per prompt (a batch has several)."""
         return await self.lanes.completion(body, await self.adapters.resolve(body.model))
 
-    async def prepare_chat(self, body: ChatCompletionRequest) -> GenerationInput:
-        return await self.lanes.chat(body, await self.adapters.resolve(body.model))
+    async def prepare_chat(self, body: ChatCompletionRequest) -> list[GenerationInput]:
+        return [await self.lanes.chat(body, await self.adapters.resolve(body.model))]
 
-    async def start(self, inp: GenerationInput, prefix: str = "cmpl",
+    async def start(self, inputs: list[GenerationInput], prefix: str = "cmpl",
                     client_left: asyncio.Event | None = None) -> Choices:
-        """Admit each of the request's ``inp.n`` choices (``inp.best_of`` sequences when more, of
-        which ``Choices`` returns the best n) to a decode worker and submit it; raises
+        """Admit each prompt's ``n`` choices (``best_of`` sequences when more, of which ``Choices``
+        returns the best n), prompt by prompt, to a decode worker and submit them; raises
         NoWorkerAvailable, ServerBusy (429) or RedisError, or ClientDisconnected where
         ``client_left`` (set when the client goes away: watched while queued and once more before
-        submitting) says the client left. Choices already started when one cannot start are aborted. Every sequence ends
+        submitting) says the client left. Sequences already started when one cannot start are aborted. Every sequence ends
         under one finish reason in the metrics: a started one when its ``Generation`` closes,
-        one never started here (``abort`` when its client left, ``error`` otherwise)."""
+        one never started here (``abort`` when its client left, ``error`` otherwise). Sequence k
+        of prompt p is the request's sequence p * per_prompt + k (its wire id's suffix, unless the
+        request is one sequence: the request id alone)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         arrived_at = time.monotonic()
+        first = inputs[0]  # the batch's prompts share their sampling and choices
+        per_prompt = max(first.best_of, first.n)
+        num_sequences = per_prompt * len(inputs)
         generations: list[Generation] = []
-        num_sequences, sequence = max(inp.best_of, inp.n), inp
-        if num_sequences > inp.n and inp.sampling.logprobs is None:
-            # best_of ranks the sequences by their tokens' logprobs: asked for, dropped from the response
-            sequence = replace(inp, sampling=replace(inp.sampling, logprobs=0))
         try:
-            for index in range(num_sequences):
-                wire_id = request_id if num_sequences == 1 else f"{request_id}-{index}"
-                generations.append(await self._start_one(choice_input(sequence, index), wire_id, arrived_at,
-                                                         client_left))
+            for inp in inputs:
+                if per_prompt > inp.n and inp.sampling.logprobs is None:
+                    # best_of ranks the sequences by their tokens' logprobs: asked for, dropped from the response
+                    inp = replace(inp, sampling=replace(inp.sampling, logprobs=0))
+                for index in range(per_prompt):
+                    wire_id = request_id if num_sequences == 1 else f"{request_id}-{len(generations)}"
+                    generations.append(await self._start_one(choice_input(inp, index), wire_id, arrived_at,
+                                                             client_left))
         except BaseException as exc:
             for generation in generations:
                 generation.close()  # each counts its own finish
@@ -129,7 +134,8 @@ class GatewayService:
             self.metrics.finished.labels(finish_reason="abort" if gone else "error").inc(
                 num_sequences - len(generations))
             raise
-        return Choices(request_id, generations, n=inp.n, logprobs_asked=inp.sampling.logprobs is not None)
+        return Choices(request_id, generations, n=first.n, logprobs_asked=first.sampling.logprobs is not None,
+                       num_prompts=len(inputs))
 
     async def _start_one(self, inp: GenerationInput, request_id: str, arrived_at: float,
                          client_left: asyncio.Event | None) -> Generation:

@@ -35,13 +35,12 @@ def longest_token_chars(tokenizer) -> int:
     return max((len(piece) for piece in vocab), default=0)
 
 
-def prompt_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
+def prompt_chars(body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    """The characters of each prompt of the request (a chat's messages are one prompt; token ids
+    count none: the validator counts them as tokens)."""
     if isinstance(body, ChatCompletionRequest):
-        return sum(len(m.text) for m in body.messages)
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    return len(prompt) if isinstance(prompt, str) else 0  # token ids: counted as tokens by the validator
+        return [sum(len(m.text) for m in body.messages)]
+    return [len(prompt) if isinstance(prompt, str) else 0 for prompt in body.prompts]
 
 
 class TokenizeLanes:
@@ -53,7 +52,8 @@ class TokenizeLanes:
         self._large = (ThreadPoolExecutor(1, thread_name_prefix="tokenize-large"),
                        Validator(settings, copy.deepcopy(tokenizer), small.grammars))
 
-    async def completion(self, body: CompletionRequest, adapter: LoraRecord | None = None) -> GenerationInput:
+    async def completion(self, body: CompletionRequest, adapter: LoraRecord | None = None) -> list[GenerationInput]:
+        """One input per prompt (``Validator.completion``)."""
         pool, validator = self._lane(body, "prompt")
         return await asyncio.get_running_loop().run_in_executor(pool, validator.completion, body, adapter)
 
@@ -63,10 +63,10 @@ class TokenizeLanes:
 
     def _lane(self, body, param: str):
         chars = prompt_chars(body)
-        if self.max_chars and chars > self.max_chars:
-            raise InvalidRequest(f"{param} has {chars} characters, more than {self.max_chars}: no tokenization "
+        if self.max_chars and max(chars) > self.max_chars:
+            raise InvalidRequest(f"{param} has {max(chars)} characters, more than {self.max_chars}: no tokenization "
                                  f"of it fits the maximum input length", param=param, code="context_length_exceeded")
-        return self._small if chars <= SMALL_PROMPT_CHARS else self._large
+        return self._small if sum(chars) <= SMALL_PROMPT_CHARS else self._large  # a batch by its whole text
 
     def shutdown(self) -> None:
         for pool, _ in (self._small, self._large):

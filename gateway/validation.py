@@ -75,12 +75,26 @@ class Validator:
         self.model_names = {settings.model_name, settings.model}
         self.grammars = grammar_checker or Grammars(tokenizer, self.vocab_size)
 
-    def completion(self, body: CompletionRequest, adapter: LoraRecord | None = None) -> GenerationInput:
-        """``adapter``: the LoRA adapter ``body.model`` names (None: the base model)."""
+    def completion(self, body: CompletionRequest, adapter: LoraRecord | None = None) -> list[GenerationInput]:
+        """One input per prompt of the request (``body.prompts``: a batch is several), each within
+        every limit; ``adapter``: the LoRA adapter ``body.model`` names (None: the base model). A
+        prompt of a batch that fails names its index in the error."""
         self._check_model(body.model, adapter)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one prompt
+        grammar = self._grammar(body.structured, self._structured_param(body))
+        prompts = body.prompts
+        inputs = []
+        for index, prompt in enumerate(prompts):
+            try:
+                inputs.append(self._completion_input(body, prompt, grammar, adapter))
+            except InvalidRequest as exc:
+                if len(prompts) == 1:
+                    raise
+                raise InvalidRequest(f"prompt {index} of {len(prompts)}: {exc.message}", param=exc.param,
+                                     code=exc.code) from exc
+        return inputs
+
+    def _completion_input(self, body: CompletionRequest, prompt: str | list[int], grammar: str | None,
+                          adapter: LoraRecord | None) -> GenerationInput:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
@@ -88,8 +102,7 @@ class Validator:
         else:
             token_ids = list(prompt)
             self._check_vocab(token_ids, "prompt")
-        inp = self._build(body, token_ids, self._grammar(body.structured, self._structured_param(body)))
-        inp.with_adapter(adapter)
+        inp = self._build(body, token_ids, grammar).with_adapter(adapter)
         if inp.echo:
             inp.prompt_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(
                 token_ids, skip_special_tokens=body.skip_special_tokens)

@@ -149,6 +149,52 @@ def test_n_greedy_choices_each_match_hf_generate(cluster, hf_greedy, tiny_llama)
     cluster.wait_blocks_free("decode", "decode-0")
 
 
+def test_a_batch_of_prompts_answers_each_as_hf_generate(cluster, hf_greedy, tiny_llama):
+    """/v1/completions' prompt as a list (texts, or token-id lists): prompt p's choice i is choice
+    p * n + i, each equal to HF greedy on its own prompt, streamed or not; echo and the token ids
+    are each choice's own prompt's; usage counts each prompt once; best_of picks within a prompt."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused")
+    model = cluster.settings.model_name
+    texts = [PROMPTS[0], PROMPTS[4], PROMPTS[6]]
+    prompt_ids = [tokenizer(p).input_ids for p in texts]
+    expected = [hf_greedy(ids, MAX_TOKENS) for ids in prompt_ids]
+    for prompt in (texts, prompt_ids):
+        completion = client.completions.create(model=model, prompt=prompt, n=2, max_tokens=MAX_TOKENS,
+                                               temperature=0, extra_body={"return_token_ids": True})
+        assert [c.index for c in completion.choices] == list(range(6))
+        for c in completion.choices:
+            assert c.model_extra["token_ids"] == expected[c.index // 2]
+            assert c.model_extra["prompt_token_ids"] == prompt_ids[c.index // 2]
+        assert completion.usage.prompt_tokens == sum(map(len, prompt_ids))
+        assert completion.usage.completion_tokens == 2 * sum(map(len, expected))
+
+    streamed: dict[int, list[int]] = {}
+    finished = set()
+    for chunk in client.completions.create(model=model, prompt=texts, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"return_token_ids": True}):
+        if chunk.usage is not None:
+            assert chunk.usage.prompt_tokens == sum(map(len, prompt_ids))
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.model_extra.get("token_ids") or [])
+            if c.finish_reason is not None:
+                finished.add(c.index)
+    assert streamed == dict(enumerate(expected)) and finished == {0, 1, 2}
+
+    echoed = client.completions.create(model=model, prompt=texts[:2], max_tokens=4, temperature=0, echo=True,
+                                       extra_body={"prompt_logprobs": 0})
+    for c in echoed.choices:
+        assert c.text == texts[c.index] + tokenizer.decode(expected[c.index][:4], skip_special_tokens=True)
+        scored = c.model_extra["prompt_logprobs"]
+        assert scored[0] is None and [next(iter(e)) for e in scored[1:]] == list(map(str, prompt_ids[c.index][1:]))
+
+    best = client.completions.create(model=model, prompt=texts[:2], best_of=3, max_tokens=6, temperature=1.0,
+                                     seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in best.choices] == [0, 1] and best.usage.completion_tokens == 2 * 3 * 6
+    cluster.wait_blocks_free("decode", "decode-0")
+
+
 def test_logprobs_are_hf_log_softmax_of_each_step(cluster, hf_greedy_logprobs, tiny_llama):
     """Greedy, through prefill (token 0) and decode (the rest): each token's logprob and the top 3
     are HF's log-softmax of that step's raw logits."""

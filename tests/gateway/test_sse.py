@@ -72,7 +72,7 @@ def test_error_after_start_goes_in_the_stream():
 
 
 def test_token_ids_extension():
-    fmt = ResponseFormat("cmpl-1", 5, "tiny", chat=False, return_token_ids=True, prompt_token_ids=[4, 5])
+    fmt = ResponseFormat("cmpl-1", 5, "tiny", chat=False, return_token_ids=True, prompts=[[4, 5]])
     chunks = payloads(collect(fmt, [Delta("", [1]), Delta("x", [2], "stop")]))
     assert chunks[0]["choices"][0]["token_ids"] == [1] and chunks[0]["choices"][0]["prompt_token_ids"] == [4, 5]
     assert chunks[1]["choices"][0]["token_ids"] == [2] and "prompt_token_ids" not in chunks[1]["choices"][0]
@@ -88,7 +88,7 @@ def test_non_streaming_bodies():
                     "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
     chat = ResponseFormat("chatcmpl-1", 5, "tiny", chat=True, return_token_ids=True,
-                          prompt_token_ids=[9]).completion([ChoiceResult("hi", [3], "length")], usage)
+                          prompts=[[9]]).completion([ChoiceResult("hi", [3], "length")], usage)
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert chat["prompt_token_ids"] == [9] and chat["choices"][0]["token_ids"] == [3]
@@ -104,7 +104,8 @@ def test_choices_stream_by_index():
     assert [c["choices"][0]["index"] for c in chat[:-1]] == [0, 1, 1, 0, 1]
     assert [c["choices"][0]["delta"] for c in chat[:2]] == [{"role": "assistant", "content": ""}] * 2
     assert chat[2]["choices"][0]["delta"] == {"content": "b"} and chat[3]["choices"][0]["delta"] == {"content": "a"}
-    fmt = ResponseFormat("cmpl-1", 5, "tiny", chat=False, return_token_ids=True, prompt_token_ids=[4])
+    fmt = ResponseFormat("cmpl-1", 5, "tiny", chat=False, return_token_ids=True, prompts=[[4]],
+                         choices_per_prompt=2)
     text = payloads(collect(fmt, [(1, Delta("b", [8])), (0, Delta("a", [7])), (1, Delta("c", [9], "length")),
                                   (0, Delta("", [2], "stop"))], num_choices=2))
     assert [("prompt_token_ids" in c["choices"][0], c["choices"][0]["index"]) for c in text[:-1]] == \

@@ -63,7 +63,7 @@ def test_a_stream_continued_from_any_event_is_the_uninterrupted_stream():
     deltas = [Delta("He", [1], logprobs=entries[:1]), Delta("", [2], logprobs=entries[1:2]),
               Delta("llo!", [3], logprobs=entries[2:3]), Delta("", [], None), Delta("?", [4], "length", entries[3:])]
     for chat, token_ids in [(False, False), (True, False), (False, True)]:
-        fmt = ResponseFormat("r", 1, "tiny", chat, return_token_ids=token_ids, prompt_token_ids=[9],
+        fmt = ResponseFormat("r", 1, "tiny", chat, return_token_ids=token_ids, prompts=[[9]],
                              token_text=texts.__getitem__)
         whole = _run(fmt, deltas, StreamPosition())
         frames = [f for f, _, _ in whole]

@@ -38,11 +38,16 @@ def assert_openai_error(response, status, param=None, code=None, kind="invalid_r
 COMPLETION_CASES = {
     "prompt missing": ({"model": "tiny"}, "prompt"),
     "prompt wrong type": ({"prompt": 123}, "prompt"),
-    "two token-id prompts": ({"prompt": [[1, 2], [3]]}, "prompt"),
+    "a batch with a token id out of the vocabulary": ({"prompt": [[1, 2], [100000]]}, "prompt"),
     "prompt list of lists of strings": ({"prompt": [["a"]]}, "prompt"),
     "stream_options without stream": ({"prompt": "hi", "stream_options": {"include_usage": True}}, None),
     "prompt bool ids": ({"prompt": [True, 2]}, "prompt"),
-    "two prompts": ({"prompt": ["a", "b"]}, "prompt"),
+    "a batch with an empty prompt": ({"prompt": ["a", ""]}, "prompt"),
+    "a batch above the prompt limit": ({"prompt": ["a"] * 1025}, "prompt"),
+    "a batch above the sequence limit": ({"prompt": ["a"] * 100, "n": 41}, None),
+    "a batch too long in one prompt": ({"prompt": [[5], LONG]}, "prompt"),
+    "a batch of resumable streams": ({"prompt": ["a", "b"], "stream": True, "stream_options": {"resumable": True}},
+                                     None),
     "empty prompt": ({"prompt": ""}, "prompt"),
     "empty prompt list": ({"prompt": []}, "prompt"),
     "empty prompt in list": ({"prompt": [""]}, "prompt"),
@@ -92,7 +97,7 @@ COMPLETION_CASES = {
 }
 
 
-LENGTH_CASES = {"max_tokens huge", "prompt + max_tokens too long", "too long", "max_completion_tokens too long"}
+LENGTH_CASES = {"a batch too long in one prompt", "max_tokens huge", "prompt + max_tokens too long", "too long", "max_completion_tokens too long"}
 
 
 @pytest.mark.parametrize("name", list(COMPLETION_CASES))
@@ -106,6 +111,11 @@ def test_prompt_too_long_says_so(client):
     error = assert_openai_error(client.post("/v1/completions", json={"prompt": LONG}), 400, param="prompt",
                                 code="context_length_exceeded")
     assert f"{MAX_POSITIONS - 1}" in error["message"]
+
+
+def test_a_batch_names_its_failing_prompt(client):
+    error = assert_openai_error(client.post("/v1/completions", json={"prompt": ["a", "b", ""]}), 400, param="prompt")
+    assert error["message"].startswith("prompt 2 of 3: ")
 
 
 def test_malformed_json(client):
