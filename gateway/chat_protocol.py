@@ -71,11 +71,37 @@ class ChatMessage(StrictModel):
         return self.content or ""
 
 
+# apply_chat_template's own arguments: set by the request's fields, never by chat_template_kwargs
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "return_dict", "padding",
+                                "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+                                "tokenizer_kwargs"})
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # vLLM's: how the chat template renders the messages
+    add_generation_prompt: bool = True  # open the assistant's turn after the messages
+    continue_final_message: bool = False  # the last message left open, the output continuing it
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the template (e.g. enable_thinking)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(TEMPLATE_ARGUMENTS & set(value or {}))
+        if reserved:
+            raise ValueError(f"{reserved} are set by the request's own fields, not by chat_template_kwargs")
+        return value
+
+    @model_validator(mode="after")
+    def _one_open_turn(self) -> "ChatCompletionRequest":
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt "
+                             "set to false")
+        return self
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -114,7 +114,7 @@ class Validator:
         template = self._template()
         parser = tools.parser_for(template, self.settings.tool_call_parser) if body.tools else None
         messages = [self._message(m, parser, template) for m in body.messages]
-        kwargs = {}
+        kwargs = dict(body.chat_template_kwargs or {})
         if body.calls_tools:
             specs = [t.model_dump(exclude_none=True) for t in body.tools]
             if "tools" in template:
@@ -122,7 +122,9 @@ class Validator:
             else:  # a template that does not render tools: they go in a system message of the parser's format
                 messages.insert(0, {"role": "system", "content": tools.tools_system_prompt(parser, specs)})
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                      continue_final_message=body.continue_final_message,
+                                                      tokenize=False, **kwargs)
         except Exception as exc:  # jinja raises its own types (e.g. a template that rejects a role order)
             raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
         token_ids = self._encode(text, "messages", add_special_tokens=False)

@@ -90,6 +90,27 @@ def test_text_parts_are_joined_by_newlines_and_a_batch_of_one_prompt_is_one_prom
     assert worker.requests[1].prompt_token_ids == [5, 6, 7]
 
 
+def test_chat_template_controls_render_as_transformers_does(serve, fake_worker, tokenizer):
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs reach the
+    template as they reach transformers' apply_chat_template."""
+    worker = fake_worker(token_script([5], "length"))
+    server = serve()
+    messages = [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hel"}]
+    forms = [{"add_generation_prompt": False},
+             {"add_generation_prompt": False, "continue_final_message": True},
+             {"chat_template_kwargs": {"custom_flag": True}}]
+    for form in forms:
+        assert post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **form}).status_code == 200
+    template = {"add_generation_prompt": True, "continue_final_message": False}
+    for request, form in zip(worker.requests, forms):
+        kwargs = {**template, **{k: v for k, v in form.items() if k != "chat_template_kwargs"},
+                  **form.get("chat_template_kwargs", {})}
+        expected = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        assert request.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    opened = tokenizer.decode(worker.requests[1].prompt_token_ids)
+    assert opened.endswith("Hel") and not tokenizer.decode(worker.requests[0].prompt_token_ids).endswith("Hel")
+
+
 def test_chat_non_streaming_and_streaming(serve, fake_worker, tokenizer, text_ids):
     worker = fake_worker(token_script(text_ids + [2], "stop"))
     server = serve()

@@ -162,6 +162,15 @@ CHAT_CASES = {
     "role unknown": ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
     "content wrong type": ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     "message not an object": ({"messages": ["hi"]}, "messages"),
+    "continue_final_message with add_generation_prompt": (
+        {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, None),
+    "chat_template_kwargs setting a request field": (
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": False}},
+        "chat_template_kwargs"),
+    "chat_template_kwargs not an object": (
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+    "continue_final_message wrong type": (
+        {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": "yes"}, "continue_final_message"),
     "max_completion_tokens zero": ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
                                    "max_completion_tokens"),
     "max_completion_tokens too long": ({"messages": [{"role": "user", "content": "hi"}],
