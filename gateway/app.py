@@ -14,6 +14,7 @@ as vLLM answers), a request's ``model`` may name one, and ``GET /v1/models`` lis
 
 from __future__ import annotations
 
+import importlib.metadata
 from contextlib import asynccontextmanager
 
 import structlog
@@ -35,6 +36,7 @@ from tandem.gateway.chat_protocol import ChatCompletionRequest
 from tandem.gateway.protocol import CompletionRequest, SamplingFields
 from tandem.gateway.responses import ResponseFormat, sse_events, with_ids
 from tandem.gateway.service import GatewayService
+from tandem.gateway.tokenize_protocol import DetokenizeRequest, parse_tokenize
 from tandem.gateway import tools
 
 log = structlog.get_logger(__name__)
@@ -105,6 +107,22 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": await service.model_cards()}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        return await service.model_card_of(model)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):  # two forms, told apart by their fields (tokenize_protocol)
+        return await service.tokenize(parse_tokenize(await request.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await service.detokenize(body)
+
+    @app.get("/version")
+    async def version():
+        return {"version": importlib.metadata.version("tandem")}  # the installed release's
 
     def lora_enabled() -> None:  # a dependency: runs before the body is read, so it answers first
         service.adapters.check_enabled()

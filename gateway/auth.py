@@ -1,7 +1,8 @@
 """API keys for the HTTP API (``--api-key``, repeatable, or TANDEM_API_KEY, comma-separated).
 
-With keys configured, every /v1 request needs ``Authorization: Bearer <key>`` with one
-of them, else 401 in the OpenAI error shape (``errors.Unauthorized``). /health stays
+With keys configured, every /v1 request (and /tokenize, /detokenize) needs
+``Authorization: Bearer <key>`` with one of them, else 401 in the OpenAI error shape
+(``errors.Unauthorized``). /health and /version stay
 open (load balancer probes carry no key); /metrics too unless ``--metrics-require-auth``.
 Keys are compared in constant time, each of them every time, and never logged.
 """
@@ -38,7 +39,8 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
     def _protected(self, path: str) -> bool:
-        return path == "/v1" or path.startswith("/v1/") or (self._protect_metrics and path == "/metrics")
+        return (path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+                or (self._protect_metrics and path == "/metrics"))
 
     def _authorized(self, scope: Scope) -> bool:
         values = [value for name, value in scope["headers"] if name == b"authorization"]

@@ -78,12 +78,11 @@ TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents"
                                 "tokenizer_kwargs"})
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(StrictModel):
+    """What the chat template renders: the messages and vLLM's controls of the rendering (the
+    chat completion and /tokenize's chat form share them)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    # vLLM's: how the chat template renders the messages
     add_generation_prompt: bool = True  # open the assistant's turn after the messages
     continue_final_message: bool = False  # the last message left open, the output continuing it
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the template (e.g. enable_thinking)
@@ -97,11 +96,17 @@ class ChatCompletionRequest(SamplingFields):
         return value
 
     @model_validator(mode="after")
-    def _one_open_turn(self) -> "ChatCompletionRequest":
+    def _one_open_turn(self) -> "ChatTemplateFields":
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt "
                              "set to false")
         return self
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -43,6 +43,7 @@ from tandem.gateway.token_events import POLL_S
 from tandem.gateway.text_stream import TextStream
 from tandem.cluster.tokenizer import load_tokenizer
 from tandem.gateway.tokenize_lanes import TokenizeLanes
+from tandem.gateway.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from tandem.gateway.validation import GenerationInput, choice_input
 
 log = structlog.get_logger(__name__)
@@ -98,6 +99,17 @@ class GatewayService:
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> list[GenerationInput]:
         return [await self.lanes.chat(body, await self.adapters.resolve(body.model))]
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize answer: the token ids (and their strings, when asked), their count and the
+        model's maximum sequence length."""
+        token_ids = await self.lanes.tokenize(body, await self.adapters.resolve(body.model))
+        strs = self.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+        return {"count": len(token_ids), "max_model_len": self.settings.max_seq_len, "tokens": token_ids,
+                "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        return {"prompt": await self.lanes.detokenize(body, await self.adapters.resolve(body.model))}
 
     async def start(self, inputs: list[GenerationInput], prefix: str = "cmpl",
                     client_left: asyncio.Event | None = None) -> Choices:
@@ -258,6 +270,10 @@ class GatewayService:
             log.warning("cannot read the served LoRA adapters for /v1/models", error=str(exc))
             adapters = []
         return cards + [self.model_card(adapter) for adapter in adapters]
+
+    async def model_card_of(self, model: str) -> dict:
+        """GET /v1/models/{model}: the base model's card or a served adapter's; else 404."""
+        return self.model_card(await self.adapters.resolve(model))
 
     def model_card(self, adapter: LoraRecord | None = None) -> dict:
         """The base model's card, or a served adapter's."""

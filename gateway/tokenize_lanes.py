@@ -19,6 +19,8 @@ from tandem.cluster.settings import Settings
 from tandem.gateway.errors import InvalidRequest
 from tandem.gateway.chat_protocol import ChatCompletionRequest
 from tandem.gateway.protocol import CompletionRequest
+from tandem.gateway.tokenize_protocol import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
+                                              TokenizeRequest)
 from tandem.gateway.validation import GenerationInput, Validator
 
 SMALL_PROMPT_CHARS = 16384
@@ -35,11 +37,13 @@ def longest_token_chars(tokenizer) -> int:
     return max((len(piece) for piece in vocab), default=0)
 
 
-def prompt_chars(body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+def prompt_chars(body: CompletionRequest | ChatCompletionRequest | TokenizeRequest) -> list[int]:
     """The characters of each prompt of the request (a chat's messages are one prompt; token ids
     count none: the validator counts them as tokens)."""
-    if isinstance(body, ChatCompletionRequest):
+    if isinstance(body, (ChatCompletionRequest, TokenizeChatRequest)):
         return [sum(len(m.text) for m in body.messages)]
+    if isinstance(body, TokenizeCompletionRequest):
+        return [len(body.prompt)]
     return [len(prompt) if isinstance(prompt, str) else 0 for prompt in body.prompts]
 
 
@@ -61,9 +65,19 @@ class TokenizeLanes:
         pool, validator = self._lane(body, "messages")
         return await asyncio.get_running_loop().run_in_executor(pool, validator.chat, body, adapter)
 
-    def _lane(self, body, param: str):
+    async def tokenize(self, body: TokenizeRequest, adapter: LoraRecord | None = None) -> list[int]:
+        pool, validator = self._lane(body, None)
+        return await asyncio.get_running_loop().run_in_executor(pool, validator.tokenize, body, adapter)
+
+    async def detokenize(self, body: DetokenizeRequest, adapter: LoraRecord | None = None) -> str:
+        pool, validator = self._small if len(body.tokens) <= SMALL_PROMPT_CHARS else self._large
+        return await asyncio.get_running_loop().run_in_executor(pool, validator.detokenize, body, adapter)
+
+    def _lane(self, body, param: str | None):
+        """The lane of the body's text; ``param``: the field refused when no tokenization of a prompt
+        could fit the maximum input length (None: no such bound, /tokenize counts any text)."""
         chars = prompt_chars(body)
-        if self.max_chars and max(chars) > self.max_chars:
+        if param is not None and self.max_chars and max(chars) > self.max_chars:
             raise InvalidRequest(f"{param} has {max(chars)} characters, more than {self.max_chars}: no tokenization "
                                  f"of it fits the maximum input length", param=param, code="context_length_exceeded")
         return self._small if sum(chars) <= SMALL_PROMPT_CHARS else self._large  # a batch by its whole text

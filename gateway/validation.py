@@ -24,6 +24,7 @@ from tandem.gateway import tools
 from tandem.gateway.errors import InvalidRequest, ModelNotFound
 from tandem.gateway.chat_protocol import ChatCompletionRequest
 from tandem.gateway.protocol import INT64_MAX, CompletionRequest, SamplingFields, StructuredOutputs
+from tandem.gateway.tokenize_protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 
 
 @dataclass
@@ -111,6 +112,34 @@ class Validator:
     def chat(self, body: ChatCompletionRequest, adapter: LoraRecord | None = None) -> GenerationInput:
         """``adapter``: the LoRA adapter ``body.model`` names (None: the base model)."""
         self._check_model(body.model, adapter)
+        token_ids, parser = self._render_chat(body)
+        grammar = self._grammar(body.structured, self._structured_param(body))
+        if body.calls_tools:
+            grammar = self._tool_grammar(body, parser)
+        inp = self._build(body, token_ids, grammar).with_adapter(adapter)
+        if body.calls_tools:
+            inp.tool_parser = parser
+            if parser == "mistral":  # its marker is a special token: the parser reads it in the text
+                inp.skip_special_tokens = False
+        return inp
+
+    def tokenize(self, body: TokenizeRequest, adapter: LoraRecord | None = None) -> list[int]:
+        """/tokenize: the token ids a prompt (or, in the chat form, the rendered chat template) is
+        sent as, without the generation endpoints' length limits."""
+        self._check_model(body.model, adapter)
+        if isinstance(body, TokenizeChatRequest):
+            return self._render_chat(body, body.add_special_tokens)[0]
+        return self._encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+
+    def detokenize(self, body: DetokenizeRequest, adapter: LoraRecord | None = None) -> str:
+        self._check_model(body.model, adapter)
+        self._check_vocab(body.tokens, "tokens")
+        return self.tokenizer.decode(body.tokens)
+
+    def _render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest,
+                     add_special_tokens: bool = False) -> tuple[list[int], str | None]:
+        """The messages through the chat template (with the tools, when the model may call one)
+        -> (token ids, the tool-call format of the template, None without tools)."""
         template = self._template()
         parser = tools.parser_for(template, self.settings.tool_call_parser) if body.tools else None
         messages = [self._message(m, parser, template) for m in body.messages]
@@ -127,16 +156,7 @@ class Validator:
                                                       tokenize=False, **kwargs)
         except Exception as exc:  # jinja raises its own types (e.g. a template that rejects a role order)
             raise InvalidRequest(f"cannot apply the chat template: {exc}", param="messages") from exc
-        token_ids = self._encode(text, "messages", add_special_tokens=False)
-        grammar = self._grammar(body.structured, self._structured_param(body))
-        if body.calls_tools:
-            grammar = self._tool_grammar(body, parser)
-        inp = self._build(body, token_ids, grammar).with_adapter(adapter)
-        if body.calls_tools:
-            inp.tool_parser = parser
-            if parser == "mistral":  # its marker is a special token: the parser reads it in the text
-                inp.skip_special_tokens = False
-        return inp
+        return self._encode(text, "messages", add_special_tokens=add_special_tokens), parser
 
     def _template(self) -> str:
         template = getattr(self.tokenizer, "chat_template", None) or ""
