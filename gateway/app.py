@@ -27,12 +27,13 @@ from tandem.gateway.body_limit import BodyLimitMiddleware
 from tandem.gateway.cancellation import (GenerationStreamResponse, followed_stream_response, until_disconnected,
                                          watching_disconnect)
 from tandem.gateway.drain import DrainMiddleware
-from tandem.gateway.errors import install_error_handlers
+from tandem.gateway.errors import InvalidRequest, install_error_handlers
 from tandem.gateway.lora_protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, loaded_text, unloaded_text
 from tandem.gateway.health import GatewayHealth
 from tandem.gateway.choices import Choices
 from tandem.gateway.metrics import CONTENT_TYPE, StatusMiddleware
 from tandem.gateway.chat_protocol import ChatCompletionRequest
+from tandem.gateway.openai_responses import ResponseShape, ResponsesRequest, as_responses_error
 from tandem.gateway.protocol import CompletionRequest, SamplingFields
 from tandem.gateway.responses import ResponseFormat, sse_events, with_ids
 from tandem.gateway.service import GatewayService
@@ -97,6 +98,26 @@ def create_app(settings: Settings, *, tokenizer=None, redis=None) -> FastAPI:
         async with watching_disconnect(request) as client_left:
             choices = await service.start(inputs, prefix="chatcmpl", client_left=client_left)
         return await _respond(request, body, choices, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        try:
+            inputs = await service.prepare_chat(body.as_chat())
+        except InvalidRequest as exc:
+            raise as_responses_error(exc) from exc
+        async with watching_disconnect(request) as client_left:
+            choices = await service.start(inputs, prefix="resp", client_left=client_left)
+        model = choices.generations[0].input.lora_name or settings.model_name
+        shape = ResponseShape(body, choices.request_id, model, choices.created)
+        if body.stream:
+            return GenerationStreamResponse(shape.events(choices.deltas(), lambda: choices.usage), choices)
+        try:
+            results = await until_disconnected(request, choices.collect())
+        finally:
+            choices.close()
+        answer = results[0]
+        return JSONResponse(shape.complete(answer.text, answer.finish_reason, choices.usage),
+                            headers={"X-Request-Id": choices.request_id})
 
     @app.get("/v1/streams/{request_id}")
     async def resume_stream(request_id: str, request: Request, last_event_id: str | None = None):

@@ -122,6 +122,21 @@ def test_non_streaming_and_chat(cluster, hf_greedy, tiny_llama):
     assert streamed == chat.choices[0].message.content
 
 
+def test_the_responses_api_answers_as_hf_generate(cluster, hf_greedy, tiny_llama):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False).input_ids
+    expected = tokenizer.decode(hf_greedy(chat_ids, MAX_TOKENS), skip_special_tokens=True)
+    kwargs = dict(model=cluster.settings.model_name, instructions="Be brief.", input=messages[1]["content"],
+                  max_output_tokens=MAX_TOKENS, temperature=0)
+    assert client.responses.create(**kwargs).output_text == expected
+    streamed = "".join(e.delta for e in client.responses.create(stream=True, **kwargs)
+                       if e.type == "response.output_text.delta")
+    assert streamed == expected
+
+
 def test_seeded_sampling_is_reproducible(cluster):
     client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused")
     kwargs = dict(model=cluster.settings.model_name, prompt=PROMPTS[1], max_tokens=16, temperature=1.0,
