@@ -150,7 +150,7 @@ class ResponseShape:
         incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": self.model, "output": [] if text is None else [self.message(text, "completed")],
+            "model": self.model, "output": [] if text is None else [self.message(text, "completed" if status == "completed" else "incomplete")],
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "metadata": body.metadata or {},
             "parallel_tool_calls": body.parallel_tool_calls, "tool_choice": body.tool_choice or "auto",
@@ -210,8 +210,8 @@ class ResponseShape:
             return
         yield event("response.output_text.done", **item, content_index=0, text=text, logprobs=[])
         yield event("response.content_part.done", **item, content_index=0, part=self.part(text))
-        yield event("response.output_item.done", output_index=0, item=self.message(text, "completed"))
         final = self.complete(text, finish_reason, usage())
+        yield event("response.output_item.done", output_index=0, item=final["output"][0])
         yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
                     response=final)
 
